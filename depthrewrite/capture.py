@@ -1,0 +1,141 @@
+"""nn.Module -> FX GraphModule, through ``torch.export`` (non-strict, training IR) with dynamic batch and sequence.
+
+When no inputs are given, :func:`example_inputs_for` builds them for Hugging Face ``PreTrainedModel``s (token ids
+from the config's vocabulary, or an image for vision models) and for timm models (an image of the model's input
+size). The captured graph keeps ``nn_module_stack`` on every node, which the analysis uses for module paths.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.export import Dim
+
+from .errors import CaptureError
+
+__all__ = ["capture", "example_inputs_for", "ExampleInputs"]
+
+log = logging.getLogger(__name__)
+
+ExampleInputs = tuple[tuple[Any, ...], dict[str, Any]]
+
+DEFAULT_BATCH = 2
+DEFAULT_SEQ = 16
+
+
+def _is_hf(model: nn.Module) -> bool:
+    return hasattr(model, "config") and hasattr(model, "main_input_name") and hasattr(model.config, "model_type")
+
+
+def _is_timm(model: nn.Module) -> bool:
+    return type(model).__module__.startswith("timm.") and hasattr(model, "pretrained_cfg")
+
+
+def example_inputs_for(model: nn.Module, batch: int = DEFAULT_BATCH, seq: int = DEFAULT_SEQ) -> ExampleInputs:
+    """Example ``(args, kwargs)``: token ids (or an image) for Hugging Face models, an image for timm models, token ids
+    for any other model with an ``nn.Embedding``; :class:`CaptureError` otherwise."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if _is_hf(model):
+        cfg = model.config
+        kwargs: dict[str, Any] = {}
+        if getattr(cfg, "use_cache", None) is not None:
+            kwargs["use_cache"] = False  # a KV cache object is not a tensor output export can return
+        name = model.main_input_name
+        if name == "pixel_values":
+            size = getattr(cfg, "image_size", 224)
+            size = size if isinstance(size, (tuple, list)) else (size, size)
+            chans = getattr(cfg, "num_channels", 3)
+            dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+            kwargs[name] = torch.randn(batch, chans, *size, device=device, dtype=dtype)
+        else:
+            vocab = getattr(cfg, "vocab_size", None) or 2
+            limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or seq
+            g = torch.Generator().manual_seed(0)
+            ids = torch.randint(0, vocab, (batch, min(seq, limit)), generator=g).to(device)
+            kwargs[name] = ids
+        return (), kwargs
+    if _is_timm(model):
+        c, h, w = model.pretrained_cfg.get("input_size", (3, 224, 224))
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        return (torch.randn(batch, c, h, w, device=device, dtype=dtype),), {}
+    emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if emb is not None:  # a hand-written language model (nanoGPT style): token ids into its first embedding
+        g = torch.Generator().manual_seed(0)
+        return (torch.randint(0, emb.num_embeddings, (batch, seq), generator=g).to(device),), {}
+    raise CaptureError(
+        f"cannot build example inputs for {type(model).__name__}: it is not a Hugging Face PreTrainedModel, not a "
+        "timm model, and has no nn.Embedding to draw token ids for. Pass example_inputs=(tensor, ...) (and "
+        "example_kwargs={...} if needed)."
+    )
+
+
+def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """Batch (dim 0) of every tensor and the sequence (dim 1) of integer token/mask tensors are dynamic.
+
+    Keyed by the names of ``forward``'s parameters, as ``torch.export`` matches them."""
+
+    def spec(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return None
+        dims = {}
+        if x.dim() >= 1:
+            dims[0] = Dim.AUTO
+        if x.dim() >= 2 and not x.is_floating_point():
+            dims[1] = Dim.AUTO
+        return dims or None
+
+    bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+    return {k: torch.utils._pytree.tree_map(spec, v) if isinstance(v, (dict, list, tuple)) else spec(v) for k, v in bound.items()}
+
+
+def capture(
+    model: nn.Module,
+    example_inputs: tuple | None = None,
+    example_kwargs: dict | None = None,
+    *,
+    dynamic: bool = True,
+) -> fx.GraphModule:
+    """Capture ``model`` as an FX ``GraphModule`` with ``torch.export`` (non-strict, training IR).
+
+    Args:
+        model (nn.Module): the model; it is not modified.
+        example_inputs (tuple, optional): positional example inputs. Built for HF and timm models when None.
+        example_kwargs (dict, optional): keyword example inputs.
+        dynamic (bool): make batch and sequence dimensions dynamic. Default: True.
+
+    Returns:
+        The unlifted ``GraphModule`` (parameters as ``get_attr`` with their original names). Its
+        ``meta["depthrewrite_inputs"]`` keeps the example ``(args, kwargs)`` used.
+    """
+    if isinstance(model, fx.GraphModule) and example_inputs is None and example_kwargs is None:
+        return model
+    if example_inputs is None and example_kwargs is None:
+        args, kwargs = example_inputs_for(model)
+    else:
+        args = tuple(example_inputs) if example_inputs is not None else ()
+        if isinstance(example_inputs, torch.Tensor):
+            args = (example_inputs,)
+        kwargs = dict(example_kwargs or {})
+        if _is_hf(model) and getattr(model.config, "use_cache", None) is not None:
+            kwargs.setdefault("use_cache", False)
+    dyn = _dynamic_shapes(model, args, kwargs) if dynamic else None
+    log.info("capturing %s with torch.export (non-strict)", type(model).__name__)
+    try:
+        ep = torch.export.export(model, args, kwargs, dynamic_shapes=dyn, strict=False)
+    except Exception as e:  # torch.export raises many types; all of them mean the same to our user
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CaptureError(
+            f"torch.export could not capture {type(model).__name__}: {type(e).__name__}: {first}\n"
+            "What to try: pass example inputs the model accepts (example_inputs=..., example_kwargs=...); "
+            "turn off caches and optional outputs (use_cache=False, output_hidden_states=False); remove "
+            "data-dependent Python control flow from forward(); or capture without dynamic shapes (dynamic=False)."
+        ) from e
+    gm = ep.module()
+    gm.meta["depthrewrite_inputs"] = (args, kwargs)
+    gm.meta["depthrewrite_model_class"] = type(model).__name__
+    return gm

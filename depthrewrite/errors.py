@@ -1,0 +1,47 @@
+"""The one error hierarchy of depthrewrite.
+
+Every error a user can see derives from :class:`DepthRewriteError`. Messages say what failed, where (the FX
+node and the module path), why, and what to try.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DepthRewriteError",
+    "CaptureError",
+    "NotPreNormError",
+    "NoResidualChainError",
+    "ConfigError",
+    "KernelError",
+]
+
+
+class DepthRewriteError(Exception):
+    """Base class of every error raised by depthrewrite."""
+
+
+class CaptureError(DepthRewriteError, RuntimeError):
+    """``torch.export`` could not capture the model; carries export's own message."""
+
+
+class NotPreNormError(DepthRewriteError, ValueError):
+    """The model has residual adds, but they do not form a PreNorm chain ``h = h + f(norm(h))``.
+
+    ``node`` names the first offending FX node.
+    """
+
+    def __init__(self, message: str, node: str | None = None):
+        super().__init__(message)
+        self.node = node
+
+
+class NoResidualChainError(DepthRewriteError, ValueError):
+    """The graph has no residual add that a chain could be built from."""
+
+
+class ConfigError(DepthRewriteError, ValueError):
+    """A scheme or CLI option has a value that cannot be used."""
+
+
+class KernelError(DepthRewriteError, RuntimeError):
+    """A fused kernel cannot run these inputs (capacity, device or dtype)."""

@@ -1,0 +1,1 @@
+"""Fused Triton kernels with their pure-PyTorch references (one folder per op)."""

@@ -1,0 +1,1 @@
+"""Graph passes: ``analyse`` (read-only detection) and, per scheme, the rewrites."""

@@ -1,0 +1,470 @@
+"""Detect the PreNorm residual chain of a captured transformer, from dataflow alone.
+
+The chain we look for::
+
+    h_0 = stream source (embedding, after position add / scaling / dropout)
+    h_{k+1} = h_k + f_k(Norm_k(h_k))          for every sublayer k       (sequential PreNorm)
+    h_{k+1} = h_k + f_a(N_a(h_k)) + f_m(N_m(h_k))                         (parallel block: GPT-J, NeoX, Phi, Cohere)
+    h_{k+1} = h_k + Post_k(f_k(Norm_k(h_k)))                              (sandwich norm: Gemma2/3)
+    out = FinalNorm(h_L)
+
+How it is found (no class or module names are consulted, except module *structure* to break one tie, below):
+
+1. every normalisation is found by :func:`~depthrewrite.passes.analyse.norms.find_norms`;
+2. the final norm is the last norm (graph order) whose input is an ``add`` that starts a residual step;
+3. walking back from there, each ``add`` is expanded into its *add tree* (operand adds read only by this tree and
+   written in the same module's forward: ``attn + mlp + h``) and its leaves are split into the *skip* leaf ``h`` (the
+   one leaf that is an ancestor of all others) and the branch terms; the walk stops at a node that is no such add:
+   the stream source;
+4. each step is then checked forward: every path from ``h`` to a branch term must pass through a norm of ``h`` (a
+   vertex cut, checked with networkx on the dataflow graph). A branch that reads ``h`` raw is accepted only when its
+   own output is normalised (OLMo2's "reordered norm", reported as such); otherwise :class:`NotPreNormError`.
+
+A branch is an *attention* branch if it holds an attention op (SDPA / flash) or a matmul of two activations
+(the eager form); an *MLP* branch if it multiplies an activation by a parameter; *other* otherwise. Activations are
+followed along floating-point edges only, so an expert weight selected by router indices (MoE) stays a parameter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import networkx as nx
+import torch
+import torch.fx as fx
+
+from ...errors import NoResidualChainError, NotPreNormError
+from .graph import Dataflow, module_path_of
+from .norms import NormSite, find_norms
+from .ops import is_param, op_of, tensor_inputs, tensor_val, val
+
+__all__ = ["Branch", "Sublayer", "Chain", "detect_chain"]
+
+
+@dataclass(frozen=True)
+class Branch:
+    """One branch ``f(Norm(h))`` of a sublayer. Node fields hold FX node names."""
+
+    kind: str  # "attention" | "mlp" | "other"
+    output: str  # the addend of the residual add (after dropout / post-norm / scaling)
+    pre_norm: NormSite | None  # None only for a reordered-norm branch (OLMo2)
+    post_norm: NormSite | None  # sandwich (Gemma2/3) or reordered (OLMo2) norm on the branch output
+    module: str | None  # the innermost module that holds the whole branch body
+    nodes: tuple[str, ...]  # the branch body (pre-norm excluded, post-norm excluded)
+    n_ops: int
+    n_params: int
+
+
+@dataclass(frozen=True)
+class Sublayer:
+    """One residual step ``h_out = h_in + sum(branch outputs)``."""
+
+    index: int
+    input: str  # the stream value read (h_k)
+    residual_add: str  # the node that carries h_{k+1}
+    adds: tuple[str, ...]  # every add of the step's add tree, the residual add last
+    branches: tuple[Branch, ...]
+    module: str | None  # the module whose forward holds the residual add (the decoder layer)
+    reading: str  # "prenorm" | "parallel" | "sandwich" | "reordered norm"
+
+    @property
+    def kind(self) -> str:
+        return "+".join(b.kind for b in self.branches)
+
+    @property
+    def pre_norms(self) -> tuple[NormSite, ...]:
+        out: list[NormSite] = []
+        for b in self.branches:
+            if b.pre_norm is not None and b.pre_norm not in out:
+                out.append(b.pre_norm)
+        return tuple(out)
+
+    @property
+    def branch_module(self) -> str | None:
+        mods = [b.module for b in self.branches]
+        return mods[0] if len(mods) == 1 else _common_module(mods)
+
+
+@dataclass(frozen=True)
+class Chain:
+    """The PreNorm residual chain of one graph (frozen; names refer to nodes of the analysed graph)."""
+
+    source: str
+    sublayers: tuple[Sublayer, ...]
+    final_norm: NormSite
+    hidden_size: int
+    ir: str  # "export" | "dynamo"
+    source_module: str | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    def __len__(self) -> int:
+        return len(self.sublayers)
+
+    @property
+    def kinds(self) -> list[str]:
+        return [s.kind for s in self.sublayers]
+
+    @property
+    def stream_nodes(self) -> list[str]:
+        """h_0 ... h_L."""
+        return [self.source] + [s.residual_add for s in self.sublayers]
+
+
+def detect_chain(gm: fx.GraphModule) -> Chain:
+    """Find the PreNorm residual chain of ``gm`` (an export or Dynamo graph). Mutates nothing.
+
+    Raises :class:`NotPreNormError` (naming the first residual add that is not PreNorm) or
+    :class:`NoResidualChainError`.
+    """
+    df = Dataflow(gm)
+    norms = find_norms(gm, df)
+    by_input: dict[str, list[NormSite]] = {}
+    for n in norms:
+        by_input.setdefault(n.input, []).append(n)
+    by_output = {n.output: n for n in norms}
+
+    for final in reversed(norms):
+        x = df.by_name[final.input]
+        if op_of(x, gm) != "add":
+            continue
+        steps, source = _walk_back(df, x)
+        if steps:
+            break
+    else:
+        _diagnose(df, by_input, by_output, norms)
+        raise AssertionError("unreachable")  # _diagnose always raises
+
+    try:
+        sublayers = [_check_step(df, i, h, add, tree, terms, by_input, by_output) for i, (h, add, tree, terms) in enumerate(steps)]
+        _check_readers(df, source, steps, sublayers, final, norms)
+    except NotPreNormError as e:
+        # Report the first offending add in graph order, not the one the backward walk met first.
+        first = _first_raw_add(df, by_input, by_output)
+        if first is not None and first.node != e.node:
+            raise first from None
+        raise
+
+    h0 = tensor_val(source)
+    ir = "export" if any("val" in n.meta for n in df.nodes) else "dynamo"
+    notes = []
+    if any(s.reading == "reordered norm" for s in sublayers):
+        notes.append(
+            "reordered norm (OLMo2): branches read the raw stream and normalise their output, h + Norm(f(h)); "
+            "rewrites keep this reading and stay exact at init only with mix_scale='count'"
+        )
+    return Chain(
+        source=source.name,
+        sublayers=tuple(sublayers),
+        final_norm=final,
+        hidden_size=int(h0.shape[-1]) if h0 is not None else -1,
+        ir=ir,
+        source_module=module_path_of(source),
+        notes=tuple(notes),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# backward walk
+
+
+def _add_tree(df: Dataflow, root: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
+    """The adds of one residual step rooted at ``root`` and their leaves (canonical nodes, graph order)."""
+    tree = [root]
+    leaves: list[fx.Node] = []
+    root_mod = module_path_of(root)
+    todo = [root]
+    while todo:
+        cur = todo.pop()
+        for a in tensor_inputs(cur):
+            a = df.canon(a)
+            if (
+                op_of(a, df.gm) == "add"
+                and len(df.users(a)) == 1
+                and _same_shape(a, root)
+                and (root_mod is None or module_path_of(a) in (None, root_mod))
+                and not any(df.canon(b) in df.static for b in tensor_inputs(a))
+            ):
+                tree.append(a)
+                todo.append(a)
+            elif a not in leaves:
+                leaves.append(a)
+    tree.sort(key=df.order.__getitem__)
+    leaves.sort(key=df.order.__getitem__)
+    return tree, leaves
+
+
+def _same_shape(a: fx.Node, b: fx.Node) -> bool:
+    va, vb = tensor_val(a), tensor_val(b)
+    return va is not None and vb is not None and len(va.shape) == len(vb.shape) and va.shape[-1] == vb.shape[-1]
+
+
+def _skip_leaf(df: Dataflow, leaves: list[fx.Node]) -> fx.Node | None:
+    """The leaf every other leaf is computed from (the residual stream h), if exactly one."""
+    if len(leaves) < 2:
+        return None
+    g = df.nx
+    cands = [p for p in leaves if all(q is p or nx.has_path(g, p, q) for q in leaves)]
+    return cands[0] if len(cands) == 1 else None
+
+
+def _walk_back(df: Dataflow, end: fx.Node):
+    steps = []
+    cur = df.canon(end)
+    while op_of(cur, df.gm) == "add":
+        tree, leaves = _add_tree(df, cur)
+        skip = _skip_leaf(df, leaves)
+        if skip is None or not all(_same_shape(skip, x) for x in tree):
+            break
+        steps.append((skip, cur, tree, [x for x in leaves if x is not skip]))
+        cur = skip
+    steps.reverse()
+    return steps, cur
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# forward checks
+
+
+def _check_step(df, index, h, add, tree, terms, by_input, by_output) -> Sublayer:
+    norms_h = by_input.get(h.name, [])
+    branches = []
+    for y in terms:
+        branches.append(_check_branch(df, h, y, add, norms_h, by_output))
+    if len(branches) > 1:
+        reading = "parallel"
+    elif branches[0].post_norm is not None and branches[0].pre_norm is not None:
+        reading = "sandwich"
+    elif branches[0].pre_norm is None:
+        reading = "reordered norm"
+    else:
+        reading = "prenorm"
+    return Sublayer(
+        index=index,
+        input=h.name,
+        residual_add=add.name,
+        adds=tuple(a.name for a in tree),
+        branches=tuple(branches),
+        module=module_path_of(add),
+        reading=reading,
+    )
+
+
+def _check_branch(df: Dataflow, h: fx.Node, y: fx.Node, add: fx.Node, norms_h, by_output) -> Branch:
+    span = df.between(h, y)
+    if not span:
+        raise NotPreNormError(
+            f"residual add {_where(add)} adds {_where(y)}, which is not computed from the stream {_where(h)}: "
+            "this is not a residual branch. depthrewrite needs every term added to the stream to be a sublayer "
+            "output computed from it.",
+            node=add.name,
+        )
+    names = {n.name for n in span}
+    pre = [n for n in norms_h if n.output in names]
+    cut = {df.by_name[n.output] for n in pre}
+    post = by_output.get(y.name)
+    if post is not None and post.input == h.name:
+        post = None
+    raw = _raw_reader(df, h, y, span, cut)
+    if raw is not None:
+        if post is None:
+            raise NotPreNormError(_raw_message(df, add, h, raw), node=add.name)
+        pre = []  # reordered norm: the branch reads h raw and normalises its output
+    entry_nodes = {df.by_name[n.output] for n in pre} or {h}
+    post_nodes = {df.by_name[s] for s in post.nodes} if post is not None else set()
+    body: set[fx.Node] = set()
+    for e in entry_nodes:
+        body |= df.between(e, y)
+    body -= entry_nodes
+    body -= post_nodes
+    body.discard(df.by_name[post.output] if post is not None else None)
+    ordered = sorted(body, key=df.order.__getitem__)
+    return Branch(
+        kind=_classify(df, entry_nodes, body),
+        output=y.name,
+        pre_norm=pre[0] if pre else None,
+        post_norm=post,
+        module=_branch_module(df, ordered),
+        nodes=tuple(n.name for n in ordered),
+        n_ops=sum(1 for n in ordered if n.op in ("call_function", "call_method", "call_module")),
+        n_params=_count_params(df, ordered),
+    )
+
+
+def _raw_reader(df: Dataflow, h: fx.Node, y: fx.Node, span: set, cut: set) -> fx.Node | None:
+    """A reader of ``h`` from which ``y`` can be reached without passing through a norm of ``h``."""
+    g = nx.restricted_view(df.nx, [c for c in cut if c is not y], [])
+    for u in df.users(h):
+        if u in span and u not in cut and (u is y or nx.has_path(g, u, y)):
+            return u
+    return None
+
+
+def _classify(df: Dataflow, entries: set[fx.Node], body: set[fx.Node]) -> str:
+    act: set[fx.Node] = set()
+    for e in entries:
+        act |= nx.descendants(df.nx_float, e) | {e}
+    has_linear = False
+    for n in sorted(body, key=df.order.__getitem__):
+        op = op_of(n, df.gm)
+        if op == "sdpa":
+            return "attention"
+        if op in ("matmul", "linear"):
+            ins = [df.canon(a) for a in tensor_inputs(n)]
+            acts = [a for a in ins if a in act]
+            if op == "matmul" and len(acts) >= 2:
+                return "attention"
+            if any(a in df.static for a in ins) or op == "linear":
+                has_linear = True
+    return "mlp" if has_linear else "other"
+
+
+def _count_params(df: Dataflow, body: list[fx.Node]) -> int:
+    seen: set[fx.Node] = set()
+    todo = [a for n in body for a in n.all_input_nodes if a in df.static]
+    while todo:
+        a = todo.pop()
+        if a in seen:
+            continue
+        seen.add(a)
+        todo.extend(b for b in a.all_input_nodes if b in df.static)
+    total = 0
+    for a in seen:
+        if a.op == "get_attr":
+            try:
+                total += df.gm.get_parameter(a.target).numel()
+            except AttributeError:
+                pass  # a buffer or constant
+        elif is_param(a):
+            total += val(a).numel()
+    return total
+
+
+def _check_readers(df: Dataflow, source, steps, sublayers, final: NormSite, norms) -> None:
+    """Every reader of a stream value must belong to the chain: a pre-norm, the step's add tree, a reordered branch,
+    or the final norm. Anything else would see a different value once the chain is rewritten."""
+    for k, (h, add, tree, terms) in enumerate(steps):
+        allowed = {a.name for a in tree}
+        for b in sublayers[k].branches:
+            if b.pre_norm is not None:
+                allowed |= set(b.pre_norm.readers)
+            else:
+                allowed |= set(b.nodes)
+        _only_readers(df, h, allowed, tree[-1])
+    last = df.by_name[sublayers[-1].residual_add]
+    _only_readers(df, last, set(final.readers), last)
+
+
+def _only_readers(df: Dataflow, h: fx.Node, allowed: set[str], where: fx.Node) -> None:
+    for u in df.users(h):
+        if u.op == "output" or u.name in allowed:
+            continue
+        raise NotPreNormError(
+            f"the residual stream {_where(h)} is also read by {_where(u)}, which is neither a pre-norm, nor the "
+            "residual add, nor the final norm. A rewritten chain would change what that node sees. If the model "
+            "returns intermediate hidden states or reads the stream in another way, disable that (e.g. "
+            "output_hidden_states=False) before converting.",
+            node=u.name,
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# diagnosis of graphs without a valid chain
+
+
+def _residual_adds(df: Dataflow) -> list[tuple[fx.Node, fx.Node, fx.Node]]:
+    """(add, skip operand, branch operand) for every add whose one operand is computed from the other."""
+    out = []
+    g = df.nx
+    for n in df.nodes:
+        if op_of(n, df.gm) != "add":
+            continue
+        ins = [df.canon(a) for a in tensor_inputs(n)]
+        if len(ins) != 2 or not all(_same_shape(a, n) for a in ins):
+            continue
+        a, b = ins
+        if tensor_val(a) is None or not tensor_val(a).is_floating_point():
+            continue
+        if nx.has_path(g, a, b):
+            out.append((n, a, b))
+        elif nx.has_path(g, b, a):
+            out.append((n, b, a))
+    return out
+
+
+def _diagnose(df: Dataflow, by_input, by_output, norms) -> None:
+    adds = _residual_adds(df)
+    if not adds:
+        raise NoResidualChainError(
+            "no residual chain: the graph has no add whose one operand is computed from the other "
+            f"({sum(1 for n in df.nodes if op_of(n, df.gm) == 'add')} adds inspected, {len(norms)} norms found). "
+            "depthrewrite rewrites transformers of the form h = h + f(norm(h)); this model has no skip connection."
+        )
+    first = _first_raw_add(df, by_input, by_output, adds)
+    if first is not None:
+        raise first
+    add = adds[0][0]
+    raise NotPreNormError(
+        f"residual adds were found (first: {_where(add)}), but no chain from an embedding through them to a final "
+        "norm: the sum after the last residual add is not read by a norm. depthrewrite needs PreNorm blocks and a "
+        "final norm before the output head.",
+        node=add.name,
+    )
+
+
+def _first_raw_add(df: Dataflow, by_input, by_output, adds=None) -> NotPreNormError | None:
+    """The error for the first residual add (graph order) whose branch reads the stream with no norm."""
+    for add, h, y in adds if adds is not None else _residual_adds(df):
+        span = df.between(h, y)
+        names = {s.name for s in span}
+        cut = {df.by_name[n.output] for n in by_input.get(h.name, []) if n.output in names}
+        raw = _raw_reader(df, h, y, span, cut)
+        post = by_output.get(y.name)
+        if raw is not None and (post is None or post.input == h.name):
+            return NotPreNormError(_raw_message(df, add, h, raw), node=add.name)
+    return None
+
+
+def _raw_message(df: Dataflow, add: fx.Node, h: fx.Node, raw: fx.Node) -> str:
+    msg = (
+        f"residual add {_where(add)} is not PreNorm: its branch reads the stream {_where(h)} directly at "
+        f"{_where(raw)}, with no norm in between"
+    )
+    readers = [u for u in df.users(add) if u.op != "output"]
+    norms_of_sum = [u for u in readers if op_of(u, df.gm) in ("layer_norm", "rms_norm", "pow", "mul", "cast")]
+    if readers and len(norms_of_sum) == len(readers):
+        msg += (
+            f", and the sum is normalised right after ({_where(readers[0])}): this is the PostNorm layout "
+            "h = Norm(h + f(h)) (BERT, the original Transformer)"
+        )
+    return msg + (
+        ". depthrewrite rewrites PreNorm chains h = h + f(Norm(h)) only, where every branch reads the stream "
+        "through its own norm; convert a PreNorm model instead."
+    )
+
+
+def _where(node: fx.Node) -> str:
+    mod = module_path_of(node)
+    return f"`{node.name}`" + (f" (in {mod})" if mod else "")
+
+
+def _branch_module(df: Dataflow, body: list[fx.Node]) -> str | None:
+    """The module that holds a branch: the common module of its compute ops (projections, matmuls, attention),
+    so that a residual scaling or dropout written in the decoder layer does not hide ``self_attn`` / ``mlp``."""
+    core = [module_path_of(n) for n in body if op_of(n, df.gm) in ("linear", "matmul", "sdpa")]
+    core = [p for p in core if p is not None]
+    if len(core) == 1:
+        return core[0].rpartition(".")[0] or core[0]
+    return _common_module(core) if core else _common_module([module_path_of(n) for n in body])
+
+
+def _common_module(paths) -> str | None:
+    paths = [p.split(".") for p in paths if p is not None]
+    if not paths:
+        return None
+    common = paths[0]
+    for p in paths[1:]:
+        i = 0
+        while i < min(len(common), len(p)) and common[i] == p[i]:
+            i += 1
+        common = common[:i]
+    return ".".join(common) if common else ""

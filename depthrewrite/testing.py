@@ -1,0 +1,184 @@
+"""Test helpers: comparison functions and small hand-written models.
+
+The models are ordinary PyTorch code, written the way people write them, not shaped for our passes:
+
+* :class:`GPT` is a nanoGPT-style decoder (``x = x + attn(ln_1(x)); x = x + mlp(ln_2(x))``, tied embeddings);
+* :class:`PlainMLP` has no residual connection at all;
+* :class:`NoNormResidual` has residual blocks whose branches skip the norm (``x = x + f(x)``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["GPTConfig", "GPT", "nanogpt", "PlainMLP", "NoNormResidual", "sqnr", "assert_close_rms"]
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 64  # longest sequence
+    vocab_size: int = 256  # byte-level
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 64
+    dropout: float = 0.0
+    bias: bool = True
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.n_head = cfg.n_head
+        self.dropout = cfg.dropout
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(nn.Module):
+    """nanoGPT-style decoder: token + position embeddings, PreNorm blocks, final LayerNorm, tied LM head."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.config = cfg
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
+                wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
+                drop=nn.Dropout(cfg.dropout),
+                h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
+                ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
+            )
+        )
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # scaled init of residual projections (GPT-2 paper)
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+def nanogpt(n_layer: int = 4, n_embd: int = 64, **kw) -> GPT:
+    """Factory for CLI specs: ``depthrewrite inspect depthrewrite.testing:nanogpt``."""
+    torch.manual_seed(kw.pop("seed", 0))
+    return GPT(GPTConfig(n_layer=n_layer, n_embd=n_embd, **kw))
+
+
+class PlainMLP(nn.Module):
+    """No skip connection anywhere."""
+
+    def __init__(self, d: int = 32, layers: int = 3):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(d, d) for _ in range(layers)])
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for lin in self.layers:
+            x = torch.relu(lin(x))
+        return self.norm(x)
+
+
+class NoNormBlock(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.fc2 = nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(x)))  # the branch reads the raw stream
+
+
+class NoNormResidual(nn.Module):
+    """Residual blocks whose branches skip the norm; a final norm is present."""
+
+    def __init__(self, vocab: int = 64, d: int = 32, layers: int = 3):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList([NoNormBlock(d) for _ in range(layers)])
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.norm(x))
+
+
+def sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
+    """Signal-to-quantisation-noise ratio in dB, 20·log10(‖ref‖ / ‖ref − out‖) (torchao's whole-model measure)."""
+    ref, out = ref.detach().double(), out.detach().double()
+    noise = (ref - out).norm()
+    if noise == 0:
+        return math.inf
+    return float(20 * torch.log10(ref.norm() / noise))
+
+
+def assert_close_rms(name: str, ref: torch.Tensor, out: torch.Tensor, ratio: float) -> None:
+    """RMS(ref − out) / RMS(ref) ≤ ratio; NaN fails; the message carries the max abs difference."""
+    ref, out = ref.detach().double(), out.detach().double()
+    if torch.isnan(out).any() != torch.isnan(ref).any():
+        raise AssertionError(f"{name}: NaN in one tensor only")
+    diff = (ref - out).pow(2).mean().sqrt()
+    base = ref.pow(2).mean().sqrt().clamp_min(1e-30)
+    err = float(diff / base)
+    if not err <= ratio:
+        raise AssertionError(f"{name}: rms ratio {err:.3e} > {ratio:.1e} (max abs diff {float((ref - out).abs().max()):.3e})")

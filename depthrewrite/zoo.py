@@ -1,0 +1,142 @@
+"""Small real models with random weights, built from specs: ``hf:<model_type>``, ``timm:<name>``,
+``package.module:factory``. Nothing is downloaded: Hugging Face models come from a small config, timm models are
+built with ``pretrained=False``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .errors import ConfigError
+
+__all__ = ["build", "hf_model", "timm_model", "HF_TYPES"]
+
+#: model types the CLI and the test zoo exercise; any other transformers model type is tried the same way.
+HF_TYPES = (
+    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi", "gpt_neox", "gpt2", "olmo2", "mixtral",
+)
+
+
+def _small_kwargs(layers: int, hidden: int) -> dict[str, Any]:
+    heads = max(1, hidden // 16)
+    return dict(
+        vocab_size=256,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        head_dim=hidden // heads,
+        max_position_embeddings=512,
+        use_cache=False,
+        # every named sublayer family at its smallest
+        num_local_experts=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=hidden,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        rotary_dim=8,  # GPT-J, CodeGen: within the small head_dim
+    )
+
+
+def hf_model(model_type: str, layers: int = 4, hidden: int = 64, **overrides: Any) -> nn.Module:
+    """A causal-LM (or base model) of ``model_type`` with a small config and random weights."""
+    try:
+        import transformers
+    except ImportError as e:  # pragma: no cover - dev extra
+        raise ConfigError("hf: specs need transformers; install depthrewrite[dev] or `pip install transformers`") from e
+    transformers.logging.set_verbosity_error()  # small configs trip warnings about token ids and sizes
+    try:
+        cfg_cls = transformers.AutoConfig.for_model(model_type).__class__
+    except ValueError as e:
+        raise ConfigError(f"unknown Hugging Face model type {model_type!r}: {e}") from e
+    kwargs = _small_kwargs(layers, hidden)
+    kwargs.update(overrides)
+    attn = kwargs.pop("attn_implementation", None)
+    seed = kwargs.pop("seed", 0)
+    try:
+        cfg = cfg_cls(**kwargs)
+    except (AttributeError, TypeError):  # a derived field (e.g. a read-only head_dim property)
+        kwargs.pop("head_dim")
+        cfg = cfg_cls(**kwargs)
+    if attn is not None:
+        cfg._attn_implementation = attn
+    torch.manual_seed(seed)
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
+        try:
+            model = auto.from_config(cfg)
+            break
+        except ValueError:
+            continue
+    else:
+        raise ConfigError(f"transformers has no model class for config {cfg_cls.__name__}")
+    return model.eval()
+
+
+def timm_model(name: str, layers: int | None = None, hidden: int | None = None, **overrides: Any) -> nn.Module:
+    try:
+        import timm
+    except ImportError as e:  # pragma: no cover
+        raise ConfigError("timm: specs need timm; install depthrewrite[dev] or `pip install timm`") from e
+    kwargs: dict[str, Any] = dict(pretrained=False)
+    if layers is not None:
+        kwargs["depth"] = layers
+    if hidden is not None:
+        kwargs["embed_dim"] = hidden
+    kwargs.update(overrides)
+    torch.manual_seed(0)
+    try:
+        return timm.create_model(name, **kwargs).eval()
+    except RuntimeError as e:
+        raise ConfigError(f"timm cannot build {name!r}: {e}") from e
+
+
+def build(spec: str, layers: int | None = None, hidden: int | None = None) -> nn.Module:
+    """Build the model a CLI spec names: ``hf:llama``, ``timm:vit_tiny_patch16_224``, ``pkg.module:factory``."""
+    kind, sep, name = spec.partition(":")
+    if not sep or not name:
+        raise ConfigError(f"model spec {spec!r} must look like hf:<model_type>, timm:<name> or package.module:factory")
+    if kind == "hf":
+        return hf_model(name, layers=layers or 4, hidden=hidden or 64)
+    if kind == "timm":
+        return timm_model(name, layers=layers, hidden=hidden)
+    try:
+        mod = importlib.import_module(kind)
+    except ImportError as e:
+        raise ConfigError(f"cannot import {kind!r} from spec {spec!r}: {e}") from e
+    factory = getattr(mod, name, None)
+    if factory is None:
+        raise ConfigError(f"module {kind!r} has no attribute {name!r} (spec {spec!r})")
+    if isinstance(factory, nn.Module):
+        model = factory
+    else:
+        model = factory(**_size_kwargs(factory, spec, layers, hidden))
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"{spec!r} did not give an nn.Module (got {type(model).__name__})")
+    return model
+
+
+_LAYER_NAMES = ("n_layer", "layers", "num_layers", "n_layers", "depth")
+_HIDDEN_NAMES = ("n_embd", "hidden", "hidden_size", "d_model", "embed_dim", "dim")
+
+
+def _size_kwargs(factory: Any, spec: str, layers: int | None, hidden: int | None) -> dict[str, int]:
+    """Pass --layers / --hidden to a factory under whichever parameter name it uses."""
+    params = inspect.signature(factory).parameters
+    out: dict[str, int] = {}
+    for value, names, flag in ((layers, _LAYER_NAMES, "--layers"), (hidden, _HIDDEN_NAMES, "--hidden")):
+        if value is None:
+            continue
+        name = next((n for n in names if n in params), None)
+        if name is None:
+            raise ConfigError(f"{spec}: the factory takes none of {', '.join(names)}, so {flag} cannot be applied")
+        out[name] = value
+    return out

@@ -1,0 +1,39 @@
+"""Shared fixtures: the model zoo, built small with random weights and captured once per session."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from depthrewrite import capture
+from depthrewrite.testing import nanogpt
+from depthrewrite.zoo import hf_model, timm_model
+
+LAYERS = 2
+
+
+def build_zoo_model(name: str) -> torch.nn.Module:
+    """``hf:<type>``, ``timm:<name>`` or ``nanogpt``, with LAYERS transformer blocks."""
+    if name == "nanogpt":
+        return nanogpt(n_layer=LAYERS)
+    kind, _, rest = name.partition(":")
+    if kind == "hf":
+        return hf_model(rest, layers=LAYERS)
+    if kind == "timm":
+        return timm_model(rest, layers=LAYERS)
+    raise ValueError(name)
+
+
+@functools.lru_cache(maxsize=None)
+def zoo_graph(name: str):
+    """(model, captured graph) for a zoo name; captured once per test session."""
+    torch.manual_seed(0)
+    model = build_zoo_model(name)
+    return model, capture(model)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

@@ -1,0 +1,54 @@
+"""capture(): default inputs, dynamic batch and sequence, and a clear CaptureError."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from depthrewrite import CaptureError, capture
+from depthrewrite.capture import example_inputs_for
+
+from .conftest import zoo_graph
+
+
+def test_hf_default_inputs_are_token_ids():
+    model, _ = zoo_graph("hf:llama")
+    args, kwargs = example_inputs_for(model)
+    ids = kwargs["input_ids"]
+    assert args == () and ids.dtype == torch.long and ids.max() < model.config.vocab_size
+    assert kwargs["use_cache"] is False
+
+
+def test_timm_default_input_is_an_image():
+    model, _ = zoo_graph("timm:vit_tiny_patch16_224")
+    (img,), _ = example_inputs_for(model)
+    assert img.shape == (2, 3, 224, 224)
+
+
+@pytest.mark.parametrize("batch, seq", [(1, 1), (3, 7), (5, 33)])  # size-1 dims, odd sizes
+def test_captured_graph_has_dynamic_batch_and_sequence(batch, seq):
+    model, gm = zoo_graph("hf:llama")
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq))
+    with torch.no_grad():
+        ref = model(input_ids=ids, use_cache=False).logits
+        out = gm(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(out, ref)
+
+
+def test_capture_error_carries_export_message():
+    class DataDependent(torch.nn.Module):
+        def forward(self, x):
+            if x.sum() > 0:  # data-dependent Python control flow
+                return x * 2
+            return x
+
+    with pytest.raises(CaptureError) as ei:
+        capture(DataDependent(), (torch.randn(2, 3),))
+    msg = str(ei.value)
+    assert "DataDependent" in msg and "What to try" in msg
+    assert ei.value.__cause__ is not None
+
+
+def test_no_inputs_for_unknown_model():
+    with pytest.raises(CaptureError, match="example_inputs"):
+        capture(torch.nn.Linear(3, 3))

@@ -1,0 +1,46 @@
+"""The CLI: `depthrewrite inspect SPEC` and `depthrewrite demo`."""
+
+from __future__ import annotations
+
+import pytest
+
+from depthrewrite.cli import main
+
+
+def test_inspect_hf_llama(capsys):
+    """The foundation's 'done when': 4-layer Llama, 8 sublayers alternating, source = embedding, final = model.norm."""
+    assert main(["inspect", "hf:llama"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("LlamaForCausalLM: 8 sublayers (4 attention, 4 mlp)")
+    assert "stream source: `embedding` (model.embed_tokens)" in out
+    assert "final norm:    model.norm" in out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert [r[2] for r in rows] == ["attention", "mlp"] * 4
+    assert [r[1] for r in rows][:2] == ["model.layers.0.self_attn", "model.layers.0.mlp"]
+
+
+def test_inspect_resizes_and_prints_graph(capsys, tmp_path):
+    dot = tmp_path / "c.dot"
+    assert main(["inspect", "depthrewrite.testing:nanogpt", "--layers", "3", "--hidden", "32", "--graph", "--save", str(dot)]) == 0
+    out = capsys.readouterr().out
+    assert "GPT: 6 sublayers" in out and "hidden size 32" in out
+    assert "<< residual add 5" in out and dot.exists()
+
+
+def test_inspect_refusal_exits_2_with_message(capsys):
+    assert main(["inspect", "hf:bert"]) == 2
+    err = capsys.readouterr().err
+    assert "NotPreNormError" in err and "PostNorm" in err
+
+
+@pytest.mark.parametrize("spec", ["llama", "hf:not_a_model", "nosuchmodule:factory"])
+def test_bad_spec(spec, capsys):
+    assert main(["inspect", spec]) == 2
+    assert "ConfigError" in capsys.readouterr().err
+
+
+def test_demo_writes_files(tmp_path, capsys):
+    assert main(["demo", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "chain.txt").read_text().startswith("LlamaForCausalLM: 8 sublayers")
+    assert (tmp_path / "graph.txt").exists()
+    assert (tmp_path / "chain.svg").exists() or (tmp_path / "chain.dot").exists()
