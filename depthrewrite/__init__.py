@@ -5,9 +5,10 @@ The public API::
     depthrewrite.capture(model)        # -> torch.fx.GraphModule (torch.export, dynamic batch/sequence)
     depthrewrite.inspect(model)        # -> ChainReport; print(report) shows the chain
     depthrewrite.detect_chain(gm)      # -> Chain (frozen data), on export or Dynamo graphs
+    depthrewrite.convert(model, "attnres", blocks=4)   # -> a trainable converted GraphModule
 """
 
-from .api import inspect
+from .api import convert, inspect
 from .capture import capture
 from .errors import (
     CaptureError,
@@ -19,13 +20,19 @@ from .errors import (
 )
 from .passes.analyse.chain import Branch, Chain, Sublayer, detect_chain
 from .passes.analyse.norms import NormSite
-from .report import ChainReport
+from .passes.rewrite import SchemeConfig
+from .passes.rewrite.attnres import AttnResConfig
+from .report import ChainReport, ConvertReport
 
 __version__ = "0.1.0"
 
 __all__ = [
     "capture",
     "inspect",
+    "convert",
+    "SchemeConfig",
+    "AttnResConfig",
+    "ConvertReport",
     "detect_chain",
     "Chain",
     "Sublayer",

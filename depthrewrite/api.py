@@ -1,37 +1,111 @@
-"""The public verbs: :func:`inspect` (more follow: ``convert``, ``explain``)."""
+"""The public verbs: :func:`inspect` and :func:`convert`."""
 
 from __future__ import annotations
+
+import logging
+from typing import Any
 
 import torch.fx as fx
 import torch.nn as nn
 
 from .capture import capture
+from .converted import ConvertedGraphModule, as_converted, make_trainable
+from .errors import DepthRewriteError
 from .passes.analyse.chain import detect_chain
-from .report import ChainReport
+from .passes.rewrite import SchemeConfig, get_handler, scheme_config
+from .passes.rewrite.attnres import PARAM_PREFIX, block_size_for
+from .report import ChainReport, ConvertReport, SiteInfo
 
-__all__ = ["inspect"]
+__all__ = ["inspect", "convert"]
+
+log = logging.getLogger(__name__)
 
 
 def inspect(
     model: nn.Module | fx.GraphModule,
     example_inputs: tuple | None = None,
     example_kwargs: dict | None = None,
-) -> ChainReport:
-    """Capture ``model`` and detect its PreNorm residual chain.
+) -> ChainReport | ConvertReport:
+    """Capture ``model`` and detect its PreNorm residual chain; for a converted model, its conversion report.
 
     Args:
-        model (nn.Module | fx.GraphModule): a model (captured with :func:`~depthrewrite.capture`), or a graph that is
-            already captured (``torch.export`` or a Dynamo graph as a ``torch.compile`` backend receives it).
+        model (nn.Module | fx.GraphModule): a model (captured with :func:`~depthrewrite.capture`), a graph that is
+            already captured (``torch.export`` or a Dynamo graph as a ``torch.compile`` backend receives it), or a
+            model returned by :func:`convert`.
         example_inputs (tuple, optional): positional inputs for capture; built for HF and timm models when None.
         example_kwargs (dict, optional): keyword inputs for capture.
 
     Returns:
-        A :class:`ChainReport`; ``print(report)`` shows the chain as a table.
+        A :class:`ChainReport` (or the :class:`ConvertReport` of a converted model); ``print()`` shows a table.
 
     Raises:
         CaptureError, NotPreNormError, NoResidualChainError (all :class:`DepthRewriteError`).
     """
+    if isinstance(model, ConvertedGraphModule):
+        return model.report()
     gm = capture(model, example_inputs, example_kwargs)
     chain = detect_chain(gm)
     name = gm.meta.get("depthrewrite_model_class") or type(model).__name__
     return ChainReport(model_class=name, chain=chain, graph=gm)
+
+
+def convert(
+    model: nn.Module,
+    scheme: str | SchemeConfig = "attnres",
+    *,
+    example_inputs: tuple | None = None,
+    example_kwargs: dict | None = None,
+    **options: Any,
+) -> fx.GraphModule:
+    """Rewrite the PreNorm residual chain of ``model`` into ``scheme``.
+
+    Args:
+        model (nn.Module): the model; it is not modified, and the converted model shares its parameters.
+        scheme (str | SchemeConfig): ``"attnres"`` (options: ``blocks``, ``block_size``, ``mix_scale``, ``eps``), or a
+            config instance such as ``AttnResConfig(blocks=8)``.
+        example_inputs, example_kwargs: inputs for capture, as for :func:`capture`.
+
+    Returns:
+        A GraphModule that trains like the original: the original state-dict keys plus new parameters under
+        ``depthrewrite.``; ``.train()``/``.eval()``, ``.to(dtype/device)``, any batch and sequence length, the original
+        call signature and output type. ``converted.report()`` describes the rewrite.
+    """
+    config = scheme_config(scheme, **options)
+    was_training = model.training
+    model.train()  # capture dropout as dropout; make_trainable turns it into modules that follow .train()/.eval()
+    try:
+        gm = capture(model, example_inputs, example_kwargs)
+    finally:
+        model.train(was_training)
+    chain = detect_chain(gm)
+    model_params = sum(p.numel() for p in model.parameters())
+    result = get_handler(config)(gm, chain, config)
+    if not result.modified:
+        raise DepthRewriteError(f"{config.name}: the rewrite changed nothing on {type(model).__name__}; not returning an unconverted model")
+    gm = result.graph_module
+    make_trainable(gm, PARAM_PREFIX)
+    box = getattr(gm, PARAM_PREFIX)
+    sites = []
+    for c in result.changes:
+        mod = getattr(box, f"mix_{c.site}", None)
+        params = sum(p.numel() for p in mod.parameters()) if mod is not None else 0
+        where = chain.sublayers[c.site].branch_module if isinstance(c.site, int) else chain.final_norm.module
+        sites.append(SiteInfo(site=c.site, module=where, sources=c.sources, params=params))
+    S = block_size_for(config, len(chain))
+    ref = next((p for p in model.parameters() if p.is_floating_point()), None)
+    report = ConvertReport(
+        model_class=type(model).__name__,
+        config=config,
+        chain=chain,
+        sites=tuple(sites),
+        new_params=sum(p.numel() for p in box.parameters()),
+        model_params=model_params,
+        stored_sources=len(sites[-1].sources),
+        bytes_per_element=ref.element_size() if ref is not None else 4,
+        block_size=S,
+    )
+    args, kwargs = gm.meta["depthrewrite_inputs"]
+    gm = as_converted(gm, model, args, kwargs, report)
+    gm.train(was_training)
+    log.info("converted %s: %d mixing sites, %d new parameters", type(model).__name__, len(sites), report.new_params)
+    return gm

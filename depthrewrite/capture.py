@@ -43,8 +43,6 @@ def example_inputs_for(model: nn.Module, batch: int = DEFAULT_BATCH, seq: int = 
     if _is_hf(model):
         cfg = model.config
         kwargs: dict[str, Any] = {}
-        if getattr(cfg, "use_cache", None) is not None:
-            kwargs["use_cache"] = False  # a KV cache object is not a tensor output export can return
         name = model.main_input_name
         if name == "pixel_values":
             size = getattr(cfg, "image_size", 224)
@@ -121,11 +119,13 @@ def capture(
         if isinstance(example_inputs, torch.Tensor):
             args = (example_inputs,)
         kwargs = dict(example_kwargs or {})
-        if _is_hf(model) and getattr(model.config, "use_cache", None) is not None:
-            kwargs.setdefault("use_cache", False)
     dyn = _dynamic_shapes(model, args, kwargs) if dynamic else None
     log.info("capturing %s with torch.export (non-strict)", type(model).__name__)
+    # A KV cache object is not a tensor output export can return: capture with the config's cache off.
+    cache = getattr(getattr(model, "config", None), "use_cache", None) if _is_hf(model) else None
     try:
+        if cache:
+            model.config.use_cache = False
         ep = torch.export.export(model, args, kwargs, dynamic_shapes=dyn, strict=False)
     except Exception as e:  # torch.export raises many types; all of them mean the same to our user
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -135,6 +135,9 @@ def capture(
             "turn off caches and optional outputs (use_cache=False, output_hidden_states=False); remove "
             "data-dependent Python control flow from forward(); or capture without dynamic shapes (dynamic=False)."
         ) from e
+    finally:
+        if cache:
+            model.config.use_cache = cache
     gm = ep.module()
     gm.meta["depthrewrite_inputs"] = (args, kwargs)
     gm.meta["depthrewrite_model_class"] = type(model).__name__

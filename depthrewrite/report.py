@@ -15,7 +15,7 @@ from tabulate import tabulate
 from .errors import ConfigError
 from .passes.analyse.chain import Chain
 
-__all__ = ["ChainReport"]
+__all__ = ["ChainReport", "ConvertReport", "SiteInfo"]
 
 
 @dataclass(frozen=True)
@@ -197,3 +197,64 @@ def _short(a: Any) -> str:
 
 def _esc(s: str) -> str:
     return s.replace('"', '\\"')
+
+
+@dataclass(frozen=True)
+class SiteInfo:
+    """One mixing site of a converted model."""
+
+    site: int | str  # sublayer index, or "output"
+    module: str | None  # the sublayer (or final norm) the site feeds
+    sources: tuple[str, ...]  # "emb", "out3", "b1", "partial b2"
+    params: int
+
+
+@dataclass(frozen=True)
+class ConvertReport:
+    """What :func:`depthrewrite.convert` did: per mixing site its sources and parameters, and the totals."""
+
+    model_class: str
+    config: Any  # the SchemeConfig that ran
+    chain: Chain
+    sites: tuple[SiteInfo, ...]
+    new_params: int
+    model_params: int
+    stored_sources: int  # vectors of size d kept per token for the mixes (Full: L+1, Block: N_eff+1)
+    bytes_per_element: int = 4
+    block_size: int | None = None
+
+    @property
+    def param_ratio(self) -> float:
+        return self.new_params / max(1, self.model_params)
+
+    @property
+    def memory_per_token(self) -> int:
+        """Bytes per token of the stored sources (the depth state the mixes read)."""
+        return self.stored_sources * self.chain.hidden_size * self.bytes_per_element
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(
+            model_class=self.model_class,
+            config=self.config.to_dict(),
+            sites=[dict(site=s.site, module=s.module, sources=list(s.sources), params=s.params) for s in self.sites],
+            new_params=self.new_params,
+            model_params=self.model_params,
+            stored_sources=self.stored_sources,
+            memory_per_token=self.memory_per_token,
+        )
+
+    def __str__(self) -> str:
+        cfg = self.config
+        L = len(self.chain.sublayers)
+        kind = "Full AttnRes" if getattr(cfg, "full", False) else f"Block AttnRes (S={self.block_size} sublayers per block)"
+        head = [
+            f"{self.model_class} -> {kind}, mix_scale={cfg.mix_scale!r}: {len(self.sites)} mixing sites over {L} sublayers",
+            f"new parameters: {self.new_params:,} ({100 * self.param_ratio:.3f}% of {self.model_params:,})",
+            f"stored sources per token: {self.stored_sources} x d={self.chain.hidden_size} = "
+            f"{self.memory_per_token:,} bytes ({self.bytes_per_element}-byte elements)",
+        ]
+        rows = [[s.site, s.module or "-", len(s.sources), " ".join(s.sources), f"{s.params:,}"] for s in self.sites]
+        return "\n".join(head) + "\n" + tabulate(rows, headers=["site", "before", "K", "sources", "params"], tablefmt="simple")
+
+    def __repr__(self) -> str:
+        return f"ConvertReport({self.model_class}, {self.config!r}, sites={len(self.sites)})"

@@ -1,0 +1,31 @@
+"""Pass results, compatible with torch.fx's PassManager (``graph_module`` and ``modified``), plus a record of what
+changed, which reports and tests read instead of global counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+__all__ = ["Change", "PassResult"]
+
+
+@dataclass(frozen=True)
+class Change:
+    """One rewrite site: what was created, and which node's readers were redirected to it."""
+
+    site: int | str  # sublayer index, or "output" for the site before the final norm
+    module: str | None  # module path of the stream value the site replaces
+    created: tuple[str, ...]
+    replaced: str | None  # the stream value whose readers now read the site's output
+    sources: tuple[str, ...] = ()  # human-readable names of the sources the site reads ("emb", "v3", "b1", "partial")
+
+
+@dataclass(frozen=True)
+class PassResult:
+    graph_module: fx.GraphModule
+    changes: tuple[Change, ...] = field(default=())
+
+    @property
+    def modified(self) -> bool:
+        return bool(self.changes)
