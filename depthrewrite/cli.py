@@ -3,6 +3,7 @@
     depthrewrite inspect hf:llama [--layers N] [--hidden D] [--graph] [--save chain.svg]
     depthrewrite inspect timm:vit_tiny_patch16_224
     depthrewrite inspect depthrewrite.testing:nanogpt
+    depthrewrite convert hf:llama --scheme attnres --blocks 4
     depthrewrite demo
 """
 
@@ -37,6 +38,14 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_convert(args: argparse.Namespace) -> int:
+    model = zoo.build(args.spec, layers=args.layers, hidden=args.hidden)
+    options = {k: v for k, v in (("blocks", args.blocks), ("block_size", args.block_size), ("mix_scale", args.mix_scale)) if v is not None}
+    converted = api.convert(model, args.scheme, **options)
+    print(converted.report())
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     """Until the training demo lands: inspect the built-in tiny Llama and draw its chain."""
     out = Path(args.out)
@@ -65,6 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--full-graph", action="store_true", help="with --graph: print every op, chain nodes marked")
     p.add_argument("--save", default=None, help="write the chain diagram (.svg/.png need the viz extra; .dot always)")
     p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser("convert", help="rewrite the chain into a depth-mixing scheme and print what changed")
+    _add_model_args(p)
+    p.add_argument("--scheme", default="attnres", help="scheme name (default: attnres)")
+    p.add_argument("--blocks", type=int, default=None, help="Block AttnRes: number of blocks N")
+    p.add_argument("--block-size", type=int, default=None, help="Block AttnRes: sublayers per block S (wins over --blocks)")
+    p.add_argument("--mix-scale", choices=["count", "mean"], default=None, help="count (default, exact at init) or mean")
+    p.set_defaults(func=_cmd_convert)
 
     p = sub.add_parser("demo", help="the main demo (for now: inspect the built-in tiny Llama)")
     p.add_argument("--out", default="depthrewrite-demo", help="output folder (default: ./depthrewrite-demo)")

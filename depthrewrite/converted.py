@@ -24,7 +24,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .errors import ConfigError
+from .errors import ConfigError, DepthRewriteError
 from .passes.analyse.ops import op_of
 
 __all__ = ["ConvertedGraphModule", "make_trainable", "as_converted"]
@@ -97,6 +97,12 @@ class ConvertedGraphModule(fx.GraphModule):
         r = self._dr_report
         return f"Converted{r.model_class}(scheme={r.config.name!r}, sites={len(r.sites)}, new_params={r.new_params:,})"
 
+    def __deepcopy__(self, memo):
+        raise DepthRewriteError(
+            "copy.deepcopy of a converted model is not supported yet: convert the original model again, and load "
+            "this model's state_dict() into the new conversion"
+        )
+
     def _apply(self, fn, recurse=True):
         ref = next((p for p in self.parameters() if p.is_floating_point()), None)
         before = (ref.dtype, ref.device) if ref is not None else None
@@ -163,7 +169,9 @@ def as_converted(gm: fx.GraphModule, model: nn.Module, args: tuple, kwargs: dict
     base = type(gm)
     cls = _CLASSES.get(base)
     if cls is None:
-        cls = type("ConvertedGraphModule", (ConvertedGraphModule, base), {})
+        # Reuse the base's call wrapper: fx's recompile() installs one per class, and a second one on this subclass
+        # would call back into itself through the base.
+        cls = type("ConvertedGraphModule", (ConvertedGraphModule, base), {"_wrapped_call": getattr(base, "_wrapped_call", None)})
         _CLASSES[base] = cls
     gm.__class__ = cls
     for name in ("train", "eval"):  # ExportedProgram.module() forbids them per instance; our graph supports both

@@ -44,3 +44,16 @@ def test_demo_writes_files(tmp_path, capsys):
     assert (tmp_path / "chain.txt").read_text().startswith("LlamaForCausalLM: 8 sublayers")
     assert (tmp_path / "graph.txt").exists()
     assert (tmp_path / "chain.svg").exists() or (tmp_path / "chain.dot").exists()
+
+
+def test_convert_prints_the_site_report(capsys):
+    assert main(["convert", "hf:llama", "--scheme", "attnres", "--blocks", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("LlamaForCausalLM -> Block AttnRes (S=2 sublayers per block)")
+    assert "new parameters:" in out and "stored sources per token: 5 x d=64" in out
+    assert "output  model.norm" in out
+
+
+def test_convert_bad_blocks_exits_2(capsys):
+    assert main(["convert", "hf:llama", "--blocks", "0"]) == 2
+    assert "blocks must be an integer >= 1" in capsys.readouterr().err
