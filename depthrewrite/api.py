@@ -9,7 +9,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .capture import capture
-from .converted import ConvertedGraphModule, as_converted, make_trainable
+from .converted import ConvertedGraphModule, as_converted, graft_graph
 from .errors import DepthRewriteError
 from .passes.analyse.chain import detect_chain
 from .passes.rewrite import SchemeConfig, get_handler, scheme_config
@@ -71,19 +71,33 @@ def convert(
         call signature and output type. ``converted.report()`` describes the rewrite.
     """
     config = scheme_config(scheme, **options)
+    handler = get_handler(config)
     was_training = model.training
-    model.train()  # capture dropout as dropout; make_trainable turns it into modules that follow .train()/.eval()
+    # Export bakes the mode into the graph (dropout, attention dropout, training-only routing), so capture and rewrite
+    # both modes; the eval graph shares the training graph's parameters, and .train()/.eval() swap graphs.
+    graphs, chains, results = {}, {}, {}
     try:
-        gm = capture(model, example_inputs, example_kwargs)
+        for mode in (True, False):
+            model.train(mode)
+            graphs[mode] = capture(model, example_inputs, example_kwargs)
     finally:
         model.train(was_training)
-    chain = detect_chain(gm)
+    for mode in (True, False):
+        chains[mode] = detect_chain(graphs[mode])
+        if not mode:  # share the new parameters with the training graph
+            graphs[False].add_submodule(PARAM_PREFIX, getattr(graphs[True], PARAM_PREFIX))
+        results[mode] = handler(graphs[mode], chains[mode], config)
+        if not results[mode].modified:
+            raise DepthRewriteError(
+                f"{config.name}: the rewrite changed nothing on {type(model).__name__}; not returning an unconverted model"
+            )
+    if [c.site for c in results[True].changes] != [c.site for c in results[False].changes]:
+        raise DepthRewriteError(
+            f"{type(model).__name__} has different residual chains in training and eval mode; cannot convert both"
+        )
+    gm, chain, result = graphs[True], chains[True], results[True]
     model_params = sum(p.numel() for p in model.parameters())
-    result = get_handler(config)(gm, chain, config)
-    if not result.modified:
-        raise DepthRewriteError(f"{config.name}: the rewrite changed nothing on {type(model).__name__}; not returning an unconverted model")
-    gm = result.graph_module
-    make_trainable(gm, PARAM_PREFIX)
+    eval_graph = graft_graph(gm, graphs[False])
     box = getattr(gm, PARAM_PREFIX)
     sites = []
     for c in result.changes:
@@ -105,7 +119,7 @@ def convert(
         block_size=S,
     )
     args, kwargs = gm.meta["depthrewrite_inputs"]
-    gm = as_converted(gm, model, args, kwargs, report)
+    gm = as_converted(gm, eval_graph, model, args, kwargs, report)
     gm.train(was_training)
     log.info("converted %s: %d mixing sites, %d new parameters", type(model).__name__, len(sites), report.new_params)
     return gm

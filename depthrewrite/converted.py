@@ -2,9 +2,9 @@
 
 What the captured graph needs before it can train like the original:
 
-* **train/eval**: export bakes the mode into ``aten.dropout(x, p, train)`` and SDPA's ``dropout_p``. Each dropout
-  becomes an ``nn.Dropout`` call and each SDPA with ``dropout_p > 0`` a small module, so ``.train()``/``.eval()``
-  switch them (no state-dict keys are added).
+* **train/eval**: export bakes the mode into the graph (``aten.dropout(x, p, train)``, SDPA's ``dropout_p``, and any
+  ``if self.training`` branch, such as MoE routing noise). The model is therefore captured and rewritten twice, in
+  training and in eval mode; both graphs read the same parameters, and ``.train()`` / ``.eval()`` swap the graph.
 * **dtype and device**: export bakes the capture dtype and device into casts, factory ops and metadata asserts. On
   ``.to()`` / ``.half()`` / ``.cuda()`` the graph is retargeted: the asserts are dropped and every dtype argument
   equal to the old parameter dtype (every device argument equal to the old device) follows the parameters. A model
@@ -22,63 +22,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .errors import ConfigError, DepthRewriteError
-from .passes.analyse.ops import op_of
 
-__all__ = ["ConvertedGraphModule", "make_trainable", "as_converted"]
+__all__ = ["ConvertedGraphModule", "as_converted", "graft_graph"]
 
 aten = torch.ops.aten
-
-
-class _SDPA(nn.Module):
-    """SDPA whose dropout follows ``self.training``."""
-
-    def __init__(self, p: float):
-        super().__init__()
-        self.p = p
-
-    def forward(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, dropout_p=self.p if self.training else 0.0, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
-        )
-
-
-def make_trainable(gm: fx.GraphModule, prefix: str = "depthrewrite") -> int:
-    """Replace baked dropout (``aten.dropout``, SDPA ``dropout_p``) by modules that follow train/eval. Returns count."""
-    box = getattr(gm, prefix, None)
-    if box is None:
-        gm.add_submodule(prefix, nn.Module())
-        box = getattr(gm, prefix)
-    count = 0
-    for n in list(gm.graph.nodes):
-        if n.op != "call_function":
-            continue
-        if n.target is aten.dropout.default:
-            p = float(n.args[1])
-            name = f"dropout_{count}"
-            box.add_module(name, nn.Dropout(p))
-            with gm.graph.inserting_before(n):
-                new = gm.graph.call_module(f"{prefix}.{name}", (n.args[0],))
-        elif op_of(n) == "sdpa" and n.target is aten.scaled_dot_product_attention.default:
-            p = n.kwargs.get("dropout_p", n.args[4] if len(n.args) > 4 else 0.0)
-            if not p:
-                continue
-            name = f"sdpa_{count}"
-            box.add_module(name, _SDPA(float(p)))
-            with gm.graph.inserting_before(n):
-                new = gm.graph.call_module(f"{prefix}.{name}", n.args, n.kwargs)
-        else:
-            continue
-        new.meta.update(n.meta)
-        n.replace_all_uses_with(new)
-        gm.graph.erase_node(n)
-        count += 1
-    if count:
-        gm.graph.lint()
-        gm.recompile()
-    return count
 
 
 class ConvertedGraphModule(fx.GraphModule):
@@ -103,6 +52,13 @@ class ConvertedGraphModule(fx.GraphModule):
             "this model's state_dict() into the new conversion"
         )
 
+    def train(self, mode: bool = True):
+        super().train(mode)
+        graphs = self.__dict__.get("_dr_graphs")
+        if graphs is not None and self.graph is not graphs[bool(mode)]:
+            self.graph = graphs[bool(mode)]  # the setter recompiles forward
+        return self
+
     def _apply(self, fn, recurse=True):
         ref = next((p for p in self.parameters() if p.is_floating_point()), None)
         before = (ref.dtype, ref.device) if ref is not None else None
@@ -114,6 +70,12 @@ class ConvertedGraphModule(fx.GraphModule):
 
 
 def _retarget(gm: fx.GraphModule, old: tuple, new: tuple) -> None:
+    for graph in gm.__dict__.get("_dr_graphs", {}).values() or [gm.graph]:
+        _retarget_graph(graph, old, new)
+    gm.recompile()
+
+
+def _retarget_graph(graph: fx.Graph, old: tuple, new: tuple) -> None:
     (odt, odev), (ndt, ndev) = old, new
 
     def swap(a):
@@ -123,15 +85,14 @@ def _retarget(gm: fx.GraphModule, old: tuple, new: tuple) -> None:
             return ndev
         return a
 
-    for n in list(gm.graph.nodes):
+    for n in list(graph.nodes):
         if n.op != "call_function":
             continue
         if n.target is aten._assert_tensor_metadata.default:
-            gm.graph.erase_node(n)
+            graph.erase_node(n)
             continue
         n.args = tuple(swap(a) for a in n.args)
         n.kwargs = {k: swap(v) for k, v in n.kwargs.items()}
-    gm.recompile()
 
 
 def _bind_inputs(module: nn.Module, args: tuple, kwargs: dict):
@@ -161,11 +122,43 @@ def _bind_inputs(module: nn.Module, args: tuple, kwargs: dict):
     return pos, kw
 
 
+def graft_graph(host: fx.GraphModule, other: fx.GraphModule) -> fx.Graph:
+    """Make ``other``'s graph runnable on ``host``: attributes with the same path and value are shared (parameters
+    are the same objects), anything else is copied onto ``host`` under a new name."""
+    for i, n in enumerate(n for n in other.graph.nodes if n.op == "get_attr"):
+        theirs = _resolve(other, n.target)
+        ours = _resolve(host, n.target)
+        if ours is theirs or (
+            isinstance(ours, torch.Tensor) and isinstance(theirs, torch.Tensor) and ours.shape == theirs.shape
+            and ours.dtype == theirs.dtype and torch.equal(ours, theirs)
+        ):
+            continue
+        name = f"_dr_eval_const_{i}"
+        if isinstance(theirs, torch.Tensor) and not isinstance(theirs, nn.Parameter):
+            host.register_buffer(name, theirs, persistent=False)
+        else:
+            setattr(host, name, theirs)
+        n.target = name
+    return other.graph
+
+
+def _resolve(mod: nn.Module, target: str):
+    obj = mod
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
 _CLASSES: dict[type, type] = {}
 
 
-def as_converted(gm: fx.GraphModule, model: nn.Module, args: tuple, kwargs: dict, report: Any) -> fx.GraphModule:
-    """Give ``gm`` the converted-model behaviour (class swap keeps every attribute and state-dict key)."""
+def as_converted(
+    gm: fx.GraphModule, eval_graph: fx.Graph, model: nn.Module, args: tuple, kwargs: dict, report: Any
+) -> fx.GraphModule:
+    """Give ``gm`` (the training-mode graph) the converted-model behaviour; ``eval_graph`` runs in eval mode.
+    The class swap keeps every attribute and state-dict key."""
     base = type(gm)
     cls = _CLASSES.get(base)
     if cls is None:
@@ -182,5 +175,6 @@ def as_converted(gm: fx.GraphModule, model: nn.Module, args: tuple, kwargs: dict
         gm._dr_signature = None
     gm._dr_layout = (len(args), tuple(kwargs))
     gm._dr_report = report
+    gm._dr_graphs = {True: gm.graph, False: eval_graph}
     gm.register_forward_pre_hook(_bind_inputs, with_kwargs=True, prepend=True)
     return gm

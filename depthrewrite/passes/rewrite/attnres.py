@@ -108,6 +108,7 @@ class _Site(nn.Module):
 
 
 def _container(gm: fx.GraphModule) -> nn.Module:
+    """The module that holds every new parameter (state-dict prefix ``depthrewrite.``)."""
     if not hasattr(gm, PARAM_PREFIX):
         gm.add_submodule(PARAM_PREFIX, nn.Module())
     return getattr(gm, PARAM_PREFIX)
@@ -167,7 +168,8 @@ def _rewrite_attnres(gm: fx.GraphModule, chain: Chain, config: AttnResConfig) ->
         if len(srcs) > 1:
             site = "output" if j == L else j
             name = f"mix_{site}"
-            box.add_module(name, _Site(chain.hidden_size, pdtype, device))
+            if not hasattr(box, name):  # the eval-mode graph reuses the training graph's parameters
+                box.add_module(name, _Site(chain.hidden_size, pdtype, device))
             scale = float(len(srcs)) if config.mix_scale == "count" else 1.0
             with graph.inserting_before(readers[0]):
                 q = graph.get_attr(f"{PARAM_PREFIX}.{name}.query")

@@ -57,6 +57,16 @@ def test_function_preserving_at_init(name, blocks):
     assert len(conv.report().sites) == n_mix
 
 
+@pytest.mark.parametrize("model_type", __import__("tests.passes.analyse.test_chain", fromlist=["MORE_HF"]).MORE_HF)
+def test_function_preserving_at_init_more_hf(model_type):
+    """Every other PreNorm architecture of the detection sweep converts exactly too (Full AttnRes)."""
+    model = build_zoo_model(f"hf:{model_type}").eval()
+    conv = dr.convert(model, "attnres").eval()
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        assert _rel(_logits(conv(ids)), _logits(model(ids))) <= INIT_RTOL
+
+
 def test_mean_scale_is_paper_literal_and_close_only_up_to_eps():
     model = build_zoo_model("hf:llama").eval()
     conv = dr.convert(model, "attnres", mix_scale="mean").eval()
@@ -204,18 +214,40 @@ def test_train_eval_switches_dropout():
         conv.train()
         t1, t2 = conv(ids).logits, conv(ids).logits
     assert not torch.equal(t1, t2)
-    assert any(isinstance(m, torch.nn.Dropout) for m in conv.modules())
+    conv.eval()
+    with torch.no_grad():
+        assert torch.equal(conv(ids).logits, e1)  # back to the eval graph
 
 
-def test_to_bf16_runs():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_to_half_dtypes_runs(dtype):
     model = build_zoo_model("hf:llama")
-    conv = dr.convert(model, "attnres").to(torch.bfloat16)
+    conv = dr.convert(model, "attnres").to(dtype)
     ids = torch.randint(0, 256, (2, 8))
     with torch.no_grad():
         out = conv(ids).logits
-        ref = model.to(torch.bfloat16)(ids).logits
-    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
-    assert _rel(out.float(), ref.float()) < 0.1  # bf16-level differences only
+        ref = model.to(dtype)(ids).logits
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert _rel(out.float(), ref.float()) < 0.1  # half-precision-level differences only
+    assert conv.depthrewrite.mix_1.query.dtype == dtype
+
+
+def test_to_device_retargets_the_graph():
+    """Baked device arguments (arange(..., device=cpu)) follow .to(device); 'meta' stands in for a GPU on CPU CI."""
+    conv = dr.convert(build_zoo_model("hf:llama"), "attnres").to("meta")
+    out = conv(torch.randint(0, 256, (2, 8), device="meta"))
+    assert out.logits.device.type == "meta"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_to_cuda_matches_cpu():
+    model = build_zoo_model("hf:llama")
+    conv = dr.convert(model, "attnres")
+    ids = torch.randint(0, 256, (2, 8))
+    with torch.no_grad():
+        ref = conv(ids).logits
+        out = conv.to("cuda")(ids.cuda()).logits.cpu()
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
 def test_inspect_of_converted_model_is_its_report(llama_pair):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -11,10 +13,10 @@ def _worker(rank: int, world: int, init_file: str, result_file: str) -> None:
     import depthrewrite as dr
     from depthrewrite.testing import nanogpt
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=__import__("datetime").timedelta(seconds=60))
+    torch.manual_seed(0)  # same weights on both ranks
+    conv = dr.convert(nanogpt(n_layer=1, n_embd=32), "attnres", blocks=1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
-        torch.manual_seed(0)  # same weights on both ranks
-        conv = dr.convert(nanogpt(n_layer=1, n_embd=32), "attnres", blocks=1)
         ddp = torch.nn.parallel.DistributedDataParallel(conv)
         torch.manual_seed(rank)  # different data per rank
         idx = torch.randint(0, 256, (2, 8))
@@ -25,6 +27,7 @@ def _worker(rank: int, world: int, init_file: str, result_file: str) -> None:
         dist.all_gather(gathered, g)
         if rank == 0:
             torch.save(gathered, result_file)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
