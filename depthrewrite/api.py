@@ -13,7 +13,7 @@ from .converted import ConvertedGraphModule, as_converted, graft_graph
 from .errors import DepthRewriteError
 from .passes.analyse.chain import detect_chain
 from .passes.rewrite import SchemeConfig, get_handler, scheme_config
-from .passes.rewrite.attnres import PARAM_PREFIX, block_size_for
+from .passes.rewrite.depth import PARAM_PREFIX, block_size_for
 from .report import ChainReport, ConvertReport, SiteInfo
 
 __all__ = ["inspect", "convert"]
