@@ -22,6 +22,8 @@ from .passes.analyse.chain import Branch, Chain, Sublayer, detect_chain
 from .passes.analyse.norms import NormSite
 from .passes.rewrite import SchemeConfig
 from .passes.rewrite.attnres import AttnResConfig
+from .passes.rewrite.mhc import MHCConfig
+from .passes.rewrite.msar import MSARConfig
 from .report import ChainReport, ConvertReport
 
 __version__ = "0.1.0"
@@ -32,6 +34,8 @@ __all__ = [
     "convert",
     "SchemeConfig",
     "AttnResConfig",
+    "MSARConfig",
+    "MHCConfig",
     "ConvertReport",
     "detect_chain",
     "Chain",

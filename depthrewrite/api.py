@@ -101,10 +101,10 @@ def convert(
     box = getattr(gm, PARAM_PREFIX)
     sites = []
     for c in result.changes:
-        mod = getattr(box, f"mix_{c.site}", None)
+        mod = getattr(box, c.params) if c.params else None
         params = sum(p.numel() for p in mod.parameters()) if mod is not None else 0
         where = chain.sublayers[c.site].branch_module if isinstance(c.site, int) else chain.final_norm.module
-        sites.append(SiteInfo(site=c.site, module=where, sources=c.sources, params=params))
+        sites.append(SiteInfo(site=c.site, module=where, sources=c.sources, params=params, detail=c.detail))
     S = block_size_for(config, len(chain))
     ref = next((p for p in model.parameters() if p.is_floating_point()), None)
     report = ConvertReport(
@@ -117,6 +117,7 @@ def convert(
         stored_sources=len(sites[-1].sources),
         bytes_per_element=ref.element_size() if ref is not None else 4,
         block_size=S,
+        notes=result.notes,
     )
     args, kwargs = gm.meta["depthrewrite_inputs"]
     gm = as_converted(gm, eval_graph, model, args, kwargs, report)

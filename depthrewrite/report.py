@@ -205,8 +205,9 @@ class SiteInfo:
 
     site: int | str  # sublayer index, or "output"
     module: str | None  # the sublayer (or final norm) the site feeds
-    sources: tuple[str, ...]  # "emb", "out3", "b1", "partial b2"
+    sources: tuple[str, ...]  # what the site reads: "emb", "out3", "b1", "partial b2"; mHC: the n streams
     params: int
+    detail: str = ""  # scheme-specific, e.g. mHC's coefficient shapes
 
 
 @dataclass(frozen=True)
@@ -219,9 +220,10 @@ class ConvertReport:
     sites: tuple[SiteInfo, ...]
     new_params: int
     model_params: int
-    stored_sources: int  # vectors of size d kept per token for the mixes (Full: L+1, Block: N_eff+1)
+    stored_sources: int  # vectors of size d kept per token as depth state (Full: L+1, Block: N_eff+1, mHC: n)
     bytes_per_element: int = 4
     block_size: int | None = None
+    notes: tuple[str, ...] = ()
 
     @property
     def param_ratio(self) -> float:
@@ -236,7 +238,7 @@ class ConvertReport:
         return dict(
             model_class=self.model_class,
             config=self.config.to_dict(),
-            sites=[dict(site=s.site, module=s.module, sources=list(s.sources), params=s.params) for s in self.sites],
+            sites=[dict(site=s.site, module=s.module, sources=list(s.sources), params=s.params, detail=s.detail) for s in self.sites],
             new_params=self.new_params,
             model_params=self.model_params,
             stored_sources=self.stored_sources,
@@ -244,17 +246,21 @@ class ConvertReport:
         )
 
     def __str__(self) -> str:
-        cfg = self.config
         L = len(self.chain.sublayers)
-        kind = "Full AttnRes" if getattr(cfg, "full", False) else f"Block AttnRes (S={self.block_size} sublayers per block)"
         head = [
-            f"{self.model_class} -> {kind}, mix_scale={cfg.mix_scale!r}: {len(self.sites)} mixing sites over {L} sublayers",
+            f"{self.model_class} -> {self.config.describe(self.block_size)}: {len(self.sites)} mixing sites over {L} sublayers",
             f"new parameters: {self.new_params:,} ({100 * self.param_ratio:.3f}% of {self.model_params:,})",
-            f"stored sources per token: {self.stored_sources} x d={self.chain.hidden_size} = "
+            f"stored depth state per token: {self.stored_sources} x d={self.chain.hidden_size} = "
             f"{self.memory_per_token:,} bytes ({self.bytes_per_element}-byte elements)",
         ]
-        rows = [[s.site, s.module or "-", len(s.sources), " ".join(s.sources), f"{s.params:,}"] for s in self.sites]
-        return "\n".join(head) + "\n" + tabulate(rows, headers=["site", "before", "K", "sources", "params"], tablefmt="simple")
+        head += list(self.notes)
+        detail = any(s.detail for s in self.sites)
+        rows = [
+            [s.site, s.module or "-", len(s.sources), " ".join(s.sources), f"{s.params:,}"] + ([s.detail] if detail else [])
+            for s in self.sites
+        ]
+        headers = ["site", "before", "K", "reads", "params"] + (["coefficients"] if detail else [])
+        return "\n".join(head) + "\n" + tabulate(rows, headers=headers, tablefmt="simple")
 
     def __repr__(self) -> str:
         return f"ConvertReport({self.model_class}, {self.config!r}, sites={len(self.sites)})"

@@ -50,7 +50,7 @@ def test_convert_prints_the_site_report(capsys):
     assert main(["convert", "hf:llama", "--scheme", "attnres", "--blocks", "4"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("LlamaForCausalLM -> Block AttnRes (S=2 sublayers per block)")
-    assert "new parameters:" in out and "stored sources per token: 5 x d=64" in out
+    assert "new parameters:" in out and "stored depth state per token: 5 x d=64" in out
     assert "output  model.norm" in out
 
 

@@ -18,13 +18,16 @@ class Change:
     module: str | None  # module path of the stream value the site replaces
     created: tuple[str, ...]
     replaced: str | None  # the stream value whose readers now read the site's output
-    sources: tuple[str, ...] = ()  # human-readable names of the sources the site reads ("emb", "v3", "b1", "partial")
+    sources: tuple[str, ...] = ()  # what the site reads: "emb", "out3", "b1", "partial b2"; mHC: streams "x0".."x3"
+    params: str | None = None  # the site's parameter module under ``depthrewrite.`` ("mix_3", "hc_0")
+    detail: str = ""  # scheme-specific, for reports (mHC: coefficient shapes)
 
 
 @dataclass(frozen=True)
 class PassResult:
     graph_module: fx.GraphModule
     changes: tuple[Change, ...] = field(default=())
+    notes: tuple[str, ...] = field(default=())  # report lines (e.g. memory comparisons)
 
     @property
     def modified(self) -> bool:

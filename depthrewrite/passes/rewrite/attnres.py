@@ -41,6 +41,10 @@ class AttnResConfig(DepthMixConfig):
 
     name = "attnres"
 
+    def describe(self, block_size: int | None = None) -> str:
+        kind = "Full AttnRes" if self.full else f"Block AttnRes (S={block_size} sublayers per block)"
+        return f"{kind}, mix_scale={self.mix_scale!r}"
+
 
 class _Site(nn.Module):
     """The parameters of one mixing site: pseudo-query w (init 0) and key-norm gain γ (init 1)."""

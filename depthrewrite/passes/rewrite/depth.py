@@ -187,7 +187,7 @@ def rewrite_depth_mix(gm: fx.GraphModule, chain: Chain, config: DepthMixConfig, 
             ed.redirect(j, mixed)
             changes.append(
                 Change(site=site, module=chain.sublayers[j - 1].module if j else None, created=(mixed.name,),
-                       replaced=old.name, sources=tuple(label for _, label in srcs))
+                       replaced=old.name, sources=tuple(label for _, label in srcs), params=f"mix_{site}")
             )
         if j == L:
             break

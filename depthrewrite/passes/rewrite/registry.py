@@ -21,6 +21,10 @@ class SchemeConfig:
     name = "base"
     version = 1
 
+    def describe(self, block_size: int | None = None) -> str:
+        """One line for reports."""
+        return self.name
+
     def to_dict(self) -> dict[str, Any]:
         return {"scheme": self.name, "version": self.version, **dataclasses.asdict(self)}
 

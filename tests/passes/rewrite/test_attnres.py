@@ -1,10 +1,5 @@
-"""convert(model, "attnres"): init equivalence on the zoo, an independent reference, and the converted-model contract.
-
-Tolerance for init equivalence: max|Δ| / max|ref| ≤ 1e-5 in fp32 with mix_scale="count". At init every mix is
-K·(1/K)·Σ sources = the standard stream exactly up to fp32 summation order, so the error is a few ulps of the
-logits (measured ~4e-7), and 1e-5 leaves headroom for deeper models while still catching an ε- or scale-bug
-(the "mean" mix shifts every norm's ε by K² and gives 1e-3..1e-1, spec §5).
-"""
+"""convert(model, "attnres"): the paper-literal scale, an independent reference, block/source bookkeeping, errors.
+Init equivalence on the zoo and the converted-model contract are in test_contract.py (shared by every scheme)."""
 
 from __future__ import annotations
 
@@ -17,55 +12,8 @@ from depthrewrite.passes.rewrite.attnres import sources_at
 from depthrewrite.testing import NoNormResidual, nanogpt
 
 from ...conftest import build_zoo_model
-from .attnres_reference import Decoder
-
-INIT_RTOL = 1e-5
-
-ZOO = [
-    "hf:llama", "hf:mistral", "hf:qwen2", "hf:qwen3", "hf:gemma", "hf:gemma2", "hf:phi", "hf:gpt_neox", "hf:gpt2",
-    "hf:olmo2", "hf:mixtral", "hf:cohere", "timm:vit_tiny_patch16_224", "nanogpt",
-]
-
-
-def _inputs(name, model, batch=2, seq=9):
-    if name.startswith("timm:"):
-        return (torch.randn(batch, 3, 224, 224),)
-    vocab = model.config.vocab_size if hasattr(model, "config") and hasattr(model.config, "vocab_size") else 256
-    return (torch.randint(0, vocab, (batch, seq)),)
-
-
-def _logits(out):
-    return out.logits if hasattr(out, "logits") else out
-
-
-def _rel(a, b):
-    return ((a - b).abs().max() / b.abs().max()).item()
-
-
-@pytest.mark.parametrize("blocks", [None, 2], ids=["full", "block2"])
-@pytest.mark.parametrize("name", ZOO)
-def test_function_preserving_at_init(name, blocks):
-    model = build_zoo_model(name).eval()
-    conv = dr.convert(model, "attnres", blocks=blocks).eval()
-    x = _inputs(name, model)
-    with torch.no_grad():
-        ref, out = _logits(model(*x)), _logits(conv(*x))
-    assert _rel(out, ref) <= INIT_RTOL
-    n_mix = sum(1 for n in conv.graph.nodes if n.target is torch.ops.depthrewrite.depth_attn.default)
-    L = len(conv.report().chain)
-    assert n_mix == L  # sites 1..L-1 and the output site; sublayer 0 has one source
-    assert len(conv.report().sites) == n_mix
-
-
-@pytest.mark.parametrize("model_type", __import__("tests.passes.analyse.test_chain", fromlist=["MORE_HF"]).MORE_HF)
-def test_function_preserving_at_init_more_hf(model_type):
-    """Every other PreNorm architecture of the detection sweep converts exactly too (Full AttnRes)."""
-    model = build_zoo_model(f"hf:{model_type}").eval()
-    conv = dr.convert(model, "attnres").eval()
-    ids = torch.randint(0, 256, (2, 9))
-    with torch.no_grad():
-        assert _rel(_logits(conv(ids)), _logits(model(ids))) <= INIT_RTOL
-
+from .helpers import inputs_for as _inputs, logits as _logits, rel_err as _rel
+from .reference_models import Decoder
 
 def test_mean_scale_is_paper_literal_and_close_only_up_to_eps():
     model = build_zoo_model("hf:llama").eval()
@@ -144,118 +92,6 @@ def test_blocks_vs_block_size_precedence_and_report():
     assert rep4.new_params == sum(s.params for s in rep4.sites) == 2 * 64 * len(rep4.sites)
 
 
-# ---------------------------------------------------------------------------------------------------- the contract
-
-
-@pytest.fixture(scope="module")
-def llama_pair():
-    model = build_zoo_model("hf:llama")
-    return model, dr.convert(model, "attnres", blocks=2)
-
-
-def test_parameters_and_training_step():
-    conv = dr.convert(build_zoo_model("hf:llama"), "attnres", blocks=2)
-    names = {n for n, _ in conv.named_parameters()}
-    assert any(n.startswith("depthrewrite.mix_") for n in names)
-    opt = torch.optim.AdamW(conv.parameters(), lr=1e-2)
-    ids = torch.randint(0, 256, (2, 12))
-    losses = []
-    for _ in range(5):
-        logits = conv(ids).logits
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        assert conv.depthrewrite.mix_1.query.grad.abs().sum() > 0  # w gets a gradient at init (spec §2)
-        opt.step()
-        losses.append(loss.item())
-    assert losses[-1] < losses[0]
-
-
-def test_state_dict_contract(llama_pair):
-    model, conv = llama_pair
-    orig, new = set(model.state_dict()), set(conv.state_dict())
-    assert orig <= new
-    added = new - orig
-    assert added and all(k.startswith("depthrewrite.") for k in added)
-    fresh = dr.convert(build_zoo_model("hf:llama"), "attnres", blocks=2)
-    res = fresh.load_state_dict(model.state_dict(), strict=False)
-    assert set(res.missing_keys) == added and not res.unexpected_keys
-    fresh.load_state_dict(conv.state_dict())  # a saved converted state dict loads into a fresh conversion
-
-
-@pytest.mark.parametrize("batch, seq", [(1, 1), (3, 5), (2, 40)])
-def test_any_batch_and_sequence(llama_pair, batch, seq):
-    model, conv = llama_pair
-    ids = torch.randint(0, 256, (batch, seq))
-    with torch.no_grad():
-        assert _rel(conv(ids).logits, model(ids).logits) <= INIT_RTOL
-
-
-def test_signature_and_output_type(llama_pair):
-    model, conv = llama_pair
-    ids = torch.randint(0, 256, (2, 6))
-    a, b = conv(ids), conv(input_ids=ids)
-    assert type(a) is type(model(ids)) and torch.equal(a.logits, b.logits)
-    with pytest.raises(ConfigError, match="labels"):
-        conv(ids, labels=ids)
-
-
-def test_train_eval_switches_dropout():
-    model = build_zoo_model("hf:gpt2")
-    model.config.resid_pdrop = model.config.embd_pdrop = model.config.attn_pdrop = 0.5
-    model = type(model)(model.config)  # rebuild with dropout > 0
-    conv = dr.convert(model, "attnres")
-    ids = torch.randint(0, 256, (2, 8))
-    conv.eval()
-    model.eval()
-    with torch.no_grad():
-        e1, e2 = conv(ids).logits, conv(ids).logits
-        assert torch.equal(e1, e2) and _rel(e1, model(ids).logits) <= INIT_RTOL
-        conv.train()
-        t1, t2 = conv(ids).logits, conv(ids).logits
-    assert not torch.equal(t1, t2)
-    conv.eval()
-    with torch.no_grad():
-        assert torch.equal(conv(ids).logits, e1)  # back to the eval graph
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_to_half_dtypes_runs(dtype):
-    model = build_zoo_model("hf:llama")
-    conv = dr.convert(model, "attnres").to(dtype)
-    ids = torch.randint(0, 256, (2, 8))
-    with torch.no_grad():
-        out = conv(ids).logits
-        ref = model.to(dtype)(ids).logits
-    assert out.dtype == dtype and torch.isfinite(out).all()
-    assert _rel(out.float(), ref.float()) < 0.1  # half-precision-level differences only
-    assert conv.depthrewrite.mix_1.query.dtype == dtype
-
-
-def test_to_device_retargets_the_graph():
-    """Baked device arguments (arange(..., device=cpu)) follow .to(device); 'meta' stands in for a GPU on CPU CI."""
-    conv = dr.convert(build_zoo_model("hf:llama"), "attnres").to("meta")
-    out = conv(torch.randint(0, 256, (2, 8), device="meta"))
-    assert out.logits.device.type == "meta"
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_to_cuda_matches_cpu():
-    model = build_zoo_model("hf:llama")
-    conv = dr.convert(model, "attnres")
-    ids = torch.randint(0, 256, (2, 8))
-    with torch.no_grad():
-        ref = conv(ids).logits
-        out = conv.to("cuda")(ids.cuda()).logits.cpu()
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
-
-
-def test_inspect_of_converted_model_is_its_report(llama_pair):
-    _, conv = llama_pair
-    assert dr.inspect(conv) is conv.report()
-    assert repr(conv).startswith("ConvertedLlamaForCausalLM(scheme='attnres'")
-
-
 # ---------------------------------------------------------------------------------------------------- errors
 
 
@@ -280,25 +116,3 @@ def test_model_that_fails_detection():
     with pytest.raises(NotPreNormError) as ei:
         dr.convert(NoNormResidual(), "attnres")
     assert isinstance(ei.value, DepthRewriteError) and ei.value.node
-
-
-def test_deepcopy_gives_a_clear_error(llama_pair):
-    import copy
-
-    with pytest.raises(DepthRewriteError, match="state_dict"):
-        copy.deepcopy(llama_pair[1])
-
-
-def test_torch_compile_runs_and_matches():
-    """One inductor compile for the module (~40 s on 2 cores): forward and backward through the registered op."""
-    model = nanogpt(n_layer=1, n_embd=32)
-    conv = dr.convert(model, "attnres")
-    for p in conv.depthrewrite.parameters():
-        p.data.normal_(0, 0.5)
-    idx = torch.randint(0, 256, (2, 9))
-    torch._dynamo.reset()
-    compiled = torch.compile(conv)
-    out = compiled(idx)
-    torch.testing.assert_close(out, conv(idx), rtol=1e-4, atol=1e-4)
-    out.sum().backward()
-    assert conv.depthrewrite.mix_1.query.grad is not None

@@ -1,0 +1,132 @@
+"""mHC: manifold-constrained hyper-connections as a rewrite of the detected PreNorm chain.
+
+    X_0    = n copies of the stream source h_0                                          [B, T, n, d]
+    site k H_pre, H_post, H_res = coeffs(RMS(vec X_k) φ_k, b_k, α_k)  (σ, 2σ, Sinkhorn)
+           u_k = Σ_i H_pre[i] X_k,i  -> sublayer k's own pre-norm and branch -> y_k
+           X_{k+1} = H_res X_k + H_postᵀ y_k
+    out    h = mean_i X_L,i (or sum) -> the model's final norm
+
+Xie et al., *mHC*, arXiv:2512.24880; spec: shared/specs/mhc.md (§5 collapse, §6 init, §7 real graphs). One site per
+residual add (a parallel block is one site whose y is the sum of its branches). Parameters per site:
+``depthrewrite.hc_{k}.{phi,bias,alpha}``. Init (spec §6): φ ~ N(0, 1e-4), α = 0.01, b_pre = -log(n-1),
+b_post = 0, b_res = -5·(1 - I): close to the original at init, exact with ``alpha_init=0``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from ...errors import ConfigError
+from ..analyse.chain import Chain
+from ..analyse.ops import tensor_val
+from ..meta import NodeRole, inherit_meta
+from ..result import Change, PassResult
+from .depth import ChainEditor
+from .registry import SchemeConfig, register_scheme
+
+__all__ = ["MHCConfig"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MHCConfig(SchemeConfig):
+    """mHC with n residual streams.
+
+    Args:
+        streams (int): n, >= 2. Default: 4.
+        sinkhorn_iters (int): Sinkhorn-Knopp iterations. Default: 20.
+        collapse (str): how the n streams become one before the final norm: ``"mean"`` (default) or ``"sum"``.
+        alpha_init (float): initial gating scalars α. Default: 0.01 (0 makes the converted model exact).
+        phi_std (float): std of φ's random init (breaks the stream symmetry). Default: 1e-4.
+        eps (float): RMS / H_pre / Sinkhorn epsilon. Default: 1e-6.
+    """
+
+    streams: int = 4
+    sinkhorn_iters: int = 20
+    collapse: str = "mean"
+    alpha_init: float = 0.01
+    phi_std: float = 1e-4
+    eps: float = 1e-6
+
+    name = "mhc"
+
+    def __post_init__(self):
+        if not isinstance(self.streams, int) or self.streams < 2:
+            raise ConfigError(f"MHCConfig.streams must be an integer >= 2, got {self.streams!r}")
+        if not isinstance(self.sinkhorn_iters, int) or self.sinkhorn_iters < 1:
+            raise ConfigError(f"MHCConfig.sinkhorn_iters must be an integer >= 1, got {self.sinkhorn_iters!r}")
+        if self.collapse not in ("mean", "sum"):
+            raise ConfigError(f"MHCConfig.collapse must be 'mean' or 'sum', got {self.collapse!r}")
+        if not self.eps > 0 or self.phi_std < 0:
+            raise ConfigError(f"MHCConfig.eps must be > 0 and phi_std >= 0, got eps={self.eps!r}, phi_std={self.phi_std!r}")
+
+    def describe(self, block_size: int | None = None) -> str:
+        return f"mHC, n={self.streams} streams, {self.sinkhorn_iters} Sinkhorn iterations, {self.collapse} collapse"
+
+
+class _HCSite(nn.Module):
+    """One mHC site: φ [n·d, n²+2n], b [n²+2n], α [3] (kept in fp32, as the spec recommends)."""
+
+    def __init__(self, d: int, config: MHCConfig, device: torch.device):
+        super().__init__()
+        n = config.streams
+        kw = dict(dtype=torch.float32, device=device)
+        self.phi = nn.Parameter(torch.randn(n * d, n * n + 2 * n, **kw) * config.phi_std)
+        b_res = -5.0 * (1.0 - torch.eye(n, **kw))
+        self.bias = nn.Parameter(torch.cat([torch.full((n,), -math.log(n - 1), **kw), torch.zeros(n, **kw), b_res.flatten()]))
+        self.alpha = nn.Parameter(torch.full((3,), float(config.alpha_init), **kw))
+
+
+@register_scheme(MHCConfig)
+def _rewrite_mhc(gm: fx.GraphModule, chain: Chain, config: MHCConfig) -> PassResult:
+    ed = ChainEditor(gm, chain, config.name)
+    graph, L, n = ed.graph, ed.L, config.streams
+    ops = torch.ops.depthrewrite
+    changes: list[Change] = []
+    streams = tuple(f"x{i}" for i in range(n))
+    h0 = ed.stream(0)
+    rank = tensor_val(h0).dim()
+    with graph.inserting_before(ed.readers_of(0)[0]):
+        X = graph.call_function(torch.ops.aten.repeat.default, (graph.call_function(torch.ops.aten.unsqueeze.default, (h0, -2)), [1] * (rank - 1) + [n, 1]))
+    inherit_meta(X, h0, NodeRole("expand", 0, config.name))
+    X.meta.pop("val", None)
+    for k in range(L):
+        name = f"hc_{k}"
+        site = ed.site_module(name, lambda: _HCSite(chain.hidden_size, config, ed.device))
+        old = ed.stream(k)
+        with graph.inserting_before(ed.readers_of(k)[0]):
+            coeffs = graph.call_function(
+                ops.mhc_coeffs.default,
+                (X, ed.get_attr(f"{name}.phi"), ed.get_attr(f"{name}.bias"), ed.get_attr(f"{name}.alpha"), config.sinkhorn_iters, config.eps),
+            )
+            pre, post, res = (graph.call_function(operator.getitem, (coeffs, i)) for i in range(3))
+            u = graph.call_function(ops.mhc_pre.default, (X, pre))
+        inherit_meta(u, old, NodeRole("mhc_pre", k, config.name))
+        ed.redirect(k, u)
+        y = ed.output_of(k)
+        with graph.inserting_after(y):
+            X = graph.call_function(ops.mhc_post.default, (X, res, post, y))
+        inherit_meta(X, ed.nodes[chain.sublayers[k].residual_add], NodeRole("mhc_state", k, config.name))
+        X.meta.pop("val", None)
+        shapes = f"φ {list(site.phi.shape)}, b [{site.bias.numel()}], α [3] -> H_pre [{n}], H_post [{n}], H_res [{n}x{n}]"
+        changes.append(Change(site=k, module=chain.sublayers[k].module, created=(coeffs.name, u.name, X.name),
+                              replaced=old.name, sources=streams, params=name, detail=shapes))
+    old = ed.stream(L)
+    with graph.inserting_before(ed.readers_of(L)[0]):
+        h = graph.call_function(ops.mhc_collapse.default, (X, config.collapse))
+    inherit_meta(h, old, NodeRole("collapse", "output", config.name))
+    ed.redirect(L, h)
+    changes.append(Change(site="output", module=None, created=(h.name,), replaced=old.name, sources=streams,
+                          detail=f"{config.collapse} of the {n} streams"))
+    d = chain.hidden_size
+    result = ed.finish(changes)
+    notes = (
+        f"the n-stream state is {n}·d = {n * d} values per token at every site (Full AttnRes stores up to "
+        f"{L + 1}·d = {(L + 1) * d}, Block AttnRes with 8 blocks {min(L, 8) + 1}·d = {(min(L, 8) + 1) * d})",
+    )
+    return PassResult(result.graph_module, result.changes, notes)

@@ -1,0 +1,107 @@
+"""MSAR and Block MSAR: multi-stream attention residuals as a rewrite of the detected PreNorm chain.
+
+    sources  as AttnRes (stream source + raw sublayer outputs; Block: single-stream summaries, K3 ordering)
+    views    V^(0) = v_i, V^(r) = causal depthwise conv_r(v_i) along the sequence, kernel sizes (4, 8, 12)
+    site j   Z^(r) = Σ_i softmax_i(w_r · RMSNorm_{γ_r}(V_i^(r))) V_i^(r);  g = σ(α·(RMS(Z) φ) + b);  h = c·Σ_r g_r Z^(r)
+
+Qin et al., *Multi-Stream Attention Residuals* (2026); spec: shared/specs/msar.md. Each site is one
+``depthrewrite::msar_mix`` node. Blocks store single-stream summaries only: the views are expanded at the site
+(exact, the convs are linear), so the stored state per token is (N+1)·d, as for Block AttnRes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from ...errors import ConfigError
+from ..analyse.chain import Chain
+from ..result import PassResult
+from .depth import ChainEditor, DepthMixConfig, rewrite_depth_mix
+from .registry import register_scheme
+
+__all__ = ["MSARConfig"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MSARConfig(DepthMixConfig):
+    """Full MSAR (``blocks=None``) or Block MSAR.
+
+    Args:
+        streams (int): m views per source, >= 2 (stream 0 is the identity). Default: 4.
+        kernel_sizes (tuple[int, ...], optional): the m-1 causal conv widths. Default: (4, 8, 12) for m = 4, else
+            k_r = 4r.
+        conv_on (str): ``"kv"`` (default: keys and values come from the conv views) or ``"k"`` (keys only).
+        mixer (str): ``"sigmoid"`` (default, the input-dependent mixer) or ``"mean"`` (g_r = 1/m).
+        blocks, block_size, mix_scale, eps: as :class:`AttnResConfig` (``block_size`` wins over ``blocks``).
+    """
+
+    streams: int = 4
+    kernel_sizes: tuple[int, ...] | None = None
+    conv_on: str = "kv"
+    mixer: str = "sigmoid"
+
+    name = "msar"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.streams, int) or self.streams < 2:
+            raise ConfigError(f"MSARConfig.streams must be an integer >= 2, got {self.streams!r}")
+        ks = self.kernels
+        if len(ks) != self.streams - 1 or any(not isinstance(k, int) or k < 1 for k in ks):
+            raise ConfigError(
+                f"MSARConfig.kernel_sizes must be {self.streams - 1} positive integers (one per conv stream), "
+                f"got {self.kernel_sizes!r}"
+            )
+        if self.conv_on not in ("kv", "k"):
+            raise ConfigError(f"MSARConfig.conv_on must be 'kv' or 'k', got {self.conv_on!r}")
+        if self.mixer not in ("sigmoid", "mean"):
+            raise ConfigError(f"MSARConfig.mixer must be 'sigmoid' or 'mean', got {self.mixer!r}")
+
+    def describe(self, block_size: int | None = None) -> str:
+        kind = "Full MSAR" if self.full else f"Block MSAR (S={block_size} sublayers per block)"
+        ks = "/".join(map(str, self.kernels))
+        return f"{kind}, m={self.streams} streams (kernels {ks}, conv on {self.conv_on}, {self.mixer} mixer), mix_scale={self.mix_scale!r}"
+
+    @property
+    def kernels(self) -> tuple[int, ...]:
+        if self.kernel_sizes is not None:
+            return tuple(self.kernel_sizes)
+        return (4, 8, 12) if self.streams == 4 else tuple(4 * r for r in range(1, self.streams))
+
+
+class _MSARSite(nn.Module):
+    """One MSAR site: per-stream queries (0) and key gains (1), identity-initialised causal convs (last tap 1),
+    and the mixer (φ = 0, b = -log(m-1), α = 0.01), so the site is AttnRes's uniform mix at init."""
+
+    def __init__(self, d: int, kernels: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        m = len(kernels) + 1
+        kw = dict(dtype=dtype, device=device)
+        self.query = nn.Parameter(torch.zeros(m, d, **kw))
+        self.gain = nn.Parameter(torch.ones(m, d, **kw))
+        self.conv = nn.ParameterList()
+        for k in kernels:
+            w = torch.zeros(d, k, **kw)
+            w[:, k - 1] = 1.0  # the current token is the last tap
+            self.conv.append(nn.Parameter(w))
+        self.phi = nn.Parameter(torch.zeros(m * d, m, **kw))
+        self.bias = nn.Parameter(torch.full((m,), -math.log(m - 1), **kw))
+        self.alpha = nn.Parameter(torch.full((1,), 0.01, **kw))
+
+
+@register_scheme(MSARConfig)
+def _rewrite_msar(gm: fx.GraphModule, chain: Chain, config: MSARConfig) -> PassResult:
+    def emit(ed: ChainEditor, name: str, sources: list[fx.Node], eps: float, scale: float) -> fx.Node:
+        site = ed.site_module(name, lambda: _MSARSite(chain.hidden_size, config.kernels, ed.dtype, ed.device))
+        get = ed.get_attr
+        conv = [get(f"{name}.conv.{r}") for r in range(len(site.conv))]
+        args = (sources, get(f"{name}.query"), get(f"{name}.gain"), conv, get(f"{name}.phi"), get(f"{name}.bias"),
+                get(f"{name}.alpha"), eps, scale, config.conv_on == "kv", config.mixer == "sigmoid")
+        return ed.graph.call_function(torch.ops.depthrewrite.msar_mix.default, args)
+
+    return rewrite_depth_mix(gm, chain, config, emit)

@@ -1,0 +1,186 @@
+"""Plain PreNorm decoders with AttnRes, MSAR and mHC, written from shared/specs/ (not from the passes).
+
+Used by the independent-reference tests: the vanilla twin (`use_attnres=False`) is converted by depthrewrite, the
+weights are copied, and both sides get the same random pseudo-queries and gains.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.proj = nn.Linear(d, d, bias=False)
+        self.heads = heads
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, D))
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.up = nn.Linear(d, 3 * d, bias=False)
+        self.down = nn.Linear(3 * d, d, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.up(x)))
+
+
+class Mix(nn.Module):
+    """One site: h = c · Σ softmax(w · RMSNorm_γ(v_i)) v_i, in fp32 (spec §2, §5 count rescaling)."""
+
+    def __init__(self, d: int, eps: float):
+        super().__init__()
+        self.query = nn.Parameter(torch.zeros(d))
+        self.gain = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, sources, count: bool):
+        V = torch.stack(sources).float()  # [K, B, T, D]
+        keys = V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + self.eps) * self.gain
+        alpha = torch.softmax((keys * self.query).sum(-1), dim=0)  # [K, B, T]
+        h = (alpha.unsqueeze(-1) * V).sum(0)
+        return (h * len(sources) if count else h).to(sources[0].dtype)
+
+
+class Decoder(nn.Module):
+    """L_b blocks = 2·L_b sublayers (attention, MLP, ...). ``block_size`` S in sublayers; S=1 is Full AttnRes."""
+
+    def __init__(self, vocab=64, d=32, layers=3, heads=4, use_attnres=False, block_size=1, count=True):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.norms = nn.ModuleList([RMSNorm(d) for _ in range(2 * layers)])
+        self.fns = nn.ModuleList([Attention(d, heads) if j % 2 == 0 else MLP(d) for j in range(2 * layers)])
+        self.final = RMSNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.use_attnres, self.S, self.count = use_attnres, block_size, count
+        if use_attnres:
+            # sites 1..L-1 and the output site; sublayer 0 has a single source and no parameters (spec §11.9)
+            self.mixes = nn.ModuleDict({str(j): Mix(d, 1e-6) for j in range(1, 2 * layers)} | {"output": Mix(d, 1e-6)})
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        if not self.use_attnres:
+            for norm, f in zip(self.norms, self.fns):
+                x = x + f(norm(x))
+            return self.head(self.final(x))
+        # K3 ordering (spec §4), written directly
+        blocks, prefix = [], x
+        for j, (norm, f) in enumerate(zip(self.norms, self.fns)):
+            srcs = blocks + [prefix]
+            h = self.mixes[str(j)](srcs, self.count) if len(srcs) > 1 else prefix
+            if j % self.S == 0:
+                blocks, prefix = blocks + [prefix], None
+            out = f(norm(h))
+            prefix = out if prefix is None else prefix + out
+        h = self.mixes["output"](blocks + [prefix], self.count)
+        return self.head(self.final(h))
+
+
+# ------------------------------------------------------------------------------------------- MSAR (msar.md §2, §4, §5)
+
+
+def causal_conv_taps(x, w):
+    """Depthwise causal conv along dim -2, written tap by tap: y[t] = Σ_τ w[:, k-1-τ] · x[t-τ] (last tap = now)."""
+    k = w.shape[1]
+    y = torch.zeros_like(x)
+    T = x.shape[-2]
+    for tau in range(min(k, T)):
+        y[..., tau:, :] += w[:, k - 1 - tau] * x[..., : T - tau, :]
+    return y
+
+
+class MSARMix(nn.Module):
+    def __init__(self, d: int, kernels=(4, 8, 12), eps: float = 1e-6):
+        super().__init__()
+        m = len(kernels) + 1
+        self.query = nn.Parameter(torch.zeros(m, d))
+        self.gain = nn.Parameter(torch.ones(m, d))
+        self.conv = nn.ParameterList([nn.Parameter(torch.zeros(d, k)) for k in kernels])
+        self.phi = nn.Parameter(torch.zeros(m * d, m))
+        self.bias = nn.Parameter(torch.zeros(m))
+        self.alpha = nn.Parameter(torch.zeros(1))
+        self.eps = eps
+
+    def forward(self, sources, count: bool):
+        X = torch.stack(sources, dim=2).float()  # [B, T, K, d]
+        Z = []
+        for r in range(len(self.conv) + 1):
+            Xr = X if r == 0 else causal_conv_taps(X.transpose(1, 2), self.conv[r - 1]).transpose(1, 2)
+            Kn = Xr * torch.rsqrt(Xr.pow(2).mean(-1, keepdim=True) + self.eps)
+            a = torch.softmax(Kn @ (self.gain[r] * self.query[r]), dim=2)  # [B, T, K]
+            Z.append((a[..., None] * Xr).sum(2))
+        Zs = torch.stack(Z, 2)  # [B, T, m, d]
+        z = Zs.flatten(-2)
+        z = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + self.eps)
+        g = torch.sigmoid(self.alpha * (z @ self.phi) + self.bias)
+        h = (g[..., None] * Zs).sum(2)
+        return (h * len(sources) if count else h).to(sources[0].dtype)
+
+
+class MSARDecoder(Decoder):
+    """Decoder with (Block) MSAR: the K3 loop of the AttnRes decoder with the MSAR mix."""
+
+    def __init__(self, vocab=64, d=32, layers=3, heads=4, block_size=1, kernels=(2, 3, 5)):
+        super().__init__(vocab, d, layers, heads, use_attnres=False)
+        self.use_attnres, self.S, self.count = True, block_size, True
+        self.mixes = nn.ModuleDict({str(j): MSARMix(d, kernels) for j in range(1, 2 * layers)} | {"output": MSARMix(d, kernels)})
+
+
+# ------------------------------------------------------------------------------------------- mHC (mhc.md §3, §8)
+
+
+def sinkhorn_ref(Lg, iters, eps):
+    M = torch.softmax(Lg, dim=-2) + eps
+    M = M / (M.sum(-1, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        M = M / (M.sum(-2, keepdim=True) + eps)
+        M = M / (M.sum(-1, keepdim=True) + eps)
+    return M
+
+
+class MHCDecoder(Decoder):
+    """Decoder with n residual streams, one mHC site per sublayer, mean collapse before the final norm."""
+
+    def __init__(self, vocab=64, d=32, layers=3, heads=4, n=4, iters=20, eps=1e-6):
+        super().__init__(vocab, d, layers, heads, use_attnres=False)
+        self.n, self.iters, self.eps = n, iters, eps
+        self.phi = nn.ParameterList([nn.Parameter(torch.zeros(n * d, n * n + 2 * n)) for _ in range(2 * layers)])
+        self.b = nn.ParameterList([nn.Parameter(torch.zeros(n * n + 2 * n)) for _ in range(2 * layers)])
+        self.a = nn.ParameterList([nn.Parameter(torch.zeros(3)) for _ in range(2 * layers)])
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        B, T, d = h.shape
+        n = self.n
+        X = h.unsqueeze(2).repeat(1, 1, n, 1)  # [B, T, n, d]
+        for k, (norm, f) in enumerate(zip(self.norms, self.fns)):
+            xf = X.reshape(B, T, n * d).float()
+            mix = (xf @ self.phi[k]) * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+            a, b = self.a[k], self.b[k]
+            pre = torch.sigmoid(a[0] * mix[..., :n] + b[:n]) + self.eps
+            post = 2 * torch.sigmoid(a[1] * mix[..., n : 2 * n] + b[n : 2 * n])
+            Hres = sinkhorn_ref((a[2] * mix[..., 2 * n :] + b[2 * n :]).view(B, T, n, n), self.iters, self.eps)
+            u = torch.einsum("btn,btnd->btd", pre, X.float()).to(X.dtype)
+            y = f(norm(u))
+            X = (torch.einsum("btji,btid->btjd", Hres, X.float()) + post[..., None] * y.float()[:, :, None, :]).to(X.dtype)
+        return self.head(self.final(X.float().mean(2).to(X.dtype)))

@@ -1,0 +1,205 @@
+"""The converted-model contract, for every scheme: function-preserving at init on the whole zoo, parameters and
+training, state dicts, train/eval, shapes, dtypes and devices, call signature and output type, compile, errors."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import depthrewrite as dr
+from depthrewrite import ConfigError, DepthRewriteError
+from depthrewrite.testing import nanogpt
+
+from ...conftest import build_zoo_model
+from ..analyse.test_chain import MORE_HF
+from .helpers import INIT_RTOL, MHC_DEFAULT_RTOL, inputs_for, logits, rel_err
+
+# (id, scheme, options, tolerance at init)
+SCHEMES = [
+    pytest.param("attnres", {}, INIT_RTOL, id="attnres"),
+    pytest.param("attnres", {"blocks": 2}, INIT_RTOL, id="attnres-block2"),
+    pytest.param("msar", {}, INIT_RTOL, id="msar"),
+    pytest.param("msar", {"blocks": 2}, INIT_RTOL, id="msar-block2"),
+    pytest.param("mhc", {"alpha_init": 0.0}, INIT_RTOL, id="mhc-alpha0"),
+    pytest.param("mhc", {}, MHC_DEFAULT_RTOL, id="mhc"),
+]
+
+ZOO = [
+    "hf:llama", "hf:mistral", "hf:qwen2", "hf:qwen3", "hf:gemma", "hf:gemma2", "hf:phi", "hf:gpt_neox", "hf:gpt2",
+    "hf:olmo2", "hf:mixtral", "hf:cohere", "timm:vit_tiny_patch16_224", "nanogpt",
+]
+
+OP_NAMES = {"attnres": "depth_attn", "msar": "msar_mix", "mhc": "mhc_coeffs"}
+
+
+def _count_ops(gm, scheme):
+    op = getattr(torch.ops.depthrewrite, OP_NAMES[scheme]).default
+    return sum(1 for n in gm.graph.nodes if n.target is op)
+
+
+@pytest.mark.parametrize("scheme, options, tol", SCHEMES)
+@pytest.mark.parametrize("name", ZOO)
+def test_function_preserving_at_init(name, scheme, options, tol):
+    model = build_zoo_model(name).eval()
+    conv = dr.convert(model, scheme, **options).eval()
+    x = inputs_for(name, model)
+    with torch.no_grad():
+        ref, out = logits(model(*x)), logits(conv(*x))
+    assert rel_err(out, ref) <= tol
+    L = len(conv.report().chain)
+    assert _count_ops(conv, scheme) == L  # AttnRes/MSAR: sites 1..L-1 + output; mHC: one per sublayer
+    assert len(conv.report().sites) == (L + 1 if scheme == "mhc" else L)
+
+
+@pytest.mark.parametrize("scheme", ["attnres", "msar", "mhc"])
+@pytest.mark.parametrize("model_type", MORE_HF)
+def test_function_preserving_at_init_more_hf(model_type, scheme):
+    """Every other PreNorm architecture of the detection sweep converts exactly too."""
+    model = build_zoo_model(f"hf:{model_type}").eval()
+    conv = dr.convert(model, scheme, **({"alpha_init": 0.0} if scheme == "mhc" else {})).eval()
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        assert rel_err(logits(conv(ids)), logits(model(ids))) <= INIT_RTOL
+
+
+@pytest.mark.parametrize("scheme, options, tol", SCHEMES)
+def test_parameters_and_training_step(scheme, options, tol):
+    conv = dr.convert(build_zoo_model("hf:llama"), scheme, **options)
+    names = {n for n, _ in conv.named_parameters()}
+    assert any(n.startswith("depthrewrite.") for n in names)
+    opt = torch.optim.AdamW(conv.parameters(), lr=1e-2)
+    ids = torch.randint(0, 256, (2, 12))
+    losses = []
+    for _ in range(5):
+        out = conv(ids).logits
+        loss = torch.nn.functional.cross_entropy(out[:, :-1].reshape(-1, out.shape[-1]), ids[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        new_grads = [p.grad for n, p in conv.named_parameters() if n.startswith("depthrewrite.")]
+        assert any(g is not None and g.abs().sum() > 0 for g in new_grads)
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+@pytest.fixture(scope="module", params=["attnres", "msar", "mhc"])
+def pair(request):
+    model = build_zoo_model("hf:llama")
+    return request.param, model, dr.convert(model, request.param, **({"blocks": 2} if request.param != "mhc" else {}))
+
+
+def test_state_dict_contract(pair):
+    scheme, model, conv = pair
+    orig, new = set(model.state_dict()), set(conv.state_dict())
+    assert orig <= new
+    added = new - orig
+    assert added and all(k.startswith("depthrewrite.") for k in added)
+    fresh = dr.convert(build_zoo_model("hf:llama"), scheme, **({"blocks": 2} if scheme != "mhc" else {}))
+    res = fresh.load_state_dict(model.state_dict(), strict=False)
+    assert set(res.missing_keys) == added and not res.unexpected_keys
+    fresh.load_state_dict(conv.state_dict())  # a saved converted state dict loads into a fresh conversion
+    ids = torch.randint(0, 256, (2, 7))
+    torch.testing.assert_close(fresh(ids).logits, conv(ids).logits)
+
+
+@pytest.mark.parametrize("batch, seq", [(1, 1), (3, 5), (2, 40)])
+def test_any_batch_and_sequence(pair, batch, seq):
+    scheme, model, conv = pair
+    ids = torch.randint(0, 256, (batch, seq))
+    with torch.no_grad():
+        assert rel_err(conv(ids).logits, model(ids).logits) <= (MHC_DEFAULT_RTOL if scheme == "mhc" else INIT_RTOL)
+
+
+def test_signature_and_output_type(pair):
+    _, model, conv = pair
+    ids = torch.randint(0, 256, (2, 6))
+    a, b = conv(ids), conv(input_ids=ids)
+    assert type(a) is type(model(ids)) and torch.equal(a.logits, b.logits)
+    with pytest.raises(ConfigError, match="labels"):
+        conv(ids, labels=ids)
+
+
+def test_inspect_of_converted_model_is_its_report(pair):
+    scheme, _, conv = pair
+    assert dr.inspect(conv) is conv.report()
+    assert repr(conv).startswith(f"ConvertedLlamaForCausalLM(scheme='{scheme}'")
+    assert str(conv.report()).startswith("LlamaForCausalLM -> ")
+
+
+def test_deepcopy_gives_a_clear_error(pair):
+    with pytest.raises(DepthRewriteError, match="state_dict"):
+        copy.deepcopy(pair[2])
+
+
+@pytest.mark.parametrize("scheme", ["attnres", "msar", "mhc"])
+def test_train_eval_switches_dropout(scheme):
+    model = build_zoo_model("hf:gpt2")
+    model.config.resid_pdrop = model.config.embd_pdrop = model.config.attn_pdrop = 0.5
+    model = type(model)(model.config)  # rebuild with dropout > 0
+    conv = dr.convert(model, scheme, **({"alpha_init": 0.0} if scheme == "mhc" else {}))
+    ids = torch.randint(0, 256, (2, 8))
+    conv.eval()
+    model.eval()
+    with torch.no_grad():
+        e1, e2 = conv(ids).logits, conv(ids).logits
+        assert torch.equal(e1, e2) and rel_err(e1, model(ids).logits) <= INIT_RTOL
+        conv.train()
+        t1, t2 = conv(ids).logits, conv(ids).logits
+        assert not torch.equal(t1, t2)
+        conv.eval()
+        assert torch.equal(conv(ids).logits, e1)  # back to the eval graph
+
+
+@pytest.mark.parametrize("scheme", ["attnres", "msar", "mhc"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_to_half_dtypes_runs(scheme, dtype):
+    model = build_zoo_model("hf:llama")
+    conv = dr.convert(model, scheme).to(dtype)
+    ids = torch.randint(0, 256, (2, 8))
+    with torch.no_grad():
+        out = conv(ids).logits
+        ref = model.to(dtype)(ids).logits
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert rel_err(out.float(), ref.float()) < 0.1  # half-precision-level differences only
+
+
+@pytest.mark.parametrize("scheme", ["attnres", "msar", "mhc"])
+def test_to_device_retargets_the_graph(scheme):
+    """Baked device arguments (arange(..., device=cpu)) follow .to(device); 'meta' stands in for a GPU on CPU CI."""
+    conv = dr.convert(build_zoo_model("hf:llama"), scheme).to("meta")
+    out = conv(torch.randint(0, 256, (2, 8), device="meta"))
+    assert out.logits.device.type == "meta"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("scheme", ["attnres", "msar", "mhc"])
+def test_to_cuda_matches_cpu(scheme):
+    conv = dr.convert(build_zoo_model("hf:llama"), scheme)
+    ids = torch.randint(0, 256, (2, 8))
+    with torch.no_grad():
+        ref = conv(ids).logits
+        out = conv.to("cuda")(ids.cuda()).logits.cpu()
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_torch_compile_runs_and_matches():
+    """One inductor compile per scheme on a tiny model: forward and backward through the registered ops."""
+    idx = torch.randint(0, 256, (2, 9))
+    for scheme in ("attnres", "msar", "mhc"):
+        conv = dr.convert(nanogpt(n_layer=1, n_embd=32), scheme)
+        for n, p in conv.named_parameters():
+            if n.startswith("depthrewrite.") and "phi" not in n:
+                p.data.add_(torch.randn_like(p) * 0.1)
+        torch._dynamo.reset()
+        out = torch.compile(conv)(idx)
+        torch.testing.assert_close(out, conv(idx), rtol=1e-4, atol=1e-4)
+        out.sum().backward()
+        assert any(p.grad is not None for n, p in conv.named_parameters() if n.startswith("depthrewrite."))
+
+
+@pytest.mark.parametrize("scheme", ["attnres", "msar", "mhc"])
+def test_unknown_options_and_bad_values(scheme):
+    with pytest.raises(ConfigError, match="no option"):
+        dr.convert(nanogpt(n_layer=1), scheme, bogus=1)
