@@ -1,0 +1,142 @@
+"""MSAR specifics: the independent reference, equality with AttnRes at init, single-stream block state, causality,
+and chunked decoding with the conv state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import depthrewrite as dr
+from depthrewrite import ConfigError
+from depthrewrite.kernels.msar import causal_depthwise_conv, msar_mix_ref
+from depthrewrite.testing import nanogpt
+
+from ...conftest import build_zoo_model
+from .helpers import INIT_RTOL, inputs_for, logits, rel_err
+from .reference_models import Decoder, MSARDecoder, causal_conv_taps
+
+
+def test_conv_identity_init_in_the_tap_layout():
+    """msar.md §4.1: the current token is the last tap; identity init is w[:, k-1] = 1."""
+    conv = dr.convert(nanogpt(n_layer=1), "msar")
+    site = conv.depthrewrite.mix_1
+    for w, k in zip(site.conv, (4, 8, 12)):
+        assert w.shape[1] == k and torch.equal(w[:, k - 1], torch.ones(w.shape[0])) and w[:, : k - 1].abs().sum() == 0
+    x = torch.randn(2, 7, 64)
+    torch.testing.assert_close(causal_depthwise_conv(x, site.conv[2].detach()), x)
+    w = torch.randn(64, 5)
+    torch.testing.assert_close(causal_depthwise_conv(x, w), causal_conv_taps(x, w))
+
+
+@pytest.mark.parametrize("mix_scale", ["count", "mean"])
+@pytest.mark.parametrize("blocks", [None, 2], ids=["full", "block2"])
+def test_equals_attnres_at_init(blocks, mix_scale):
+    model = build_zoo_model("hf:qwen2").eval()
+    x = inputs_for("hf:qwen2", model)
+    a = dr.convert(model, "attnres", blocks=blocks, mix_scale=mix_scale).eval()
+    m = dr.convert(model, "msar", blocks=blocks, mix_scale=mix_scale).eval()
+    with torch.no_grad():
+        assert rel_err(logits(m(*x)), logits(a(*x))) <= INIT_RTOL
+
+
+@pytest.mark.parametrize("S", [1, 2, 4], ids=lambda s: f"S{s}")
+def test_independent_reference(S):
+    torch.manual_seed(0)
+    kernels = (2, 3, 5)
+    vanilla = Decoder(layers=3)
+    ref = MSARDecoder(layers=3, block_size=S, kernels=kernels)
+    ref.load_state_dict(vanilla.state_dict(), strict=False)
+    idx = torch.randint(0, 64, (2, 7))
+    conv = dr.convert(vanilla, "msar", block_size=S, kernel_sizes=kernels, example_inputs=(idx,))
+    g = torch.Generator().manual_seed(1)
+    box = conv.depthrewrite
+    for j, mix in ref.mixes.items():
+        site = getattr(box, f"mix_{j}")
+        for (name, p_ref), (name2, p_conv) in zip(mix.named_parameters(), site.named_parameters()):
+            assert name == name2
+            v = torch.randn(p_ref.shape, generator=g) * 0.5
+            p_ref.data.copy_(v)
+            p_conv.data.copy_(v)
+    out_ref, out = ref(idx), conv(idx)
+    torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
+    out_ref.square().mean().backward()
+    out.square().mean().backward()
+    conv_params = dict(conv.named_parameters())
+    for name, p in ref.named_parameters():
+        cname = "depthrewrite.mix_" + name[len("mixes."):] if name.startswith("mixes.") else name
+        torch.testing.assert_close(conv_params[cname].grad, p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_block_msar_stores_single_stream_summaries():
+    model = nanogpt(n_layer=4)  # L = 8
+    rep = dr.convert(model, "msar", blocks=2).report()  # S = 4, N_eff = 2
+    assert rep.stored_sources == 2 + 1  # (N_eff + 1)·d, like Block AttnRes; not m·(N_eff + 1)·d
+    assert rep.memory_per_token == 3 * 64 * 4
+    assert rep.stored_sources == dr.convert(model, "attnres", blocks=2).report().stored_sources
+    assert "Block MSAR (S=4" in str(rep) and "m=4 streams" in str(rep)
+
+
+CAUSAL = ["hf:llama", "hf:mistral", "hf:qwen2", "hf:qwen3", "hf:gemma", "hf:gemma2", "hf:phi", "hf:gpt_neox", "hf:gpt2", "hf:olmo2", "hf:mixtral", "hf:cohere", "nanogpt"]
+
+
+@pytest.mark.parametrize("name", CAUSAL)
+def test_causality(name):
+    """Perturbing position t changes no output before t, with random convs, queries and mixer."""
+    model = build_zoo_model(name).eval()
+    conv = dr.convert(model, "msar").eval()
+    g = torch.Generator().manual_seed(0)
+    for n, p in conv.named_parameters():
+        if n.startswith("depthrewrite."):
+            p.data.add_(torch.randn(p.shape, generator=g) * 0.3)
+    (ids,) = inputs_for(name, model, seq=10)
+    t = 6
+    ids2 = ids.clone()
+    ids2[:, t] = (ids2[:, t] + 1) % 64
+    with torch.no_grad():
+        a, b = logits(conv(ids)), logits(conv(ids2))
+    torch.testing.assert_close(a[:, :t], b[:, :t], rtol=0, atol=1e-5)
+    assert not torch.allclose(a[:, t:], b[:, t:])
+
+
+def test_two_chunk_decoding_with_conv_state():
+    """docs/msar.md: a decoder keeps the last k_max-1 positions of every source; with that state two chunks give
+    exactly the whole-sequence result."""
+    torch.manual_seed(0)
+    K, T, d, kernels = 3, 20, 16, (4, 8, 12)
+    m = len(kernels) + 1
+    src = [torch.randn(2, T, d) for _ in range(K)]
+    params = dict(
+        query=torch.randn(m, d), gain=torch.rand(m, d) + 0.5, conv=[torch.randn(d, k) for k in kernels],
+        phi=torch.randn(m * d, m) * 0.1, bias=torch.randn(m), alpha=torch.tensor([0.5]),
+    )
+    whole = msar_mix_ref(src, **params, eps=1e-6, scale=3.0)
+    cut = 13
+    first = msar_mix_ref([s[:, :cut] for s in src], **params, eps=1e-6, scale=3.0)
+    # the state: the last k_max-1 positions of each source (zeros before the sequence starts)
+    state = [torch.cat([torch.zeros(2, max(kernels) - 1, d), s[:, :cut]], 1)[:, -(max(kernels) - 1) :] for s in src]
+    second = msar_mix_ref([s[:, cut:] for s in src], **params, eps=1e-6, scale=3.0, left=state)
+    torch.testing.assert_close(torch.cat([first, second], 1), whole)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(streams=1), "streams must be an integer >= 2"),
+        (dict(streams=3, kernel_sizes=(4, 8, 12)), "kernel_sizes must be 2"),
+        (dict(conv_on="v"), "conv_on"),
+        (dict(mixer="max"), "mixer"),
+        (dict(blocks=0), "blocks must be"),
+    ],
+)
+def test_config_errors(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        dr.convert(nanogpt(n_layer=1), "msar", **kwargs)
+
+
+def test_options_keys_only_and_mean_mixer_still_exact_at_init():
+    model = build_zoo_model("hf:llama").eval()
+    x = inputs_for("hf:llama", model)
+    conv = dr.convert(model, "msar", conv_on="k", mixer="mean", streams=3).eval()
+    assert len(conv.depthrewrite.mix_1.conv) == 2 and conv.depthrewrite.mix_1.conv[1].shape[1] == 8  # k_r = 4r
+    with torch.no_grad():
+        assert rel_err(logits(conv(*x)), logits(model(*x))) <= INIT_RTOL
