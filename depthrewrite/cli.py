@@ -4,17 +4,20 @@
     depthrewrite inspect timm:vit_tiny_patch16_224
     depthrewrite inspect depthrewrite.testing:nanogpt
     depthrewrite convert hf:llama --scheme attnres --blocks 4
+    depthrewrite convert hf:qwen2 --scheme msar [--streams 4] [-o conv_on=k]
+    depthrewrite convert hf:qwen2 --scheme mhc [--streams 4] [-o sinkhorn_iters=20]
     depthrewrite demo
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import sys
 from pathlib import Path
 
 from . import api, zoo
-from .errors import DepthRewriteError
+from .errors import ConfigError, DepthRewriteError
 
 __all__ = ["main"]
 
@@ -38,9 +41,21 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_option(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"-o expects KEY=VALUE, got {text!r}")
+    try:
+        return key.replace("-", "_"), ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key.replace("-", "_"), value  # a bare string such as conv_on=k
+
+
 def _cmd_convert(args: argparse.Namespace) -> int:
     model = zoo.build(args.spec, layers=args.layers, hidden=args.hidden)
-    options = {k: v for k, v in (("blocks", args.blocks), ("block_size", args.block_size), ("mix_scale", args.mix_scale)) if v is not None}
+    flags = (("blocks", args.blocks), ("block_size", args.block_size), ("mix_scale", args.mix_scale), ("streams", args.streams))
+    options = {k: v for k, v in flags if v is not None}
+    options.update(_parse_option(o) for o in args.option)
     converted = api.convert(model, args.scheme, **options)
     print(converted.report())
     return 0
@@ -77,10 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("convert", help="rewrite the chain into a depth-mixing scheme and print what changed")
     _add_model_args(p)
-    p.add_argument("--scheme", default="attnres", help="scheme name (default: attnres)")
-    p.add_argument("--blocks", type=int, default=None, help="Block AttnRes: number of blocks N")
-    p.add_argument("--block-size", type=int, default=None, help="Block AttnRes: sublayers per block S (wins over --blocks)")
+    p.add_argument("--scheme", default="attnres", choices=["attnres", "msar", "mhc"], help="default: attnres")
+    p.add_argument("--blocks", type=int, default=None, help="Block AttnRes / Block MSAR: number of blocks N")
+    p.add_argument("--block-size", type=int, default=None, help="sublayers per block S (wins over --blocks)")
     p.add_argument("--mix-scale", choices=["count", "mean"], default=None, help="count (default, exact at init) or mean")
+    p.add_argument("--streams", type=int, default=None, help="MSAR: views per source; mHC: residual streams (default 4)")
+    p.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other scheme option, e.g. -o kernel_sizes=(4,8,12) -o conv_on=k -o sinkhorn_iters=10")
     p.set_defaults(func=_cmd_convert)
 
     p = sub.add_parser("demo", help="the main demo (for now: inspect the built-in tiny Llama)")

@@ -57,3 +57,23 @@ def test_convert_prints_the_site_report(capsys):
 def test_convert_bad_blocks_exits_2(capsys):
     assert main(["convert", "hf:llama", "--blocks", "0"]) == 2
     assert "blocks must be an integer >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, head",
+    [
+        (["--scheme", "msar"], "Qwen2ForCausalLM -> Full MSAR, m=4 streams (kernels 4/8/12, conv on kv, sigmoid mixer)"),
+        (["--scheme", "msar", "--blocks", "2", "--streams", "3", "-o", "conv_on=k"], "Qwen2ForCausalLM -> Block MSAR (S=4"),
+        (["--scheme", "mhc"], "Qwen2ForCausalLM -> mHC, n=4 streams, 20 Sinkhorn iterations, mean collapse"),
+        (["--scheme", "mhc", "-o", "sinkhorn_iters=5", "--streams", "2"], "Qwen2ForCausalLM -> mHC, n=2 streams, 5 Sinkhorn"),
+    ],
+)
+def test_convert_other_schemes(argv, head, capsys):
+    assert main(["convert", "hf:qwen2", *argv]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(head) and "new parameters:" in out
+
+
+def test_convert_bad_option_syntax(capsys):
+    assert main(["convert", "hf:qwen2", "--scheme", "mhc", "-o", "nonsense"]) == 2
+    assert "KEY=VALUE" in capsys.readouterr().err
