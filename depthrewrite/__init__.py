@@ -12,6 +12,7 @@ from .api import convert, inspect
 from .capture import capture
 from .errors import (
     CaptureError,
+    AttentionPatternError,
     ConfigError,
     DepthRewriteError,
     KernelError,
@@ -23,6 +24,7 @@ from .passes.analyse.norms import NormSite
 from .passes.rewrite import SchemeConfig
 from .passes.rewrite.attnres import AttnResConfig
 from .passes.rewrite.mhc import MHCConfig
+from .passes.rewrite.moda import MoDAConfig
 from .passes.rewrite.msar import MSARConfig
 from .report import ChainReport, ConvertReport
 
@@ -36,6 +38,7 @@ __all__ = [
     "AttnResConfig",
     "MSARConfig",
     "MHCConfig",
+    "MoDAConfig",
     "ConvertReport",
     "detect_chain",
     "Chain",
@@ -48,5 +51,6 @@ __all__ = [
     "NotPreNormError",
     "NoResidualChainError",
     "ConfigError",
+    "AttentionPatternError",
     "KernelError",
 ]

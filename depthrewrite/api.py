@@ -118,6 +118,8 @@ def convert(
         bytes_per_element=ref.element_size() if ref is not None else 4,
         block_size=S,
         notes=result.notes,
+        state_elements=result.state[0] if result.state else None,
+        state_label=result.state[1] if result.state else "stored depth state",
     )
     args, kwargs = gm.meta["depthrewrite_inputs"]
     gm = as_converted(gm, eval_graph, model, args, kwargs, report)

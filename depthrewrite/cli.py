@@ -6,6 +6,7 @@
     depthrewrite convert hf:llama --scheme attnres --blocks 4
     depthrewrite convert hf:qwen2 --scheme msar [--streams 4] [-o conv_on=k]
     depthrewrite convert hf:qwen2 --scheme mhc [--streams 4] [-o sinkhorn_iters=20]
+    depthrewrite convert hf:llama --scheme moda [-o preserve_init=True]
     depthrewrite demo
 """
 
@@ -92,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("convert", help="rewrite the chain into a depth-mixing scheme and print what changed")
     _add_model_args(p)
-    p.add_argument("--scheme", default="attnres", choices=["attnres", "msar", "mhc"], help="default: attnres")
+    p.add_argument("--scheme", default="attnres", choices=["attnres", "msar", "mhc", "moda"], help="default: attnres")
     p.add_argument("--blocks", type=int, default=None, help="Block AttnRes / Block MSAR: number of blocks N")
     p.add_argument("--block-size", type=int, default=None, help="sublayers per block S (wins over --blocks)")
     p.add_argument("--mix-scale", choices=["count", "mean"], default=None, help="count (default, exact at init) or mean")

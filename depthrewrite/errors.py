@@ -12,6 +12,7 @@ __all__ = [
     "NotPreNormError",
     "NoResidualChainError",
     "ConfigError",
+    "AttentionPatternError",
     "KernelError",
 ]
 
@@ -37,6 +38,14 @@ class NotPreNormError(DepthRewriteError, ValueError):
 
 class NoResidualChainError(DepthRewriteError, ValueError):
     """The graph has no residual add that a chain could be built from."""
+
+
+class AttentionPatternError(DepthRewriteError, ValueError):
+    """An attention sublayer whose attention operator a rewrite (MoDA) cannot recognise; ``node`` names it."""
+
+    def __init__(self, message: str, node: str | None = None):
+        super().__init__(message)
+        self.node = node
 
 
 class ConfigError(DepthRewriteError, ValueError):

@@ -224,6 +224,8 @@ class ConvertReport:
     bytes_per_element: int = 4
     block_size: int | None = None
     notes: tuple[str, ...] = ()
+    state_elements: int | None = None  # values per token, when the depth state is not d-sized vectors (MoDA)
+    state_label: str = "stored depth state"
 
     @property
     def param_ratio(self) -> float:
@@ -231,8 +233,9 @@ class ConvertReport:
 
     @property
     def memory_per_token(self) -> int:
-        """Bytes per token of the stored sources (the depth state the mixes read)."""
-        return self.stored_sources * self.chain.hidden_size * self.bytes_per_element
+        """Bytes per token of the depth state (stored sources, n streams, or MoDA's transient slots)."""
+        values = self.state_elements if self.state_elements is not None else self.stored_sources * self.chain.hidden_size
+        return values * self.bytes_per_element
 
     def to_dict(self) -> dict[str, Any]:
         return dict(
@@ -248,11 +251,14 @@ class ConvertReport:
     def __str__(self) -> str:
         L = len(self.chain.sublayers)
         head = [
-            f"{self.model_class} -> {self.config.describe(self.block_size)}: {len(self.sites)} mixing sites over {L} sublayers",
+            f"{self.model_class} -> {self.config.describe(self.block_size)}: {len(self.sites)} sites over {L} sublayers",
             f"new parameters: {self.new_params:,} ({100 * self.param_ratio:.3f}% of {self.model_params:,})",
-            f"stored depth state per token: {self.stored_sources} x d={self.chain.hidden_size} = "
-            f"{self.memory_per_token:,} bytes ({self.bytes_per_element}-byte elements)",
         ]
+        if self.state_elements is None:
+            size = f"{self.stored_sources} x d={self.chain.hidden_size}"
+        else:
+            size = f"{self.state_elements:,} values"
+        head.append(f"{self.state_label} per token: {size} = {self.memory_per_token:,} bytes ({self.bytes_per_element}-byte elements)")
         head += list(self.notes)
         detail = any(s.detail for s in self.sites)
         rows = [

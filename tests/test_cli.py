@@ -77,3 +77,10 @@ def test_convert_other_schemes(argv, head, capsys):
 def test_convert_bad_option_syntax(capsys):
     assert main(["convert", "hf:qwen2", "--scheme", "mhc", "-o", "nonsense"]) == 2
     assert "KEY=VALUE" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spec", ["hf:llama", "timm:vit_tiny_patch16_224"])
+def test_convert_moda(spec, capsys):
+    assert main(["convert", spec, "--scheme", "moda", "--layers", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "-> MoDA, attention + FFN kv_proj slots" in out and "transient depth KV per token" in out

@@ -28,6 +28,7 @@ class PassResult:
     graph_module: fx.GraphModule
     changes: tuple[Change, ...] = field(default=())
     notes: tuple[str, ...] = field(default=())  # report lines (e.g. memory comparisons)
+    state: tuple[int, str] | None = None  # (values per token, label) when the depth state is not d-sized vectors
 
     @property
     def modified(self) -> bool:

@@ -124,7 +124,7 @@ class ChainEditor:
             return outs[0]
         last = max(outs, key=self.order.__getitem__)
         acc = outs[0]
-        with self.graph.inserting_after(last):
+        with self.graph.inserting_before(last.next):  # right after the last branch, in creation order
             for o in outs[1:]:
                 new = self.graph.call_function(torch.ops.aten.add.Tensor, (acc, o))
                 inherit_meta(new, self.nodes[s.residual_add], NodeRole("source_sum", k, self.scheme), val_from=o)

@@ -184,3 +184,50 @@ class MHCDecoder(Decoder):
             y = f(norm(u))
             X = (torch.einsum("btji,btid->btjd", Hres, X.float()) + post[..., None] * y.float()[:, :, None, :]).to(X.dtype)
         return self.head(self.final(X.float().mean(2).to(X.dtype)))
+
+
+# ------------------------------------------------------------------------------------------- MoDA (moda.md §2, §8)
+
+
+class MoDADecoder(Decoder):
+    """Decoder whose attentions after the first read same-token depth slots (earlier attention K/V and FFN kv_proj
+    outputs) in one joint softmax with their causal sequence keys; λ per (site, head) as preserve_init."""
+
+    def __init__(self, vocab=64, d=32, layers=3, heads=4):
+        super().__init__(vocab, d, layers, heads, use_attnres=False)
+        L, self.hd = 2 * layers, d // heads
+        self.kv_proj = nn.ParameterDict({str(j): nn.Parameter(torch.zeros(2 * d, d)) for j in range(1, L - 2, 2)})
+        self.lam = nn.ParameterDict({str(j): nn.Parameter(torch.zeros(heads)) for j in range(2, L, 2)})
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        B, T, D = x.shape
+        H, hd = self.fns[0].heads, self.hd
+        slots_k, slots_v = [], []  # each [B, H, T, hd]
+        for j, (norm, f) in enumerate(zip(self.norms, self.fns)):
+            u = norm(x)
+            if j % 2 == 0:
+                q, k, v = f.qkv(u).view(B, T, 3, H, hd).permute(2, 0, 3, 1, 4)
+                s = (q @ k.transpose(-1, -2)) / hd**0.5  # [B, H, T, T]
+                s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+                if slots_k:
+                    Kd, Vd = torch.stack(slots_k, 3), torch.stack(slots_v, 3)  # [B, H, T, n, hd]
+                    sd = torch.einsum("bhtd,bhtnd->bhtn", q, Kd) / hd**0.5
+                    lam = self.lam[str(j)].view(1, H, 1, 1)
+                    e_s, e_d = torch.exp(s), lam * torch.exp(sd)  # small logits: no max-shift needed
+                    Z = e_s.sum(-1, keepdim=True) + e_d.sum(-1, keepdim=True)
+                    y = (e_s @ v + torch.einsum("bhtn,bhtnd->bhtd", e_d, Vd)) / Z
+                else:
+                    y = torch.softmax(s, -1) @ v
+                out = f.proj(y.transpose(1, 2).reshape(B, T, D))
+                if j < 2 * len(self.fns) // 2 - 2:
+                    slots_k.append(k)
+                    slots_v.append(v)
+            else:
+                out = f(u)
+                if str(j) in self.kv_proj:
+                    kv = (u @ self.kv_proj[str(j)].T).view(B, T, 2, H, hd)
+                    slots_k.append(kv[:, :, 0].transpose(1, 2))
+                    slots_v.append(kv[:, :, 1].transpose(1, 2))
+            x = x + out
+        return self.head(self.final(x))

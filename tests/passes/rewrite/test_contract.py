@@ -24,14 +24,21 @@ SCHEMES = [
     pytest.param("msar", {"blocks": 2}, INIT_RTOL, id="msar-block2"),
     pytest.param("mhc", {"alpha_init": 0.0}, INIT_RTOL, id="mhc-alpha0"),
     pytest.param("mhc", {}, MHC_DEFAULT_RTOL, id="mhc"),
+    pytest.param("moda", {"preserve_init": True}, INIT_RTOL, id="moda-preserve"),
 ]
+ALL = ["attnres", "msar", "mhc", "moda"]
+#: options under which each scheme is function-preserving at init (used where a test compares with the original)
+EXACT = {"attnres": {}, "msar": {}, "mhc": {"alpha_init": 0.0}, "moda": {"preserve_init": True}}
 
 ZOO = [
     "hf:llama", "hf:mistral", "hf:qwen2", "hf:qwen3", "hf:gemma", "hf:gemma2", "hf:phi", "hf:gpt_neox", "hf:gpt2",
     "hf:olmo2", "hf:mixtral", "hf:cohere", "timm:vit_tiny_patch16_224", "nanogpt",
 ]
 
-OP_NAMES = {"attnres": "depth_attn", "msar": "msar_mix", "mhc": "mhc_coeffs"}
+#: attention forms MoDA does not rewrite: BLOOM (ALiBi via baddbmm), MPT (ALiBi + masked_fill), gpt-oss (sinks)
+MODA_REFUSED = {"bloom", "mpt", "gpt_oss"}
+
+OP_NAMES = {"attnres": "depth_attn", "msar": "msar_mix", "mhc": "mhc_coeffs", "moda": "moda_attn"}
 
 
 def _count_ops(gm, scheme):
@@ -48,17 +55,27 @@ def test_function_preserving_at_init(name, scheme, options, tol):
     with torch.no_grad():
         ref, out = logits(model(*x)), logits(conv(*x))
     assert rel_err(out, ref) <= tol
-    L = len(conv.report().chain)
-    assert _count_ops(conv, scheme) == L  # AttnRes/MSAR: sites 1..L-1 + output; mHC: one per sublayer
-    assert len(conv.report().sites) == (L + 1 if scheme == "mhc" else L)
+    chain = conv.report().chain
+    L = len(chain)
+    if scheme == "moda":  # every attention after the first
+        assert _count_ops(conv, scheme) == sum("attention" in s.kind for s in chain.sublayers) - 1
+    else:
+        assert _count_ops(conv, scheme) == L  # AttnRes/MSAR: sites 1..L-1 + output; mHC: one per sublayer
+        assert len(conv.report().sites) == (L + 1 if scheme == "mhc" else L)
 
 
-@pytest.mark.parametrize("scheme", ["attnres", "msar", "mhc"])
+@pytest.mark.parametrize("scheme", ALL)
 @pytest.mark.parametrize("model_type", MORE_HF)
 def test_function_preserving_at_init_more_hf(model_type, scheme):
-    """Every other PreNorm architecture of the detection sweep converts exactly too."""
+    """Every other PreNorm architecture of the detection sweep converts exactly too, except the attention forms MoDA
+    refuses by name (ALiBi written as baddbmm or masked_fill, attention sinks): those must fail clearly."""
     model = build_zoo_model(f"hf:{model_type}").eval()
-    conv = dr.convert(model, scheme, **({"alpha_init": 0.0} if scheme == "mhc" else {})).eval()
+    if scheme == "moda" and model_type in MODA_REFUSED:
+        with pytest.raises(dr.AttentionPatternError, match="cannot be rewritten by MoDA") as ei:
+            dr.convert(model, scheme, **EXACT[scheme])
+        assert ei.value.node is not None and f"`{ei.value.node}`" in str(ei.value)
+        return
+    conv = dr.convert(model, scheme, **EXACT[scheme]).eval()
     ids = torch.randint(0, 256, (2, 9))
     with torch.no_grad():
         assert rel_err(logits(conv(ids)), logits(model(ids))) <= INIT_RTOL
@@ -84,10 +101,14 @@ def test_parameters_and_training_step(scheme, options, tol):
     assert losses[-1] < losses[0]
 
 
-@pytest.fixture(scope="module", params=["attnres", "msar", "mhc"])
+#: the options the contract fixtures convert with: Block variants where they exist, function-preserving MoDA
+PAIR_OPTIONS = {"attnres": {"blocks": 2}, "msar": {"blocks": 2}, "mhc": {}, "moda": {"preserve_init": True}}
+
+
+@pytest.fixture(scope="module", params=ALL)
 def pair(request):
     model = build_zoo_model("hf:llama")
-    return request.param, model, dr.convert(model, request.param, **({"blocks": 2} if request.param != "mhc" else {}))
+    return request.param, model, dr.convert(model, request.param, **PAIR_OPTIONS[request.param])
 
 
 def test_state_dict_contract(pair):
@@ -96,7 +117,7 @@ def test_state_dict_contract(pair):
     assert orig <= new
     added = new - orig
     assert added and all(k.startswith("depthrewrite.") for k in added)
-    fresh = dr.convert(build_zoo_model("hf:llama"), scheme, **({"blocks": 2} if scheme != "mhc" else {}))
+    fresh = dr.convert(build_zoo_model("hf:llama"), scheme, **PAIR_OPTIONS[scheme])
     res = fresh.load_state_dict(model.state_dict(), strict=False)
     assert set(res.missing_keys) == added and not res.unexpected_keys
     fresh.load_state_dict(conv.state_dict())  # a saved converted state dict loads into a fresh conversion
@@ -133,12 +154,12 @@ def test_deepcopy_gives_a_clear_error(pair):
         copy.deepcopy(pair[2])
 
 
-@pytest.mark.parametrize("scheme", ["attnres", "msar", "mhc"])
+@pytest.mark.parametrize("scheme", ALL)
 def test_train_eval_switches_dropout(scheme):
     model = build_zoo_model("hf:gpt2")
     model.config.resid_pdrop = model.config.embd_pdrop = model.config.attn_pdrop = 0.5
     model = type(model)(model.config)  # rebuild with dropout > 0
-    conv = dr.convert(model, scheme, **({"alpha_init": 0.0} if scheme == "mhc" else {}))
+    conv = dr.convert(model, scheme, **EXACT[scheme])
     ids = torch.randint(0, 256, (2, 8))
     conv.eval()
     model.eval()
@@ -152,11 +173,11 @@ def test_train_eval_switches_dropout(scheme):
         assert torch.equal(conv(ids).logits, e1)  # back to the eval graph
 
 
-@pytest.mark.parametrize("scheme", ["attnres", "msar", "mhc"])
+@pytest.mark.parametrize("scheme", ALL)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_to_half_dtypes_runs(scheme, dtype):
     model = build_zoo_model("hf:llama")
-    conv = dr.convert(model, scheme).to(dtype)
+    conv = dr.convert(model, scheme, **EXACT[scheme]).to(dtype)
     ids = torch.randint(0, 256, (2, 8))
     with torch.no_grad():
         out = conv(ids).logits
@@ -165,7 +186,7 @@ def test_to_half_dtypes_runs(scheme, dtype):
     assert rel_err(out.float(), ref.float()) < 0.1  # half-precision-level differences only
 
 
-@pytest.mark.parametrize("scheme", ["attnres", "msar", "mhc"])
+@pytest.mark.parametrize("scheme", ALL)
 def test_to_device_retargets_the_graph(scheme):
     """Baked device arguments (arange(..., device=cpu)) follow .to(device); 'meta' stands in for a GPU on CPU CI."""
     conv = dr.convert(build_zoo_model("hf:llama"), scheme).to("meta")
@@ -174,7 +195,7 @@ def test_to_device_retargets_the_graph(scheme):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("scheme", ["attnres", "msar", "mhc"])
+@pytest.mark.parametrize("scheme", ALL)
 def test_to_cuda_matches_cpu(scheme):
     conv = dr.convert(build_zoo_model("hf:llama"), scheme)
     ids = torch.randint(0, 256, (2, 8))
@@ -187,8 +208,8 @@ def test_to_cuda_matches_cpu(scheme):
 def test_torch_compile_runs_and_matches():
     """One inductor compile per scheme on a tiny model: forward and backward through the registered ops."""
     idx = torch.randint(0, 256, (2, 9))
-    for scheme in ("attnres", "msar", "mhc"):
-        conv = dr.convert(nanogpt(n_layer=1, n_embd=32), scheme)
+    for scheme in ALL:
+        conv = dr.convert(nanogpt(n_layer=2, n_embd=32), scheme)
         for n, p in conv.named_parameters():
             if n.startswith("depthrewrite.") and "phi" not in n:
                 p.data.add_(torch.randn_like(p) * 0.1)
@@ -199,7 +220,7 @@ def test_torch_compile_runs_and_matches():
         assert any(p.grad is not None for n, p in conv.named_parameters() if n.startswith("depthrewrite."))
 
 
-@pytest.mark.parametrize("scheme", ["attnres", "msar", "mhc"])
+@pytest.mark.parametrize("scheme", ALL)
 def test_unknown_options_and_bad_values(scheme):
     with pytest.raises(ConfigError, match="no option"):
         dr.convert(nanogpt(n_layer=1), scheme, bogus=1)

@@ -15,7 +15,7 @@ def _worker(rank: int, world: int, init_file: str, result_file: str, scheme: str
     from depthrewrite.testing import nanogpt
 
     torch.manual_seed(0)  # same weights on both ranks
-    conv = dr.convert(nanogpt(n_layer=1, n_embd=32), scheme)
+    conv = dr.convert(nanogpt(n_layer=2, n_embd=32), scheme)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
         ddp = torch.nn.parallel.DistributedDataParallel(conv)
@@ -33,7 +33,7 @@ def _worker(rank: int, world: int, init_file: str, result_file: str, scheme: str
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("scheme", ["attnres", "msar", "mhc"])
+@pytest.mark.parametrize("scheme", ["attnres", "msar", "mhc", "moda"])
 def test_ddp_two_processes(tmp_path, scheme):
     init_file, result_file = str(tmp_path / "rdzv"), str(tmp_path / "grads.pt")
     mp.start_processes(_worker, args=(2, init_file, result_file, scheme), nprocs=2, join=True, start_method="spawn")

@@ -1,0 +1,227 @@
+"""MoDA specifics: the op against a naive joint softmax, RoPE cancellation, preserve_init and λ's gradient, the
+independent reference, attention forms (SDPA with and without GQA, eager, soft-capped eager, ViT), causality."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import depthrewrite as dr
+from depthrewrite import AttentionPatternError, ConfigError
+from depthrewrite.kernels.moda import moda_attn, moda_slots
+
+from ...conftest import build_zoo_model
+from .helpers import INIT_RTOL, inputs_for, logits, rel_err
+from .reference_models import Decoder, MoDADecoder
+
+
+def naive_joint(q, k, v, mask, Kd, Vd, lam, scale, causal, softcap=0.0):
+    """Concatenated logits, one softmax (moda.md §2), query head h -> KV head h // G, written with loops."""
+    B, Hq, T, d = q.shape
+    Hk, G = k.shape[1], Hq // k.shape[1]
+    out = torch.empty(B, Hq, T, d, dtype=torch.float64)
+    for b in range(B):
+        for h in range(Hq):
+            g = h // G
+            for t in range(T):
+                s_seq = (k[b, g] @ q[b, h, t]) * scale
+                if softcap:
+                    s_seq = softcap * torch.tanh(s_seq / softcap)
+                if causal:
+                    s_seq = s_seq.masked_fill(torch.arange(T) > t, -math.inf)
+                if mask is not None:
+                    s_seq = s_seq.masked_fill(~mask[t], -math.inf)
+                s_dep = (Kd[b, t, :, g] @ q[b, h, t]) * scale
+                if softcap:
+                    s_dep = softcap * torch.tanh(s_dep / softcap)
+                # λ >= 0 with a straight-through clamp (moda.md §8 Q8): a negative λ still gets its gradient
+                w = 1.0 if lam is None else lam[h] + (lam[h].clamp_min(0) - lam[h]).detach()
+                e = torch.cat([torch.exp(s_seq), w * torch.exp(s_dep)])
+                p = e / e.sum()
+                out[b, h, t] = p[:T] @ v[b, g] + p[T:] @ Vd[b, t, :, g]
+    return out
+
+
+@pytest.mark.parametrize(
+    "Hq, Hk, T, n, causal, with_mask, lam, softcap",
+    [
+        pytest.param(2, 2, 5, 1, True, False, False, 0.0, id="mha-one-slot"),  # G=1, n=1
+        pytest.param(4, 2, 7, 3, True, False, True, 0.0, id="gqa2-lambda"),  # odd T, λ
+        pytest.param(8, 2, 3, 4, False, True, False, 0.0, id="gqa4-noncausal-mask"),  # ViT-like + padding mask
+        pytest.param(8, 1, 4, 2, True, False, False, 5.0, id="mqa-softcap"),  # G=8, Gemma2 soft-capping
+    ],
+)
+def test_op_matches_naive_joint_softmax(Hq, Hk, T, n, causal, with_mask, lam, softcap):
+    g = torch.Generator().manual_seed(T)
+    d, B = 3, 2
+    r = lambda *s: torch.randn(*s, dtype=torch.float64, generator=g, requires_grad=True)  # noqa: E731
+    q, k, v = r(B, Hq, T, d), r(B, Hk, T, d), r(B, Hk, T, d)
+    Kd, Vd = r(B, T, n, Hk, d), r(B, T, n, Hk, d)
+    lam_t = (torch.rand(Hq, dtype=torch.float64, generator=g) * 2 - 0.5).requires_grad_() if lam else None
+    mask = torch.rand(T, T, generator=g) > 0.3 if with_mask else None
+    if mask is not None:
+        mask[:, 0] = True  # no fully masked row
+    out = moda_attn(q, k, v, mask, Kd, Vd, lam_t, 0.7, causal, 0.0, None, softcap)
+    ref = naive_joint(q, k, v, mask, Kd, Vd, lam_t, 0.7, causal, softcap)
+    torch.testing.assert_close(out, ref)
+    leaves = [t for t in (q, k, v, Kd, Vd, lam_t) if t is not None]
+    g1 = torch.autograd.grad(out.square().sum(), leaves)
+    g2 = torch.autograd.grad(ref.square().sum(), leaves)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b)
+    torch.library.opcheck(moda_attn, (q, k, v, mask, Kd, Vd, lam_t, 0.7, causal, 0.0, None, softcap))
+
+
+def test_slots_are_token_major():
+    ks = [torch.randn(2, 3, 5, 4) for _ in range(3)]  # [B, Hk, T, d]
+    s = moda_slots(ks)
+    assert s.shape == (2, 5, 3, 3, 4) and s.is_contiguous()
+    assert torch.equal(s[1, 4, 2], ks[2][1, :, 4])  # token 4's slot 2 is contiguous in memory
+
+
+def test_rope_cancels_for_same_position_slots():
+    """(R_t q)·(R_t k) = q·k: slots taken after RoPE give position-free depth logits (moda.md §8 Q1)."""
+    d, t = 8, 13
+    q, k = torch.randn(d, dtype=torch.float64), torch.randn(d, dtype=torch.float64)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    ang = torch.cat([t * inv, t * inv])
+    rot = lambda x: x * torch.cos(ang) + torch.cat([-x[d // 2 :], x[: d // 2]]) * torch.sin(ang)  # noqa: E731
+    torch.testing.assert_close(rot(q) @ rot(k), q @ k)
+
+
+FORMS = [
+    pytest.param("hf:llama", {}, "sdpa", id="sdpa-gqa"),
+    pytest.param("hf:gpt2", {}, "sdpa", id="sdpa-mha-dropout"),
+    pytest.param("hf:llama", {"attn_implementation": "eager"}, "eager", id="eager-gqa"),
+    pytest.param("hf:gemma2", {}, "eager", id="eager-softcap"),
+    pytest.param("timm:vit_tiny_patch16_224", {}, "sdpa", id="vit-noncausal"),
+    pytest.param("nanogpt", {}, "sdpa", id="nanogpt-is_causal"),
+]
+
+
+def _build(name, extra):
+    if extra:
+        from depthrewrite.zoo import hf_model
+
+        from ...conftest import LAYERS
+
+        return hf_model(name.split(":")[1], layers=LAYERS, **extra)
+    return build_zoo_model(name)
+
+
+@pytest.mark.parametrize("name, extra, form", FORMS)
+def test_attention_forms_convert(name, extra, form):
+    model = _build(name, extra).eval()
+    x = inputs_for(name, model)
+    exact = dr.convert(model, "moda", preserve_init=True).eval()
+    paper = dr.convert(model, "moda").eval()
+    with torch.no_grad():
+        ref = logits(model(*x))
+        assert rel_err(logits(exact(*x)), ref) <= INIT_RTOL  # λ = 0: the original model
+        out = logits(paper(*x))
+    assert torch.isfinite(out).all() and rel_err(out, ref) > 1e-3  # λ ≡ 1: MoDA changes the function (spec §8 Q8)
+    rep = paper.report()
+    readers = [s for s in rep.sites if s.sources]
+    assert readers and all(form in s.detail for s in readers)
+    assert [len(s.sources) for s in readers] == sorted(len(s.sources) for s in readers)
+
+
+def test_lambda_gets_a_gradient_at_init():
+    conv = dr.convert(build_zoo_model("hf:llama"), "moda", preserve_init=True)
+    ids = torch.randint(0, 256, (2, 8))
+    conv(ids).logits.square().mean().backward()
+    lam = [p for n, p in conv.named_parameters() if n.endswith("depth_weight")]
+    assert lam and all(p.grad is not None and p.grad.abs().sum() > 0 for p in lam)
+    assert all(torch.equal(p, torch.zeros_like(p)) for p in lam)
+
+
+def test_independent_reference():
+    torch.manual_seed(0)
+    vanilla = Decoder(layers=3)
+    ref = MoDADecoder(layers=3)
+    ref.load_state_dict(vanilla.state_dict(), strict=False)
+    idx = torch.randint(0, 64, (2, 7))
+    conv = dr.convert(vanilla, "moda", preserve_init=True, example_inputs=(idx,))
+    g = torch.Generator().manual_seed(1)
+    box = conv.depthrewrite
+    assert sorted(n for n, _ in box.named_children()) == ["kv_proj_1", "kv_proj_3", "moda_2", "moda_4"]
+    for j, p in ref.kv_proj.items():
+        v = torch.randn(p.shape, generator=g) * 0.2
+        p.data.copy_(v)
+        getattr(box, f"kv_proj_{j}").weight.data.copy_(v)
+    for j, p in ref.lam.items():
+        v = torch.rand(p.shape, generator=g) + 0.5
+        p.data.copy_(v)
+        getattr(box, f"moda_{j}").depth_weight.data.copy_(v)
+    out_ref, out = ref(idx), conv(idx)
+    torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
+    out_ref.square().mean().backward()
+    out.square().mean().backward()
+    params = dict(conv.named_parameters())
+    for name, p in ref.named_parameters():
+        if name.startswith("kv_proj."):
+            cname = f"depthrewrite.kv_proj_{name.split('.')[1]}.weight"
+        elif name.startswith("lam."):
+            cname = f"depthrewrite.moda_{name.split('.')[1]}.depth_weight"
+        else:
+            cname = name
+        torch.testing.assert_close(params[cname].grad, p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("name", ["hf:llama", "hf:qwen3", "hf:gpt2", "hf:phi", "hf:mixtral", "hf:olmo2", "nanogpt"])
+def test_causality(name):
+    model = build_zoo_model(name).eval()
+    conv = dr.convert(model, "moda").eval()
+    (ids,) = inputs_for(name, model, seq=10)
+    ids2 = ids.clone()
+    ids2[:, 6] = (ids2[:, 6] + 1) % 64
+    with torch.no_grad():
+        a, b = logits(conv(ids)), logits(conv(ids2))
+    torch.testing.assert_close(a[:, :6], b[:, :6], rtol=0, atol=1e-5)
+
+
+def test_report_per_site():
+    rep = dr.convert(build_zoo_model("hf:llama"), "moda").report()  # 2 blocks: attn0, mlp1, attn2, mlp3
+    text = str(rep)
+    assert "MoDA, attention + FFN kv_proj slots" in text and "transient depth KV per token" in text
+    reader = next(s for s in rep.sites if s.sources)
+    assert reader.sources == ("attn0", "ffn1") and "+512 FLOPs/token" in reader.detail  # 4·Hq·d·n = 4·4·16·2
+    writer = next(s for s in rep.sites if not s.sources)
+    hk, d = 2, 16  # the zoo Llama: 4 query heads, 2 KV heads of dim 16
+    assert writer.params == 2 * hk * d * 64 and f"kv_proj 64 -> 2·{hk}·{d}" in writer.detail
+    assert rep.state_elements == 2 * 2 * hk * d and rep.new_params == writer.params
+
+
+def test_attention_only_variant():
+    rep = dr.convert(build_zoo_model("hf:llama"), "moda", ffn_kv=False).report()
+    assert rep.new_params == 0 and [s.sources for s in rep.sites] == [("attn0",)]
+
+
+class SigmoidAttention(torch.nn.Module):
+    """Attention without softmax or SDPA: MoDA cannot join its softmax."""
+
+    def __init__(self, vocab=32, d=16, layers=2):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.n1 = torch.nn.ModuleList([torch.nn.LayerNorm(d) for _ in range(layers)])
+        self.qk = torch.nn.ModuleList([torch.nn.Linear(d, 2 * d) for _ in range(layers)])
+        self.norm = torch.nn.LayerNorm(d)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for n1, qk in zip(self.n1, self.qk):
+            q, k = qk(n1(x)).chunk(2, -1)
+            x = x + torch.sigmoid(q @ k.transpose(-1, -2)) @ k
+        return self.norm(x)
+
+
+def test_unrecognised_attention_is_a_clear_error():
+    with pytest.raises(AttentionPatternError, match="cannot be rewritten by MoDA"):
+        dr.convert(SigmoidAttention(), "moda", example_inputs=(torch.randint(0, 32, (2, 5)),))
+
+
+def test_needs_two_attention_sublayers():
+    with pytest.raises(ConfigError, match="at least two attention"):
+        dr.convert(dr.testing.nanogpt(n_layer=1), "moda")
