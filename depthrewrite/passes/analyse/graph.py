@@ -56,34 +56,35 @@ class Dataflow:
     def canon(self, node: fx.Node) -> fx.Node:
         return strip_alias(node)
 
-    @cached_property
-    def nx(self) -> nx.DiGraph:
-        """Edges between canonical (alias-free) nodes along every tensor input."""
+    def _graph(self, keep) -> nx.DiGraph:
+        """Canonical (alias-free) nodes, with an edge along every tensor input ``a`` for which ``keep(a)``."""
         g = nx.DiGraph()
         for n in self.nodes:
             if is_alias(n):
                 continue
             g.add_node(n)
             for a in tensor_inputs(n):
-                g.add_edge(self.canon(a), n)
+                if keep(a):
+                    g.add_edge(self.canon(a), n)
         return g
+
+    @cached_property
+    def nx(self) -> nx.DiGraph:
+        """Edges between canonical (alias-free) nodes along every tensor input."""
+        return self._graph(lambda a: True)
 
     @cached_property
     def nx_float(self) -> nx.DiGraph:
         """Like :attr:`nx`, but only along floating-point edges: an index computed from activations (MoE routing,
         ``topk``) does not make the tensor it selects an activation."""
-        g = nx.DiGraph()
-        for n in self.nodes:
-            if is_alias(n):
-                continue
-            g.add_node(n)
-            for a in tensor_inputs(n):
-                v = val(a)
-                if is_float_tensor(a) or a.op == "get_attr" or (
-                    isinstance(v, (tuple, list)) and any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in v)
-                ):
-                    g.add_edge(self.canon(a), n)
-        return g
+
+        def is_float(a: fx.Node) -> bool:
+            v = val(a)
+            return is_float_tensor(a) or a.op == "get_attr" or (
+                isinstance(v, (tuple, list)) and any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in v)
+            )
+
+        return self._graph(is_float)
 
     def users(self, node: fx.Node) -> list[fx.Node]:
         """Tensor-valued readers of ``node`` and of its aliases (aliases themselves excluded), in graph order."""

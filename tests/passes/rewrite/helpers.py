@@ -26,3 +26,18 @@ def logits(out):
 
 def rel_err(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def assert_matches_reference(ref: torch.nn.Module, conv: torch.nn.Module, idx: torch.Tensor, conv_name) -> None:
+    """Outputs and every parameter gradient of a hand-written reference equal the converted model's.
+
+    ``conv_name(ref_param_name)`` gives the converted model's name for a reference parameter (identity for the
+    original parameters, ``depthrewrite.*`` for new ones)."""
+    out_ref, out = ref(idx), conv(idx)
+    torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
+    out_ref.square().mean().backward()
+    out.square().mean().backward()
+    params = dict(conv.named_parameters())
+    for name, p in ref.named_parameters():
+        assert p.grad is not None, name
+        torch.testing.assert_close(params[conv_name(name)].grad, p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")

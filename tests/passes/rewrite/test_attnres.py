@@ -12,7 +12,7 @@ from depthrewrite.passes.rewrite.attnres import sources_at
 from depthrewrite.testing import NoNormResidual, nanogpt
 
 from ...conftest import build_zoo_model
-from .helpers import inputs_for as _inputs, logits as _logits, rel_err as _rel
+from .helpers import assert_matches_reference, inputs_for as _inputs, logits as _logits, rel_err as _rel
 from .reference_models import Decoder
 
 def test_mean_scale_is_paper_literal_and_close_only_up_to_eps():
@@ -45,15 +45,7 @@ def test_independent_reference(S, count):
     idx = torch.randint(0, 64, (2, 7))
     conv = dr.convert(vanilla, "attnres", block_size=S, mix_scale="count" if count else "mean", example_inputs=(idx,))
     _randomise(conv, ref)
-    out_ref, out = ref(idx), conv(idx)
-    torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
-    out_ref.square().mean().backward()
-    out.square().mean().backward()
-    conv_params = dict(conv.named_parameters())
-    for name, p in ref.named_parameters():
-        cname = f"depthrewrite.mix_{name.split('.')[1]}.{name.split('.')[2]}" if name.startswith("mixes.") else name
-        assert p.grad is not None, name
-        torch.testing.assert_close(conv_params[cname].grad, p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert_matches_reference(ref, conv, idx, lambda n: "depthrewrite.mix_" + n[len("mixes."):] if n.startswith("mixes.") else n)
 
 
 def test_block_size_one_equals_full():

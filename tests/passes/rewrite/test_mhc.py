@@ -13,7 +13,7 @@ from depthrewrite.passes.meta import META_KEY
 from depthrewrite.testing import nanogpt
 
 from ...conftest import build_zoo_model
-from .helpers import INIT_RTOL, inputs_for, logits, rel_err
+from .helpers import INIT_RTOL, assert_matches_reference, inputs_for, logits, rel_err
 from .reference_models import Decoder, MHCDecoder
 
 
@@ -31,16 +31,13 @@ def test_independent_reference():
             v = torch.randn(p_ref.shape, generator=g) * s
             p_ref.data.copy_(v)
             p_conv.data.copy_(v)
-    out_ref, out = ref(idx), conv(idx)
-    torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
-    out_ref.square().mean().backward()
-    out.square().mean().backward()
-    conv_params = dict(conv.named_parameters())
     names = {"phi": "phi", "b": "bias", "a": "alpha"}
-    for name, p in ref.named_parameters():
+
+    def conv_name(name: str) -> str:
         head, _, rest = name.partition(".")
-        cname = f"depthrewrite.hc_{rest}.{names[head]}" if head in names else name
-        torch.testing.assert_close(conv_params[cname].grad, p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        return f"depthrewrite.hc_{rest}.{names[head]}" if head in names else name
+
+    assert_matches_reference(ref, conv, idx, conv_name)
 
 
 @pytest.mark.parametrize("n", [2, 4, 6])

@@ -13,7 +13,7 @@ from depthrewrite import AttentionPatternError, ConfigError
 from depthrewrite.kernels.moda import moda_attn, moda_slots
 
 from ...conftest import build_zoo_model
-from .helpers import INIT_RTOL, inputs_for, logits, rel_err
+from .helpers import INIT_RTOL, assert_matches_reference, inputs_for, logits, rel_err
 from .reference_models import Decoder, MoDADecoder
 
 
@@ -155,19 +155,14 @@ def test_independent_reference():
         v = torch.rand(p.shape, generator=g) + 0.5
         p.data.copy_(v)
         getattr(box, f"moda_{j}").depth_weight.data.copy_(v)
-    out_ref, out = ref(idx), conv(idx)
-    torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
-    out_ref.square().mean().backward()
-    out.square().mean().backward()
-    params = dict(conv.named_parameters())
-    for name, p in ref.named_parameters():
+    def conv_name(name: str) -> str:
         if name.startswith("kv_proj."):
-            cname = f"depthrewrite.kv_proj_{name.split('.')[1]}.weight"
-        elif name.startswith("lam."):
-            cname = f"depthrewrite.moda_{name.split('.')[1]}.depth_weight"
-        else:
-            cname = name
-        torch.testing.assert_close(params[cname].grad, p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+            return f"depthrewrite.kv_proj_{name.split('.')[1]}.weight"
+        if name.startswith("lam."):
+            return f"depthrewrite.moda_{name.split('.')[1]}.depth_weight"
+        return name
+
+    assert_matches_reference(ref, conv, idx, conv_name)
 
 
 @pytest.mark.parametrize("name", ["hf:llama", "hf:qwen3", "hf:gpt2", "hf:phi", "hf:mixtral", "hf:olmo2", "nanogpt"])

@@ -12,7 +12,7 @@ from depthrewrite.kernels.msar import causal_depthwise_conv, msar_mix_ref
 from depthrewrite.testing import nanogpt
 
 from ...conftest import build_zoo_model
-from .helpers import INIT_RTOL, inputs_for, logits, rel_err
+from .helpers import INIT_RTOL, assert_matches_reference, inputs_for, logits, rel_err
 from .reference_models import Decoder, MSARDecoder, causal_conv_taps
 
 
@@ -57,14 +57,7 @@ def test_independent_reference(S):
             v = torch.randn(p_ref.shape, generator=g) * 0.5
             p_ref.data.copy_(v)
             p_conv.data.copy_(v)
-    out_ref, out = ref(idx), conv(idx)
-    torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
-    out_ref.square().mean().backward()
-    out.square().mean().backward()
-    conv_params = dict(conv.named_parameters())
-    for name, p in ref.named_parameters():
-        cname = "depthrewrite.mix_" + name[len("mixes."):] if name.startswith("mixes.") else name
-        torch.testing.assert_close(conv_params[cname].grad, p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert_matches_reference(ref, conv, idx, lambda n: "depthrewrite.mix_" + n[len("mixes."):] if n.startswith("mixes.") else n)
 
 
 def test_block_msar_stores_single_stream_summaries():
