@@ -202,13 +202,13 @@ def find_attention(ed: ChainEditor, branch: Branch) -> AttentionOp:
         softmaxes = sorted((n for n in body if op_of(n) == "softmax"), key=ed.order.__getitem__)
         found = _from_eager(softmaxes[0]) if len(softmaxes) == 1 and not sdpa else None
         if found is None:
-            what = sdpa or softmaxes
-            where = f"`{what[0].name}` ({what[0].target})" if what else "no attention op"
+            what = sdpa or softmaxes or [ed.nodes[branch.output]]
+            where = f"`{what[0].name}` ({what[0].target})" if (sdpa or softmaxes) else f"no softmax or SDPA before `{what[0].name}`"
             raise AttentionPatternError(
                 f"the attention branch in {branch.module} cannot be rewritten by MoDA: found {where}; expected one "
                 "aten.scaled_dot_product_attention or the eager form matmul(q, kᵀ)·scale (+ mask) -> softmax -> "
                 "matmul(·, v) (optionally with tanh soft-capping). Try attn_implementation='sdpa' or 'eager'.",
-                node=what[0].name if what else None,
+                node=what[0].name,
             )
     if min(found.hq, found.hk, found.d) <= 0 or found.hq % found.hk:
         raise AttentionPatternError(
@@ -309,7 +309,11 @@ def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassR
             ))
     result = ed.finish(changes)
     n_max = len(slots_k)
+    extra = sum(4 * hq * d * len(c.sources) for c in changes if c.sources) + sum(4 * D * hk * d for c in changes if not c.sources)
+    base = 2 * sum(p.numel() for n, p in gm.named_parameters() if not n.startswith("depthrewrite."))
     notes = (
+        f"extra FLOPs per token: {extra:,} (+{100 * extra / max(1, base):.2f}% of the original's ~2·params = {base:,}, "
+        "attention scores excluded)",
         f"depth slots are token-major [B, T, n, Hk={hk}, d={d}] and transient (same-token only): the persistent KV "
         "cache is unchanged",
     )

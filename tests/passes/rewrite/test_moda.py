@@ -181,6 +181,7 @@ def test_report_per_site():
     rep = dr.convert(build_zoo_model("hf:llama"), "moda").report()  # 2 blocks: attn0, mlp1, attn2, mlp3
     text = str(rep)
     assert "MoDA, attention + FFN kv_proj slots" in text and "transient depth KV per token" in text
+    assert "extra FLOPs per token: " in text and "% of the original" in text
     reader = next(s for s in rep.sites if s.sources)
     assert reader.sources == ("attn0", "ffn1") and "+512 FLOPs/token" in reader.detail  # 4·Hq·d·n = 4·4·16·2
     writer = next(s for s in rep.sites if not s.sources)
@@ -213,8 +214,9 @@ class SigmoidAttention(torch.nn.Module):
 
 
 def test_unrecognised_attention_is_a_clear_error():
-    with pytest.raises(AttentionPatternError, match="cannot be rewritten by MoDA"):
+    with pytest.raises(AttentionPatternError, match="cannot be rewritten by MoDA") as ei:
         dr.convert(SigmoidAttention(), "moda", example_inputs=(torch.randint(0, 32, (2, 5)),))
+    assert ei.value.node and f"`{ei.value.node}`" in str(ei.value)
 
 
 def test_needs_two_attention_sublayers():
