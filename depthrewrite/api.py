@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from .capture import capture
 from .converted import ConvertedGraphModule, as_converted, graft_graph
-from .errors import DepthRewriteError
+from .errors import ConfigError, DepthRewriteError
 from .passes.analyse.chain import detect_chain
 from .passes.rewrite import SchemeConfig, get_handler, scheme_config
 from .passes.rewrite.depth import PARAM_PREFIX, block_size_for
@@ -61,7 +61,8 @@ def convert(
 
     Args:
         model (nn.Module): the model; it is not modified, and the converted model shares its parameters.
-        scheme (str | SchemeConfig): ``"attnres"`` (options: ``blocks``, ``block_size``, ``mix_scale``, ``eps``), or a
+        scheme (str | SchemeConfig): ``"attnres"``, ``"msar"``, ``"mhc"`` or ``"moda"``, with that scheme's options as
+            keywords (see :class:`AttnResConfig`, :class:`MSARConfig`, :class:`MHCConfig`, :class:`MoDAConfig`), or a
             config instance such as ``AttnResConfig(blocks=8)``.
         example_inputs, example_kwargs: inputs for capture, as for :func:`capture`.
 
@@ -71,6 +72,11 @@ def convert(
         call signature and output type. ``converted.report()`` describes the rewrite.
     """
     config = scheme_config(scheme, **options)
+    if isinstance(model, fx.GraphModule):
+        raise ConfigError(
+            f"convert() takes the original nn.Module, not a captured {type(model).__name__}: it captures the model in "
+            "training and in eval mode itself. Pass the model you captured from."
+        )
     handler = get_handler(config)
     was_training = model.training
     # Export bakes the mode into the graph (dropout, attention dropout, training-only routing), so capture and rewrite

@@ -115,11 +115,18 @@ def capture(
     if example_inputs is None and example_kwargs is None:
         args, kwargs = example_inputs_for(model)
     else:
-        args = tuple(example_inputs) if example_inputs is not None else ()
         if isinstance(example_inputs, torch.Tensor):
             args = (example_inputs,)
+        else:
+            args = tuple(example_inputs) if example_inputs is not None else ()
         kwargs = dict(example_kwargs or {})
-    dyn = _dynamic_shapes(model, args, kwargs) if dynamic else None
+    try:
+        dyn = _dynamic_shapes(model, args, kwargs) if dynamic else None
+    except TypeError as e:  # the inputs do not fit forward's signature
+        raise CaptureError(
+            f"the example inputs do not fit {type(model).__name__}.forward: {e}. Pass example_inputs / "
+            "example_kwargs the way you would call the model."
+        ) from e
     log.info("capturing %s with torch.export (non-strict)", type(model).__name__)
     # A KV cache object is not a tensor output export can return: capture with the config's cache off.
     cache = getattr(getattr(model, "config", None), "use_cache", None) if _is_hf(model) else None

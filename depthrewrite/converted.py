@@ -109,6 +109,12 @@ def _bind_inputs(module: nn.Module, args: tuple, kwargs: dict):
     extra = values.pop(next((p.name for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD), "__none__"), {})
     values.update(extra)
     names = list(sig.parameters)
+    missing = [k for k in (*names[:n_pos], *kw_names) if k not in values]
+    if missing:
+        raise ConfigError(
+            f"the model was converted with inputs {list(names[:n_pos]) + list(kw_names)}; this call lacks {missing}. "
+            "Pass the same inputs, or convert with example inputs that match how you call it."
+        )
     pos = tuple(values.pop(names[i]) for i in range(n_pos))
     kw = {k: values.pop(k) for k in kw_names if k in values}
     for k, v in values.items():

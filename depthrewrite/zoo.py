@@ -95,7 +95,7 @@ def timm_model(name: str, layers: int | None = None, hidden: int | None = None, 
     torch.manual_seed(0)
     try:
         return timm.create_model(name, **kwargs).eval()
-    except RuntimeError as e:
+    except (RuntimeError, TypeError) as e:  # unknown name, or a model without depth / embed_dim
         raise ConfigError(f"timm cannot build {name!r}: {e}") from e
 
 

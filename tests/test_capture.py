@@ -51,3 +51,10 @@ def test_capture_error_carries_export_message():
 def test_no_inputs_for_unknown_model():
     with pytest.raises(CaptureError, match="example_inputs"):
         capture(torch.nn.Linear(3, 3))
+
+
+def test_inputs_that_do_not_fit_forward():
+    from depthrewrite.testing import nanogpt
+
+    with pytest.raises(CaptureError, match="do not fit GPT.forward"):
+        capture(nanogpt(n_layer=1), (torch.zeros(2, 3, dtype=torch.long), torch.zeros(1)))

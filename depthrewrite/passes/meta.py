@@ -14,7 +14,8 @@ META_KEY = "depthrewrite"
 
 @dataclass(frozen=True)
 class NodeRole:
-    role: str  # "mix" | "partial_sum" | "source_sum"
+    role: str  # mix, partial_sum, source_sum (AttnRes/MSAR); expand, mhc_pre, mhc_state, collapse (mHC);
+    #            moda_attn, kv_proj (MoDA)
     site: int | str
     scheme: str
 

@@ -15,7 +15,7 @@ class Change:
     """One rewrite site: what was created, and which node's readers were redirected to it."""
 
     site: int | str  # sublayer index, or "output" for the site before the final norm
-    module: str | None  # module path of the stream value the site replaces
+    module: str | None  # module path of the residual add whose stream value the site replaces (None: the source)
     created: tuple[str, ...]
     replaced: str | None  # the stream value whose readers now read the site's output
     sources: tuple[str, ...] = ()  # what the site reads: "emb", "out3", "b1", "partial b2"; mHC: streams "x0".."x3"

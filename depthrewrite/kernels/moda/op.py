@@ -35,11 +35,10 @@ def _(q, k, v, attn_mask, depth_k, depth_v, depth_weight, scale, is_causal, drop
     return q.new_empty((B, T, H, d)).transpose(1, 2)  # SDPA's output layout
 
 
-_DIFF = (0, 1, 2, 4, 5, 6)  # q, k, v, depth_k, depth_v, depth_weight
+_DIFF = (0, 1, 2, 3, 4, 5, 6)  # q, k, v, attn_mask (an additive bias may be learned), depth_k, depth_v, depth_weight
 
 
 def _setup(ctx, inputs, output):
-    ctx.inputs = list(inputs)
     ctx.tensor_pos = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)]
     ctx.save_for_backward(*(inputs[i] for i in ctx.tensor_pos))
     ctx.inputs = [None if i in ctx.tensor_pos else x for i, x in enumerate(inputs)]
@@ -50,7 +49,11 @@ def _backward(ctx, grad):
     for i, t in zip(ctx.tensor_pos, ctx.saved_tensors):
         args[i] = t
     with torch.enable_grad():
-        leaves = {i: args[i].detach().requires_grad_(True) for i in _DIFF if isinstance(args[i], torch.Tensor)}
+        leaves = {
+            i: args[i].detach().requires_grad_(True)
+            for i in _DIFF
+            if isinstance(args[i], torch.Tensor) and args[i].is_floating_point()
+        }
         call = [leaves.get(i, a) for i, a in enumerate(args)]
         out = moda_attn_ref(*call)
         got = torch.autograd.grad(out, list(leaves.values()), grad, allow_unused=True)

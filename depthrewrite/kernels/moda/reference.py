@@ -56,7 +56,7 @@ def moda_attn_ref(
         depth_k, depth_v (Tensor): ``[B, T, n, Hk, d]`` token-major depth slots (n >= 1).
         depth_weight (Tensor, optional): λ ``[Hq]``, clamped at 0 (straight-through); None means λ = 1 (the paper).
         scale (float): the attention scale, shared by both parts.
-        is_causal (bool): causal sequence mask (lower-triangular, aligned at the end).
+        is_causal (bool): causal sequence mask (lower-triangular, top-left aligned, as SDPA's ``is_causal``).
         dropout_p (float): attention dropout on the joint probabilities. Default: 0.
         seed (Tensor, optional): int64 seed for the dropout masks, so backward recomputes the same ones.
         softcap (float): logit soft-capping ``c·tanh(x/c)`` on both parts (Gemma2); 0 disables it. Default: 0.
@@ -76,7 +76,7 @@ def moda_attn_ref(
     if softcap > 0:
         scores = softcap * torch.tanh(scores / softcap)
     if is_causal:
-        keep = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+        keep = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()  # top-left aligned, as SDPA's is_causal
         scores = scores.masked_fill(~keep, -math.inf)
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:

@@ -16,9 +16,9 @@ def msar_mix(
     query: torch.Tensor,
     gain: torch.Tensor,
     conv: list[torch.Tensor],
-    phi: torch.Tensor,
-    bias: torch.Tensor,
-    alpha: torch.Tensor,
+    phi: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    alpha: torch.Tensor | None,
     eps: float,
     scale: float,
     conv_values: bool,
@@ -34,21 +34,25 @@ def _(sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_values, sig
 
 def _setup_context(ctx, inputs, output):
     sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_values, sigmoid_mixer = inputs
-    ctx.k, ctx.m1 = len(sources), len(conv)
-    ctx.save_for_backward(query, gain, phi, bias, alpha, *sources, *conv)
+    ctx.k = len(sources)
+    ctx.mixer = phi is not None  # the "mean" mixer has no parameters
+    mixer = (phi, bias, alpha) if ctx.mixer else ()
+    ctx.save_for_backward(query, gain, *mixer, *sources, *conv)
     ctx.args = (eps, scale, conv_values, sigmoid_mixer)
 
 
 def _backward(ctx, grad):
-    query, gain, phi, bias, alpha, *rest = ctx.saved_tensors
+    n_mix = 3 if ctx.mixer else 0
     with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(True) for t in (query, gain, phi, bias, alpha, *rest)]
-        q, g, p, b, a = leaves[:5]
-        srcs, conv = leaves[5 : 5 + ctx.k], leaves[5 + ctx.k :]
+        leaves = [t.detach().requires_grad_(True) for t in ctx.saved_tensors]
+        q, g = leaves[:2]
+        p, b, a = leaves[2 : 2 + n_mix] if ctx.mixer else (None, None, None)
+        srcs, conv = leaves[2 + n_mix : 2 + n_mix + ctx.k], leaves[2 + n_mix + ctx.k :]
         out = msar_mix_ref(srcs, q, g, conv, p, b, a, *ctx.args)
         grads = torch.autograd.grad(out, leaves, grad, allow_unused=True)
-    gq, gg, gp, gb, ga = grads[:5]
-    gs, gc = list(grads[5 : 5 + ctx.k]), list(grads[5 + ctx.k :])
+    gq, gg = grads[:2]
+    gp, gb, ga = grads[2 : 2 + n_mix] if ctx.mixer else (None, None, None)
+    gs, gc = list(grads[2 + n_mix : 2 + n_mix + ctx.k]), list(grads[2 + n_mix + ctx.k :])
     return gs, gq, gg, gc, gp, gb, ga, None, None, None, None
 
 

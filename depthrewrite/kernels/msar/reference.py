@@ -44,9 +44,9 @@ def msar_mix_ref(
     query: torch.Tensor,
     gain: torch.Tensor,
     conv: list[torch.Tensor],
-    phi: torch.Tensor,
-    bias: torch.Tensor,
-    alpha: torch.Tensor,
+    phi: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    alpha: torch.Tensor | None,
     eps: float,
     scale: float,
     conv_values: bool = True,
@@ -60,9 +60,9 @@ def msar_mix_ref(
         query (Tensor): pseudo-queries ``[m, D]``, one per stream.
         gain (Tensor): key-norm gains ``[m, D]``.
         conv (list[Tensor]): m-1 depthwise filters ``[D, k_r]`` (stream r = 1..m-1).
-        phi (Tensor): mixer projection ``[m·D, m]``.
-        bias (Tensor): mixer bias ``[m]``.
-        alpha (Tensor): mixer scale, ``[]`` or ``[1]``.
+        phi (Tensor, optional): mixer projection ``[m·D, m]`` (None with the mean mixer).
+        bias (Tensor, optional): mixer bias ``[m]``.
+        alpha (Tensor, optional): mixer scale, ``[]`` or ``[1]``.
         eps (float): key RMSNorm epsilon (also the mixer's RMS epsilon).
         scale (float): ``K`` for ``mix_scale="count"``, ``1.0`` for ``"mean"``.
         conv_values (bool): values from the conv views (True, default) or raw sources (False). Default: True.

@@ -349,15 +349,22 @@ def _check_readers(df: Dataflow, source, steps, sublayers, final: NormSite, norm
                 allowed |= set(b.pre_norm.readers)
             else:
                 allowed |= set(b.nodes)
-        _only_readers(df, h, allowed, tree[-1])
+        _only_readers(df, h, allowed)
     last = df.by_name[sublayers[-1].residual_add]
-    _only_readers(df, last, set(final.readers), last)
+    _only_readers(df, last, set(final.readers))
 
 
-def _only_readers(df: Dataflow, h: fx.Node, allowed: set[str], where: fx.Node) -> None:
+def _only_readers(df: Dataflow, h: fx.Node, allowed: set[str]) -> None:
     for u in df.users(h):
-        if u.op == "output" or u.name in allowed:
+        if u.name in allowed:
             continue
+        if u.op == "output":
+            raise NotPreNormError(
+                f"the residual stream {_where(h)} is returned by the model (an output reads it): a rewritten chain "
+                "would return a different value there. Turn off intermediate outputs (e.g. output_hidden_states=False) "
+                "before converting.",
+                node=h.name,
+            )
         raise NotPreNormError(
             f"the residual stream {_where(h)} is also read by {_where(u)}, which is neither a pre-norm, nor the "
             "residual add, nor the final norm. A rewritten chain would change what that node sees. If the model "

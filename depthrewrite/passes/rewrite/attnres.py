@@ -42,7 +42,7 @@ class AttnResConfig(DepthMixConfig):
     name = "attnres"
 
     def describe(self, block_size: int | None = None) -> str:
-        kind = "Full AttnRes" if self.full else f"Block AttnRes (S={block_size} sublayers per block)"
+        kind = "Full AttnRes" if self.full or block_size == 1 else f"Block AttnRes (S={block_size} sublayers per block)"
         return f"{kind}, mix_scale={self.mix_scale!r}"
 
 

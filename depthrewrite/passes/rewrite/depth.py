@@ -5,7 +5,8 @@ the K3 block ordering of sources (AttnRes, MSAR), and where new parameters live.
     site j   a new node before sublayer j's pre-norm (and before the final norm) replaces the stream value h_j
     Block    sources at site j = completed block sums b_0 (= embedding) .. b_{n-1} + the open partial sum
 
-Spec: shared/specs/attnres.md §4 (ordering), §6 (real graphs). The old residual adds become dead and are removed.
+Spec: shared/specs/attnres.md §4 (ordering), §6 (real graphs). The old residual adds become dead and are removed
+(detection guarantees that nothing else, graph outputs included, reads a stream value).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class DepthMixConfig(SchemeConfig):
                 raise ConfigError(f"{cls}.{field} must be an integer >= 1, got {v!r}")
         if self.mix_scale not in ("count", "mean"):
             raise ConfigError(f"{cls}.mix_scale must be 'count' or 'mean', got {self.mix_scale!r}")
-        if self.eps is not None and not self.eps > 0:
+        if self.eps is not None and (not isinstance(self.eps, (int, float)) or isinstance(self.eps, bool) or not self.eps > 0):
             raise ConfigError(f"{cls}.eps must be > 0, got {self.eps!r}")
 
     @property
@@ -192,7 +193,8 @@ def rewrite_depth_mix(gm: fx.GraphModule, chain: Chain, config: DepthMixConfig, 
         if j == L:
             break
         if j % S == 0:  # block boundary: snapshot the finished block after the mix (K3 ordering)
-            blocks.append((prefix[0], "emb" if n_block == 0 else f"b{n_block}"))
+            # with S = 1 (Full) every "block" is one sublayer output and keeps its out{k} name
+            blocks.append((prefix[0], "emb" if n_block == 0 else (prefix[1] if S == 1 else f"b{n_block}")))
             n_block += 1
             prefix = None
         out = ed.output_of(j)

@@ -62,6 +62,10 @@ class MHCConfig(SchemeConfig):
             raise ConfigError(f"MHCConfig.sinkhorn_iters must be an integer >= 1, got {self.sinkhorn_iters!r}")
         if self.collapse not in ("mean", "sum"):
             raise ConfigError(f"MHCConfig.collapse must be 'mean' or 'sum', got {self.collapse!r}")
+        for f in ("alpha_init", "phi_std", "eps"):
+            v = getattr(self, f)
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                raise ConfigError(f"MHCConfig.{f} must be a number, got {v!r}")
         if not self.eps > 0 or self.phi_std < 0:
             raise ConfigError(f"MHCConfig.eps must be > 0 and phi_std >= 0, got eps={self.eps!r}, phi_std={self.phi_std!r}")
 
@@ -114,19 +118,21 @@ def _rewrite_mhc(gm: fx.GraphModule, chain: Chain, config: MHCConfig) -> PassRes
         inherit_meta(X, ed.nodes[chain.sublayers[k].residual_add], NodeRole("mhc_state", k, config.name))
         X.meta.pop("val", None)
         shapes = f"φ {list(site.phi.shape)}, b [{site.bias.numel()}], α [3] -> H_pre [{n}], H_post [{n}], H_res [{n}x{n}]"
-        changes.append(Change(site=k, module=chain.sublayers[k].module, created=(coeffs.name, u.name, X.name),
+        changes.append(Change(site=k, module=chain.sublayers[k - 1].module if k else None, created=(coeffs.name, u.name, X.name),
                               replaced=old.name, sources=streams, params=name, detail=shapes))
     old = ed.stream(L)
     with graph.inserting_before(ed.readers_of(L)[0]):
         h = graph.call_function(ops.mhc_collapse.default, (X, config.collapse))
     inherit_meta(h, old, NodeRole("collapse", "output", config.name))
     ed.redirect(L, h)
-    changes.append(Change(site="output", module=None, created=(h.name,), replaced=old.name, sources=streams,
+    changes.append(Change(site="output", module=chain.sublayers[-1].module, created=(h.name,), replaced=old.name, sources=streams,
                           detail=f"{config.collapse} of the {n} streams"))
     d = chain.hidden_size
     result = ed.finish(changes)
+    S8 = math.ceil(L / min(L, 8))
+    n8 = math.ceil(L / S8) + 1  # Block AttnRes with 8 blocks: N_eff + 1 stored vectors
     notes = (
         f"the n-stream state is {n}·d = {n * d} values per token at every site (Full AttnRes stores up to "
-        f"{L + 1}·d = {(L + 1) * d}, Block AttnRes with 8 blocks {min(L, 8) + 1}·d = {(min(L, 8) + 1) * d})",
+        f"{L + 1}·d = {(L + 1) * d}, Block AttnRes with 8 blocks {n8}·d = {n8 * d})",
     )
     return PassResult(result.graph_module, result.changes, notes)

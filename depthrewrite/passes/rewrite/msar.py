@@ -20,11 +20,16 @@ import torch.nn as nn
 
 from ...errors import ConfigError
 from ..analyse.chain import Chain
+from ..analyse.ops import tensor_val
 from ..result import PassResult
 from .depth import ChainEditor, DepthMixConfig, rewrite_depth_mix
 from .registry import register_scheme
 
 __all__ = ["MSARConfig"]
+
+
+def _node(gm: fx.GraphModule, name: str) -> fx.Node:
+    return next(n for n in gm.graph.nodes if n.name == name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +56,10 @@ class MSARConfig(DepthMixConfig):
         super().__post_init__()
         if not isinstance(self.streams, int) or self.streams < 2:
             raise ConfigError(f"MSARConfig.streams must be an integer >= 2, got {self.streams!r}")
+        if self.kernel_sizes is not None and not isinstance(self.kernel_sizes, (tuple, list)):
+            raise ConfigError(f"MSARConfig.kernel_sizes must be a tuple of integers, got {self.kernel_sizes!r}")
         ks = self.kernels
-        if len(ks) != self.streams - 1 or any(not isinstance(k, int) or k < 1 for k in ks):
+        if len(ks) != self.streams - 1 or any(not isinstance(k, int) or isinstance(k, bool) or k < 1 for k in ks):
             raise ConfigError(
                 f"MSARConfig.kernel_sizes must be {self.streams - 1} positive integers (one per conv stream), "
                 f"got {self.kernel_sizes!r}"
@@ -63,7 +70,7 @@ class MSARConfig(DepthMixConfig):
             raise ConfigError(f"MSARConfig.mixer must be 'sigmoid' or 'mean', got {self.mixer!r}")
 
     def describe(self, block_size: int | None = None) -> str:
-        kind = "Full MSAR" if self.full else f"Block MSAR (S={block_size} sublayers per block)"
+        kind = "Full MSAR" if self.full or block_size == 1 else f"Block MSAR (S={block_size} sublayers per block)"
         ks = "/".join(map(str, self.kernels))
         return f"{kind}, m={self.streams} streams (kernels {ks}, conv on {self.conv_on}, {self.mixer} mixer), mix_scale={self.mix_scale!r}"
 
@@ -78,7 +85,7 @@ class _MSARSite(nn.Module):
     """One MSAR site: per-stream queries (0) and key gains (1), identity-initialised causal convs (last tap 1),
     and the mixer (φ = 0, b = -log(m-1), α = 0.01), so the site is AttnRes's uniform mix at init."""
 
-    def __init__(self, d: int, kernels: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+    def __init__(self, d: int, kernels: tuple[int, ...], mixer: bool, dtype: torch.dtype, device: torch.device):
         super().__init__()
         m = len(kernels) + 1
         kw = dict(dtype=dtype, device=device)
@@ -89,19 +96,27 @@ class _MSARSite(nn.Module):
             w = torch.zeros(d, k, **kw)
             w[:, k - 1] = 1.0  # the current token is the last tap
             self.conv.append(nn.Parameter(w))
-        self.phi = nn.Parameter(torch.zeros(m * d, m, **kw))
-        self.bias = nn.Parameter(torch.full((m,), -math.log(m - 1), **kw))
-        self.alpha = nn.Parameter(torch.full((1,), 0.01, **kw))
+        if mixer:  # the "mean" mixer has no parameters (an unused one would break DDP)
+            self.phi = nn.Parameter(torch.zeros(m * d, m, **kw))
+            self.bias = nn.Parameter(torch.full((m,), -math.log(m - 1), **kw))
+            self.alpha = nn.Parameter(torch.full((1,), 0.01, **kw))
 
 
 @register_scheme(MSARConfig)
 def _rewrite_msar(gm: fx.GraphModule, chain: Chain, config: MSARConfig) -> PassResult:
+    stream = tensor_val(_node(gm, chain.source))
+    if stream is None or stream.dim() != 3:
+        raise ConfigError(
+            f"MSAR convolves along the sequence and needs a [batch, sequence, hidden] stream; the stream source "
+            f"`{chain.source}` has shape {tuple(stream.shape) if stream is not None else '?'}"
+        )
     def emit(ed: ChainEditor, name: str, sources: list[fx.Node], eps: float, scale: float) -> fx.Node:
-        site = ed.site_module(name, lambda: _MSARSite(chain.hidden_size, config.kernels, ed.dtype, ed.device))
+        sigmoid = config.mixer == "sigmoid"
+        site = ed.site_module(name, lambda: _MSARSite(chain.hidden_size, config.kernels, sigmoid, ed.dtype, ed.device))
         get = ed.get_attr
         conv = [get(f"{name}.conv.{r}") for r in range(len(site.conv))]
-        args = (sources, get(f"{name}.query"), get(f"{name}.gain"), conv, get(f"{name}.phi"), get(f"{name}.bias"),
-                get(f"{name}.alpha"), eps, scale, config.conv_on == "kv", config.mixer == "sigmoid")
+        mixer = [get(f"{name}.{p}") for p in ("phi", "bias", "alpha")] if sigmoid else [None, None, None]
+        args = (sources, get(f"{name}.query"), get(f"{name}.gain"), conv, *mixer, eps, scale, config.conv_on == "kv", sigmoid)
         return ed.graph.call_function(torch.ops.depthrewrite.msar_mix.default, args)
 
     return rewrite_depth_mix(gm, chain, config, emit)

@@ -184,3 +184,26 @@ def test_opt_reshaped_stream_is_refused_with_a_named_node():
     with pytest.raises(NotPreNormError) as ei:
         detect_chain(gm)
     assert ei.value.node in {n.name for n in gm.graph.nodes} and f"`{ei.value.node}`" in str(ei.value)
+
+
+def test_stream_returned_as_output_is_refused():
+    """A returned intermediate stream value would silently keep the old residual sum after a rewrite."""
+
+    class ReturnsHidden(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(16, 8)
+            self.ln = torch.nn.ModuleList([torch.nn.LayerNorm(8) for _ in range(3)])
+            self.fc = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(2)])
+
+        def forward(self, idx):
+            h = self.emb(idx)
+            h = h + self.fc[0](self.ln[0](h))
+            mid = h
+            h = h + self.fc[1](self.ln[1](h))
+            return self.ln[2](h), mid
+
+    gm = capture(ReturnsHidden(), (torch.randint(0, 16, (2, 4)),))
+    with pytest.raises(NotPreNormError, match="returned by the model") as ei:
+        detect_chain(gm)
+    assert ei.value.node in {n.name for n in gm.graph.nodes}

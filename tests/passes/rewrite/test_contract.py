@@ -224,3 +224,24 @@ def test_torch_compile_runs_and_matches():
 def test_unknown_options_and_bad_values(scheme):
     with pytest.raises(ConfigError, match="no option"):
         dr.convert(nanogpt(n_layer=1), scheme, bogus=1)
+
+
+def test_convert_refuses_a_captured_graph():
+    gm = dr.capture(nanogpt(n_layer=1))
+    with pytest.raises(ConfigError, match="original nn.Module"):
+        dr.convert(gm, "attnres")
+
+
+def test_call_without_a_converted_input(pair):
+    _, _, conv = pair
+    with pytest.raises(ConfigError, match="lacks"):
+        conv()
+
+
+@pytest.mark.parametrize(
+    "scheme, options",
+    [("attnres", {"eps": "x"}), ("msar", {"kernel_sizes": 4}), ("mhc", {"alpha_init": "x"}), ("moda", {"ffn_kv": 1})],
+)
+def test_option_types_are_checked_before_capture(scheme, options):
+    with pytest.raises(ConfigError, match="must be"):
+        dr.convert(nanogpt(n_layer=1), scheme, **options)

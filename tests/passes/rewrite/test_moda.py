@@ -222,3 +222,12 @@ def test_unrecognised_attention_is_a_clear_error():
 def test_needs_two_attention_sublayers():
     with pytest.raises(ConfigError, match="at least two attention"):
         dr.convert(dr.testing.nanogpt(n_layer=1), "moda")
+
+
+def test_a_learned_additive_mask_gets_its_gradient():
+    """Relative position biases arrive as an additive attention mask; they must keep training."""
+    q, k, v = torch.randn(1, 2, 4, 3), torch.randn(1, 2, 4, 3), torch.randn(1, 2, 4, 3)
+    bias = torch.zeros(4, 4, requires_grad=True)
+    Kd, Vd = torch.randn(1, 4, 1, 2, 3), torch.randn(1, 4, 1, 2, 3)
+    moda_attn(q, k, v, bias, Kd, Vd, None, 0.5, False, 0.0, None, 0.0).sum().backward()
+    assert bias.grad is not None and bias.grad.abs().sum() > 0

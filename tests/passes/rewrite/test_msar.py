@@ -133,3 +133,17 @@ def test_options_keys_only_and_mean_mixer_still_exact_at_init():
     assert len(conv.depthrewrite.mix_1.conv) == 2 and conv.depthrewrite.mix_1.conv[1].shape[1] == 8  # k_r = 4r
     with torch.no_grad():
         assert rel_err(logits(conv(*x)), logits(model(*x))) <= INIT_RTOL
+
+
+def test_mean_mixer_has_no_unused_parameters():
+    """An unused parameter would make DDP require find_unused_parameters=True."""
+    conv = dr.convert(nanogpt(n_layer=1), "msar", mixer="mean")
+    site = conv.depthrewrite.mix_1
+    assert not hasattr(site, "phi") and not hasattr(site, "bias")
+    conv(torch.randint(0, 256, (2, 6))).sum().backward()
+    assert all(p.grad is not None for n, p in conv.named_parameters() if n.startswith("depthrewrite."))
+
+
+def test_full_is_reported_as_full_when_blocks_equal_sublayers():
+    rep = dr.convert(nanogpt(n_layer=2), "msar", blocks=4).report()  # L = 4, S = 1
+    assert "Full MSAR" in str(rep) and rep.sites[-1].sources == ("emb", "out0", "out1", "out2", "out3")
