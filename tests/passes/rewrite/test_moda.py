@@ -231,3 +231,41 @@ def test_a_learned_additive_mask_gets_its_gradient():
     Kd, Vd = torch.randn(1, 4, 1, 2, 3), torch.randn(1, 4, 1, 2, 3)
     moda_attn(q, k, v, bias, Kd, Vd, None, 0.5, False, 0.0, None, 0.0).sum().backward()
     assert bias.grad is not None and bias.grad.abs().sum() > 0
+
+
+class GQAEnable(torch.nn.Module):
+    """A decoder whose attention passes Hk-head K/V to SDPA with enable_gqa=True (no repeat_kv in the graph)."""
+
+    def __init__(self, vocab=64, d=32, layers=2, hq=4, hk=2):
+        super().__init__()
+        self.hq, self.hk, self.hd = hq, hk, d // hq
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.n1 = torch.nn.ModuleList([torch.nn.RMSNorm(d) for _ in range(layers)])
+        self.n2 = torch.nn.ModuleList([torch.nn.RMSNorm(d) for _ in range(layers)])
+        self.q = torch.nn.ModuleList([torch.nn.Linear(d, d, bias=False) for _ in range(layers)])
+        self.kv = torch.nn.ModuleList([torch.nn.Linear(d, 2 * hk * self.hd, bias=False) for _ in range(layers)])
+        self.o = torch.nn.ModuleList([torch.nn.Linear(d, d, bias=False) for _ in range(layers)])
+        self.mlp = torch.nn.ModuleList([torch.nn.Linear(d, d) for _ in range(layers)])
+        self.norm = torch.nn.RMSNorm(d)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        B, T, D = x.shape
+        for i in range(len(self.q)):
+            u = self.n1[i](x)
+            q = self.q[i](u).view(B, T, self.hq, self.hd).transpose(1, 2)
+            k, v = self.kv[i](u).view(B, T, 2, self.hk, self.hd).permute(2, 0, 3, 1, 4)
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            x = x + self.o[i](y.transpose(1, 2).reshape(B, T, D))
+            x = x + self.mlp[i](self.n2[i](x))
+        return self.norm(x)
+
+
+def test_sdpa_with_enable_gqa():
+    torch.manual_seed(0)
+    model = GQAEnable().eval()
+    idx = torch.randint(0, 64, (2, 6))
+    conv = dr.convert(model, "moda", preserve_init=True, example_inputs=(idx,)).eval()
+    with torch.no_grad():
+        assert rel_err(conv(idx), model(idx)) <= INIT_RTOL
+    assert conv.depthrewrite.kv_proj_1.weight.shape == (2 * 2 * 8, 32)  # 2·Hk·d with Hk = 2, not Hq = 4
