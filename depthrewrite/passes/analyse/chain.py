@@ -30,7 +30,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import networkx as nx
-import torch
 import torch.fx as fx
 
 from ...errors import NoResidualChainError, NotPreNormError
@@ -258,8 +257,7 @@ def _check_branch(df: Dataflow, h: fx.Node, y: fx.Node, add: fx.Node, norms_h, b
             "output computed from it.",
             node=add.name,
         )
-    names = {n.name for n in span}
-    pre = [n for n in norms_h if n.output in names]
+    pre = _norms_on(df, norms_h, span)
     cut = {df.by_name[n.output] for n in pre}
     post = by_output.get(y.name)
     if post is not None and post.input == h.name:
@@ -288,6 +286,12 @@ def _check_branch(df: Dataflow, h: fx.Node, y: fx.Node, add: fx.Node, norms_h, b
         n_ops=sum(1 for n in ordered if n.op in ("call_function", "call_method", "call_module")),
         n_params=_count_params(df, ordered),
     )
+
+
+def _norms_on(df: Dataflow, norms_h: list[NormSite], span: set[fx.Node]) -> list[NormSite]:
+    """The norms of the stream value whose output lies on a path to the branch (``span``)."""
+    names = {n.name for n in span}
+    return [n for n in norms_h if n.output in names]
 
 
 def _raw_reader(df: Dataflow, h: fx.Node, y: fx.Node, span: set, cut: set) -> fx.Node | None:
@@ -422,8 +426,7 @@ def _first_raw_add(df: Dataflow, by_input, by_output, adds=None) -> NotPreNormEr
     """The error for the first residual add (graph order) whose branch reads the stream with no norm."""
     for add, h, y in adds if adds is not None else _residual_adds(df):
         span = df.between(h, y)
-        names = {s.name for s in span}
-        cut = {df.by_name[n.output] for n in by_input.get(h.name, []) if n.output in names}
+        cut = {df.by_name[n.output] for n in _norms_on(df, by_input.get(h.name, []), span)}
         raw = _raw_reader(df, h, y, span, cut)
         post = by_output.get(y.name)
         if raw is not None and (post is None or post.input == h.name):

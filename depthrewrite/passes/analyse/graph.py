@@ -105,7 +105,7 @@ class Dataflow:
         """Nodes whose value depends on parameters, buffers and constants only (never on a graph input)."""
         out: set[fx.Node] = set()
         for n in self.nodes:
-            if n.op in ("get_attr",) or (n.op == "placeholder" and is_param(n, self.gm)):
+            if n.op in ("get_attr",) or (n.op == "placeholder" and is_param(n)):
                 out.add(n)
             elif n.op in ("call_function", "call_method", "call_module"):
                 ins = [a for a in n.all_input_nodes]
@@ -115,15 +115,9 @@ class Dataflow:
                     out.add(n)  # a constant tensor built from literals (torch.tensor(2.0))
         return out
 
-    def has_path(self, src: fx.Node, dst: fx.Node, without: set[fx.Node] = frozenset()) -> bool:
-        g = self.nx
-        if without:
-            g = nx.restricted_view(g, list(without - {src, dst}), [])
-        return nx.has_path(g, self.canon(src), self.canon(dst))
-
-    def between(self, src: fx.Node, dst: fx.Node, graph: nx.DiGraph | None = None) -> set[fx.Node]:
+    def between(self, src: fx.Node, dst: fx.Node) -> set[fx.Node]:
         """Nodes on some path from ``src`` to ``dst`` (both included when a path exists)."""
-        g = self.nx if graph is None else graph
+        g = self.nx
         src, dst = self.canon(src), self.canon(dst)
         if src not in g or dst not in g:
             return set()

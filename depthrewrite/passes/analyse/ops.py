@@ -185,7 +185,7 @@ def strip_casts(node: fx.Node) -> fx.Node:
     return node
 
 
-def is_param(node: fx.Node, gm: fx.GraphModule | None = None) -> bool:
+def is_param(node: fx.Node) -> bool:
     """A parameter or buffer: a ``get_attr`` (unlifted export, symbolic trace) or a Dynamo parameter placeholder."""
     if node.op == "get_attr":
         return True

@@ -20,7 +20,7 @@ from .reference_models import Decoder, MoDADecoder
 def naive_joint(q, k, v, mask, Kd, Vd, lam, scale, causal, softcap=0.0):
     """Concatenated logits, one softmax (moda.md §2), query head h -> KV head h // G, written with loops."""
     B, Hq, T, d = q.shape
-    Hk, G = k.shape[1], Hq // k.shape[1]
+    G = Hq // k.shape[1]
     out = torch.empty(B, Hq, T, d, dtype=torch.float64)
     for b in range(B):
         for h in range(Hq):
