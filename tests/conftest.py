@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
+
+# Triton kernels are tested on CPU through Triton's interpreter. The variable is read when @triton.jit decorates a
+# kernel, so it must be set before any kernel module is imported; on a CUDA machine the kernels run natively.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+torch.backends.cuda.matmul.allow_tf32 = False  # fp32 references are true fp32
+torch.backends.cudnn.allow_tf32 = False
 
 from depthrewrite import capture
 from depthrewrite.testing import nanogpt
