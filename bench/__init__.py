@@ -1,0 +1,1 @@
+"""Benchmarks: kernels (`python -m bench.kernels`), quality (`python -m bench.quality`)."""
