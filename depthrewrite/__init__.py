@@ -6,8 +6,11 @@ The public API::
     depthrewrite.inspect(model)        # -> ChainReport; print(report) shows the chain
     depthrewrite.detect_chain(gm)      # -> Chain (frozen data), on export or Dynamo graphs
     depthrewrite.convert(model, "attnres", blocks=4)   # -> a trainable converted GraphModule
+    torch.compile(converted, backend="depthrewrite")   # fused kernels on CUDA, inductor for the rest
+    depthrewrite.explain(compiled)     # -> Explanation: what the backend did to each graph
 """
 
+from . import backend  # noqa: F401  - registers the "depthrewrite" torch.compile backend
 from .api import convert, inspect
 from .capture import capture
 from .errors import (
@@ -19,6 +22,7 @@ from .errors import (
     NoResidualChainError,
     NotPreNormError,
 )
+from .explain import Explanation, explain
 from .passes.analyse.chain import Branch, Chain, Sublayer, detect_chain
 from .passes.analyse.norms import NormSite
 from .passes.rewrite import SchemeConfig
@@ -34,6 +38,8 @@ __all__ = [
     "capture",
     "inspect",
     "convert",
+    "explain",
+    "Explanation",
     "SchemeConfig",
     "AttnResConfig",
     "MSARConfig",

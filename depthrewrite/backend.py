@@ -1,0 +1,273 @@
+"""The ``depthrewrite`` backend for ``torch.compile``.
+
+    conv = depthrewrite.convert(model, "attnres", blocks=4)
+    step = torch.compile(conv, backend="depthrewrite")          # training works: AOT autograd + inductor
+
+What it does with each graph Dynamo hands it:
+
+* **a converted model's graph** (it holds ``depthrewrite::*`` ops): runs the parameter-free lowering passes — today the
+  two-phase batching of Block AttnRes sites (:mod:`depthrewrite.passes.lower.two_phase`) — then compiles with
+  inductor through AOT autograd. The registered depth ops stay opaque nodes that inductor calls as extern kernels;
+  each op dispatches to its fused Triton kernel on CUDA and to its PyTorch reference elsewhere
+  (:mod:`depthrewrite.kernels.dispatch`), so inductor fuses everything around them and the kernels do the depth
+  mixing.
+* **an unconverted model's graph**: detects the PreNorm chain, logs the chain report (logger
+  ``depthrewrite.backend``, level INFO), and compiles normally. Asking for a scheme here (``options={"scheme": ...}``)
+  raises :class:`~depthrewrite.errors.ConfigError` pointing to :func:`depthrewrite.convert`: new parameters must be
+  owned by the model, not by a compiled graph.
+
+Options (``torch.compile(m, backend="depthrewrite", options={...})``):
+
+* ``inner``: ``"inductor"`` (default), ``"aot_eager"`` (AOT autograd, graphs run eagerly: fast to compile, for
+  debugging and tests) or ``"eager"`` (the Dynamo graph as is).
+* ``two_phase``: batch Block AttnRes sites (default True).
+* ``scheme``: assert the model was converted to this scheme (``"attnres"``, ``"msar"``, ``"mhc"``, ``"moda"``).
+* ``log_chain``: log the chain report of unconverted graphs (default True).
+
+``depthrewrite.explain(compiled)`` shows what the backend did to each graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+from .errors import ConfigError, DepthRewriteError
+
+__all__ = ["depthrewrite_backend", "BackendOptions", "GraphRecord", "AotGraphRecord", "records_for", "clear_records"]
+
+log = logging.getLogger("depthrewrite.backend")
+
+INNER = ("inductor", "aot_eager", "eager")
+SCHEMES = ("attnres", "msar", "mhc", "moda")
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """The backend's options (see the module docstring)."""
+
+    inner: str = "inductor"
+    two_phase: bool = True
+    scheme: str | None = None
+    log_chain: bool = True
+
+    @classmethod
+    def from_dict(cls, options: dict[str, Any] | None) -> BackendOptions:
+        options = dict(options or {})
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ConfigError(
+                f"torch.compile(backend='depthrewrite'): unknown option(s) {unknown}; the backend takes {sorted(known)}"
+            )
+        opts = cls(**options)
+        if opts.inner not in INNER:
+            raise ConfigError(f"backend option inner={opts.inner!r} is not one of {INNER}")
+        if opts.scheme is not None and opts.scheme not in SCHEMES:
+            raise ConfigError(f"backend option scheme={opts.scheme!r} is not one of {SCHEMES}")
+        return opts
+
+
+@dataclass
+class AotGraphRecord:
+    """One graph AOT autograd produced (``stage``: forward, backward or inference) and the depth ops in it."""
+
+    stage: str
+    n_nodes: int
+    depth_ops: Counter
+    device: str
+
+
+@dataclass
+class GraphRecord:
+    """What the backend saw and did for one Dynamo graph."""
+
+    index: int
+    kind: str  # "converted" | "unconverted" | "no chain"
+    n_nodes: int
+    device: str
+    inner: str
+    depth_ops: Counter = field(default_factory=Counter)
+    two_phase: list = field(default_factory=list)  # TwoPhaseGroup
+    two_phase_skipped: str = ""
+    chain_report: Any = None  # ChainReport for unconverted graphs with a chain
+    chain_error: str = ""
+    aot: list[AotGraphRecord] = field(default_factory=list)
+    _params: list = field(default_factory=list, repr=False)  # weakrefs to the parameter tensors the graph read
+
+    def reads(self, params: list[torch.Tensor]) -> bool:
+        """Whether this graph read any of ``params`` (how explain() finds the graphs of one model)."""
+        mine = [r() for r in self._params]
+        return any(p is q for p in params for q in mine if q is not None)
+
+
+_RECORDS: list[GraphRecord] = []
+
+
+def records_for(module: torch.nn.Module) -> list[GraphRecord]:
+    """The records of every graph compiled with this backend that read ``module``'s parameters, in compile order."""
+    params = list(module.parameters())
+    return [r for r in _RECORDS if r.reads(params)]
+
+
+def clear_records() -> None:
+    """Forget every record (``torch._dynamo.reset()`` does not)."""
+    _RECORDS.clear()
+
+
+def _depth_ops(graph: fx.Graph) -> Counter:
+    return Counter(
+        n.target._schema.name.split("::", 1)[1]
+        for n in graph.nodes
+        if n.op == "call_function" and getattr(n.target, "namespace", None) == "depthrewrite"
+    )
+
+
+_OP_SCHEME = {"depth_attn": "attnres", "msar_mix": "msar", "mhc_coeffs": "mhc", "moda_attn": "moda"}
+
+
+def _schemes_of(ops: Counter) -> set[str]:
+    return {_OP_SCHEME[o] for o in ops if o in _OP_SCHEME}
+
+
+def _device_of(example_inputs) -> str:
+    for t in example_inputs:
+        if isinstance(t, torch.Tensor):
+            return t.device.type
+    return "cpu"
+
+
+def _is_converted(gm: fx.GraphModule, ops: Counter) -> bool:
+    if ops:
+        return True
+    from .passes.rewrite.depth import PARAM_PREFIX
+
+    return any(PARAM_PREFIX in str(n.target) for n in gm.graph.nodes if n.op in ("placeholder", "get_attr"))
+
+
+def _recording(stage: str, record: GraphRecord, compile_fn):
+    def inner(gm: fx.GraphModule, example_inputs, **kwargs):
+        st = stage
+        if stage == "auto":
+            st = "backward" if kwargs.get("is_backward") else ("inference" if kwargs.get("is_inference") else "forward")
+        record.aot.append(AotGraphRecord(st, len(gm.graph.nodes), _depth_ops(gm.graph), _device_of(example_inputs)))
+        return compile_fn(gm, example_inputs, **kwargs)
+
+    return inner
+
+
+def _boxed_eager(gm: fx.GraphModule, example_inputs, **kwargs):
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    return make_boxed_func(gm.forward)
+
+
+def _compile(gm: fx.GraphModule, example_inputs, opts: BackendOptions, record: GraphRecord, mode: str | None):
+    if opts.inner == "eager":
+        return gm.forward
+    if opts.inner == "aot_eager":
+        from torch._dynamo.backends.common import aot_autograd
+
+        return aot_autograd(
+            fw_compiler=_recording("forward", record, _boxed_eager),
+            bw_compiler=_recording("backward", record, _boxed_eager),
+            inference_compiler=_recording("inference", record, _boxed_eager),
+        )(gm, example_inputs)
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    patches = None
+    if mode and mode != "default":
+        import torch._inductor
+
+        patches = torch._inductor.list_mode_options(mode)
+    return compile_fx(gm, example_inputs, inner_compile=_recording("auto", record, compile_fx_inner), config_patches=patches)
+
+
+def depthrewrite_backend(gm: fx.GraphModule, example_inputs: list, *, options: dict | None = None, mode: str | None = None):
+    """The ``torch.compile`` backend (registered as ``"depthrewrite"``; see the module docstring)."""
+    opts = BackendOptions.from_dict(options)
+    ops = _depth_ops(gm.graph)
+    converted = _is_converted(gm, ops)
+    record = GraphRecord(
+        index=len(_RECORDS),
+        kind="converted" if converted else "unconverted",
+        n_nodes=len(gm.graph.nodes),
+        device=_device_of(example_inputs),
+        inner=opts.inner,
+        depth_ops=ops,
+        _params=[weakref.ref(t) for t in example_inputs if isinstance(t, torch.nn.Parameter)],
+    )
+    if converted:
+        schemes = _schemes_of(ops)
+        if opts.scheme is not None and schemes and opts.scheme not in schemes:
+            raise ConfigError(
+                f"torch.compile(backend='depthrewrite', options={{'scheme': {opts.scheme!r}}}): this model was converted "
+                f"to {'/'.join(sorted(schemes))}, not {opts.scheme}. Drop the option, or convert the original model "
+                f"with depthrewrite.convert(model, {opts.scheme!r})."
+            )
+        if opts.two_phase:
+            from .passes.lower.two_phase import apply_two_phase, find_two_phase_groups, two_phase_ops_available
+
+            if two_phase_ops_available():
+                record.two_phase = find_two_phase_groups(gm.graph)
+                apply_two_phase(gm, record.two_phase)
+            else:
+                record.two_phase_skipped = "the phase-1/merge ops are not registered"
+        else:
+            record.two_phase_skipped = "two_phase=False"
+    else:
+        if opts.scheme is not None:
+            raise ConfigError(
+                f"torch.compile(backend='depthrewrite', options={{'scheme': {opts.scheme!r}}}) was given a model that is "
+                f"not converted. The backend does not add parameters (a compiled graph would own them, and your "
+                f"optimizer would never see them). Convert first: "
+                f"model = depthrewrite.convert(model, {opts.scheme!r}); then torch.compile(model, backend='depthrewrite')."
+            )
+        _detect(gm, record, opts)
+    _RECORDS.append(record)
+    return _compile(gm, example_inputs, opts, record, mode)
+
+
+def _detect(gm: fx.GraphModule, record: GraphRecord, opts: BackendOptions) -> None:
+    from .passes.analyse.chain import detect_chain
+    from .report import ChainReport
+
+    try:
+        chain = detect_chain(gm)
+    except DepthRewriteError as e:
+        record.kind = "no chain"
+        record.chain_error = str(e).split("\n")[0]
+        log.debug("depthrewrite backend: graph %d has no PreNorm chain: %s", record.index, record.chain_error)
+        return
+    except Exception as e:  # noqa: BLE001 - detection must never break a compile; say why and go on
+        record.kind = "no chain"
+        record.chain_error = f"detection failed: {type(e).__name__}: {e}"
+        log.warning("depthrewrite backend: detection failed on graph %d (%s); compiling normally", record.index, e)
+        return
+    record.chain_report = ChainReport(model_class=f"graph {record.index} (Dynamo)", chain=chain, graph=gm)
+    if opts.log_chain:
+        log.info(
+            "depthrewrite backend: graph %d holds a PreNorm chain; convert it with depthrewrite.convert(model, scheme)"
+            "\n%s",
+            record.index,
+            record.chain_report,
+        )
+
+
+def _register() -> None:
+    """Register the name on import. When Dynamo itself is loading our entry point (``backend="depthrewrite"`` before
+    ``import depthrewrite``), it registers the loaded function right after this import, so do nothing then."""
+    from torch._dynamo.backends import registry
+
+    if "depthrewrite" in registry._COMPILER_FNS or registry._BACKENDS.get("depthrewrite") is not None:
+        return
+    registry.register_backend(depthrewrite_backend, name="depthrewrite")
+
+
+_register()

@@ -1,0 +1,191 @@
+"""``depthrewrite.explain()``: what the compile backend did (or would do) to a model's graphs.
+
+    compiled = torch.compile(conv, backend="depthrewrite")
+    loss = compiled(ids).logits.sum()
+    print(depthrewrite.explain(compiled))       # per graph: depth ops -> kernels, two-phase groups, AOT graphs
+
+    print(depthrewrite.explain(conv))           # not compiled yet: what the backend would do on this device
+    print(depthrewrite.explain(compiled, ids))  # runs the model once if needed, and asks Dynamo for graph breaks
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .backend import GraphRecord, records_for
+from .kernels.dispatch import get_kernel_backend, interpreting, kernel_info, triton_available
+
+__all__ = ["explain", "Explanation", "implementation_of"]
+
+
+def implementation_of(op: str, device: str) -> str:
+    """Which implementation the registered op ``depthrewrite::<op>`` runs on ``device`` under the current settings."""
+    infos = kernel_info()
+    base = op[: -len("_backward")] if op.endswith("_backward") else op
+    info = infos.get(f"depthrewrite::{base}")
+    mode = get_kernel_backend()
+    if info is None:
+        return "PyTorch reference (no fused kernel for this op)"
+    kernel = info.backward if op.endswith("_backward") else info.forward
+    fallback = f"; falls back to the reference when {info.falls_back}" if info.falls_back else ""
+    if mode == "reference":
+        return "PyTorch reference (DEPTHREWRITE_KERNELS=reference)"
+    if device == "cuda" and triton_available():
+        return f"Triton: {kernel}{fallback}"
+    if mode == "triton" and interpreting():
+        return f"Triton (interpreter): {kernel}{fallback}"
+    return f"PyTorch reference on {device} (Triton: {kernel} on CUDA)"
+
+
+@dataclass
+class Explanation:
+    """The result of :func:`explain`; ``print()`` it, or read ``graphs`` / ``to_dict()``."""
+
+    model: str
+    compiled: bool
+    device: str
+    graphs: list[GraphRecord] = field(default_factory=list)
+    static_ops: Counter = field(default_factory=Counter)  # for a converted model that is not compiled
+    static_two_phase: list = field(default_factory=list)
+    graph_breaks: int | None = None
+    break_reasons: list[str] = field(default_factory=list)
+    note: str = ""
+
+    def kernels(self) -> dict[str, str]:
+        """op -> implementation, over every graph (forward and backward)."""
+        ops: Counter = Counter(self.static_ops)
+        for g in self.graphs:
+            ops.update(g.depth_ops)
+            for a in g.aot:
+                ops.update(a.depth_ops)
+        return {op: implementation_of(op, self.device) for op in sorted(ops)}
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(
+            model=self.model,
+            compiled=self.compiled,
+            device=self.device,
+            kernel_backend=get_kernel_backend(),
+            graph_breaks=self.graph_breaks,
+            break_reasons=list(self.break_reasons),
+            kernels=self.kernels(),
+            graphs=[
+                dict(
+                    index=g.index,
+                    kind=g.kind,
+                    nodes=g.n_nodes,
+                    inner=g.inner,
+                    depth_ops=dict(g.depth_ops),
+                    two_phase=[str(t) for t in g.two_phase],
+                    two_phase_skipped=g.two_phase_skipped,
+                    chain=g.chain_report.to_dict() if g.chain_report is not None else None,
+                    chain_error=g.chain_error,
+                    aot=[dict(stage=a.stage, nodes=a.n_nodes, depth_ops=dict(a.depth_ops)) for a in g.aot],
+                )
+                for g in self.graphs
+            ],
+            two_phase=[str(t) for t in self.static_two_phase],
+            note=self.note,
+        )
+
+    def __str__(self) -> str:
+        lines = [f"depthrewrite.explain: {self.model}"]
+        state = "compiled with backend='depthrewrite'" if self.compiled else "not compiled (what the backend would do)"
+        lines.append(f"  {state}; device {self.device}; kernel backend {get_kernel_backend()!r}")
+        if self.graph_breaks is not None:
+            lines.append(f"  graph breaks (Dynamo): {self.graph_breaks}")
+            lines += [f"    - {r}" for r in self.break_reasons]
+        if self.note:
+            lines.append(f"  {self.note}")
+        for g in self.graphs:
+            lines.append(f"graph {g.index}: {g.kind}, {g.n_nodes} nodes, inner compiler {g.inner}")
+            if g.depth_ops:
+                lines.append("  depth ops: " + ", ".join(f"{op} ×{n}" for op, n in sorted(g.depth_ops.items())))
+            for t in g.two_phase:
+                lines.append(f"  two-phase: {t}")
+            if g.kind == "converted" and not g.two_phase:
+                lines.append(f"  two-phase: not applied ({g.two_phase_skipped or 'no sites share a block prefix'})")
+            if g.chain_report is not None:
+                c = g.chain_report.chain
+                lines.append(
+                    f"  PreNorm chain found: {len(c.sublayers)} sublayers, hidden {c.hidden_size} — not converted; "
+                    "use depthrewrite.convert(model, scheme) to rewrite it"
+                )
+            if g.chain_error:
+                lines.append(f"  no PreNorm chain in this graph: {g.chain_error}")
+            for a in g.aot:
+                ops = ", ".join(f"{op} ×{n}" for op, n in sorted(a.depth_ops.items())) or "no depth ops"
+                lines.append(f"  AOT {a.stage} graph: {a.n_nodes} nodes; {ops}")
+        if self.static_ops:
+            lines.append("depth ops in the converted graph: " + ", ".join(f"{o} ×{n}" for o, n in sorted(self.static_ops.items())))
+            for t in self.static_two_phase:
+                lines.append(f"  two-phase would batch: {t}")
+        kernels = self.kernels()
+        if kernels:
+            lines.append("kernels:")
+            width = max(len(k) for k in kernels)
+            lines += [f"  {op:<{width}}  {impl}" for op, impl in kernels.items()]
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, p, cycle):  # IPython
+        p.text(str(self))
+
+
+def _device_of_module(module: nn.Module) -> str:
+    p = next(iter(module.parameters()), None)
+    return p.device.type if p is not None else "cpu"
+
+
+def explain(model: nn.Module, *args: Any, **kwargs: Any) -> Explanation:
+    """Explain what the ``depthrewrite`` compile backend did to ``model``'s graphs.
+
+    Args:
+        model: a ``torch.compile``-d module (backend ``"depthrewrite"``), a converted model (not compiled: shows what
+            the backend would do), or any module that was compiled with the backend.
+        *args, **kwargs: optional example inputs. With them, a compiled model that has not run yet is run once (Dynamo
+            compiles lazily), and Dynamo's own ``torch._dynamo.explain`` reports graph breaks and their reasons.
+
+    Returns:
+        An :class:`Explanation`; ``print()`` it.
+    """
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    from .converted import ConvertedGraphModule
+
+    compiled = isinstance(model, OptimizedModule)
+    module = model._orig_mod if compiled else model
+    name = repr(module) if isinstance(module, ConvertedGraphModule) else type(module).__name__
+    device = _device_of_module(module)
+    graphs = records_for(module)
+    if compiled and not graphs and (args or kwargs):
+        with torch.no_grad():
+            model(*args, **kwargs)
+        graphs = records_for(module)
+    exp = Explanation(model=name, compiled=compiled or bool(graphs), device=device, graphs=graphs)
+    if args or kwargs:
+        import torch._dynamo
+
+        out = torch._dynamo.explain(module)(*args, **kwargs)
+        exp.graph_breaks = out.graph_break_count
+        exp.break_reasons = [str(getattr(b, "reason", b)).split("\n")[0] for b in out.break_reasons]
+    if not graphs:
+        if isinstance(module, ConvertedGraphModule):
+            from .backend import _depth_ops
+            from .passes.lower.two_phase import find_two_phase_groups
+
+            exp.static_ops = _depth_ops(module.graph)
+            exp.static_two_phase = find_two_phase_groups(module.graph)
+            exp.note = "not compiled yet; torch.compile(model, backend='depthrewrite') applies the above"
+        elif compiled:
+            exp.note = "compiled lazily: nothing has run yet; call the model once, or pass example inputs to explain()"
+        else:
+            exp.note = (
+                "not compiled with backend='depthrewrite' and not converted; depthrewrite.inspect(model) shows its "
+                "chain, depthrewrite.convert(model, scheme) rewrites it"
+            )
+    return exp

@@ -1,0 +1,180 @@
+"""The ``depthrewrite`` torch.compile backend and ``explain()``.
+
+One inductor compile (forward + backward, ~1 min on 2 cores) trains a converted model; every other test uses the
+backend's ``aot_eager`` / ``eager`` inner compilers, which run the same passes without code generation.
+"""
+
+from __future__ import annotations
+
+import logging
+from importlib.metadata import entry_points
+
+import pytest
+import torch
+
+import depthrewrite as dr
+from depthrewrite.backend import BackendOptions, clear_records, depthrewrite_backend, records_for
+from depthrewrite.errors import ConfigError
+from depthrewrite.zoo import hf_model
+
+IDS = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+SCHEMES = {
+    "block-attnres": ("attnres", dict(blocks=2)),
+    "full-attnres": ("attnres", {}),
+    "msar": ("msar", dict(blocks=2)),
+    "mhc": ("mhc", {}),
+    "moda": ("moda", {}),
+}
+
+
+def _pair(scheme: str, options: dict, layers: int = 4):
+    """Two conversions of identically initialised models (conversions share the original's parameters, so a model
+    trained through one must not be the other's original). New parameters are randomised so no site is trivial."""
+    out = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        conv = dr.convert(hf_model("llama", layers=layers, hidden=32), scheme, **options)
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for name, p in conv.named_parameters():
+                if name.startswith("depthrewrite.") and p.is_floating_point():
+                    p.add_(0.3 * torch.randn_like(p))
+        out.append(conv)
+    return out
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    torch._dynamo.reset()
+    clear_records()
+    yield
+    torch._dynamo.reset()
+
+
+def test_registered_by_name_and_entry_point():
+    assert "depthrewrite" in torch._dynamo.list_backends(exclude_tags=())
+    eps = {e.name: e.value for e in entry_points(group="torch_dynamo_backends")}
+    assert eps.get("depthrewrite") == "depthrewrite.backend:depthrewrite_backend"
+    assert torch._dynamo.lookup_backend("depthrewrite") is depthrewrite_backend
+
+
+@pytest.mark.parametrize("name", list(SCHEMES))
+def test_aot_graphs_match_eager_for_every_scheme(name):
+    scheme, options = SCHEMES[name]
+    eager, comp = _pair(scheme, options)
+    want = eager(IDS).logits
+    want.square().mean().backward()
+    compiled = torch.compile(comp, backend="depthrewrite", options={"inner": "aot_eager"})
+    got = compiled(IDS).logits
+    got.square().mean().backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    g_want, g_got = _grads(eager), _grads(comp)
+    assert g_got.keys() == g_want.keys()
+    for k in g_want:
+        torch.testing.assert_close(g_got[k], g_want[k], rtol=1e-4, atol=1e-6, msg=k)
+    exp = dr.explain(compiled)
+    assert exp.compiled and len(exp.graphs) == 1 and exp.graphs[0].kind == "converted"
+    assert {a.stage for a in exp.graphs[0].aot} == {"forward", "backward"}
+
+
+def test_two_phase_batches_block_attnres_sites():
+    _, comp = _pair("attnres", dict(blocks=2))
+    compiled = torch.compile(comp, backend="depthrewrite", options={"inner": "aot_eager"})
+    compiled(IDS)
+    g = dr.explain(compiled).graphs[0]
+    assert g.depth_ops["depth_attn"] == 8  # 8 sites before the pass
+    # 4 sublayers per block (2 layers x attention + MLP): sites 1-4 share [embedding], 5-8 (incl. the output site)
+    # share [embedding, block 1 summary]
+    assert [len(t.sites) for t in g.two_phase] == [4, 4]
+    assert [len(t.prefix) for t in g.two_phase] == [1, 2]
+    fw = next(a for a in g.aot if a.stage == "forward")
+    assert fw.depth_ops["depth_attn_partial"] == 2 and fw.depth_ops["depth_attn_merge"] == 8
+    assert "depth_attn" not in fw.depth_ops
+
+
+def test_two_phase_can_be_switched_off_and_full_attnres_is_left_alone():
+    _, comp = _pair("attnres", dict(blocks=2))
+    compiled = torch.compile(comp, backend="depthrewrite", options={"inner": "aot_eager", "two_phase": False})
+    compiled(IDS)
+    g = dr.explain(compiled).graphs[0]
+    assert not g.two_phase and g.two_phase_skipped == "two_phase=False"
+    torch._dynamo.reset()
+    _, full = _pair("attnres", {})
+    compiled = torch.compile(full, backend="depthrewrite", options={"inner": "aot_eager"})
+    compiled(IDS)
+    assert not dr.explain(compiled).graphs[0].two_phase  # every Full site has its own prefix
+
+
+def test_unconverted_model_logs_its_chain_and_compiles(caplog):
+    torch.manual_seed(0)
+    model = hf_model("llama", layers=2, hidden=32)
+    want = model(IDS).logits
+    with caplog.at_level(logging.INFO, logger="depthrewrite.backend"):
+        got = torch.compile(model, backend="depthrewrite", options={"inner": "eager"})(IDS).logits
+    torch.testing.assert_close(got, want)
+    assert "PreNorm chain" in caplog.text and "model.layers.1.mlp" in caplog.text
+    g = records_for(model)[0]
+    assert g.kind == "unconverted" and len(g.chain_report.chain.sublayers) == 4
+
+
+def test_a_scheme_for_an_unconverted_model_points_to_convert():
+    model = hf_model("llama", layers=2, hidden=32)
+    with pytest.raises(Exception, match=r"not converted.*depthrewrite\.convert\(model, 'msar'\)"):
+        torch.compile(model, backend="depthrewrite", options={"scheme": "msar"})(IDS)
+
+
+def test_a_wrong_scheme_for_a_converted_model_is_refused():
+    _, comp = _pair("mhc", {}, layers=2)
+    with pytest.raises(Exception, match="converted to mhc, not attnres"):
+        torch.compile(comp, backend="depthrewrite", options={"scheme": "attnres", "inner": "eager"})(IDS)
+
+
+def test_bad_options_are_config_errors():
+    with pytest.raises(ConfigError, match="unknown option"):
+        BackendOptions.from_dict({"fuse_everything": True})
+    with pytest.raises(ConfigError, match="inner="):
+        BackendOptions.from_dict({"inner": "tvm"})
+
+
+def test_explain_a_converted_model_before_compiling():
+    _, comp = _pair("attnres", dict(blocks=2))
+    text = str(dr.explain(comp))
+    assert "not compiled" in text and "depth_attn ×8" in text and "two-phase would batch" in text
+    assert "depth_attn" in dr.explain(comp).kernels()
+
+
+def test_explain_runs_the_model_and_counts_graph_breaks():
+    _, comp = _pair("mhc", {}, layers=2)
+    compiled = torch.compile(comp, backend="depthrewrite", options={"inner": "eager"})
+    exp = dr.explain(compiled, IDS)
+    assert exp.graph_breaks == 0 and len(exp.graphs) == 1
+    d = exp.to_dict()
+    assert d["graphs"][0]["depth_ops"]["mhc_coeffs"] == 4 and d["kernels"]
+
+
+def test_explain_of_a_plain_module_says_what_to_do():
+    assert "depthrewrite.convert" in str(dr.explain(torch.nn.Linear(2, 2)))
+
+
+def test_inductor_trains_a_converted_model_like_eager():
+    """The one real compile: AOT autograd + inductor (C++ on CPU), three SGD steps of Block AttnRes."""
+    eager, comp = _pair("attnres", dict(blocks=2))
+    compiled = torch.compile(comp, backend="depthrewrite")
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, comp)]
+    for step in range(3):
+        losses = []
+        for m, opt in zip((eager, compiled), opts):
+            opt.zero_grad()
+            loss = m(IDS, labels=IDS).loss
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-5, msg=f"step {step}")
+    exp = dr.explain(compiled)
+    assert exp.graphs[0].inner == "inductor"
+    assert {a.stage for a in exp.graphs[0].aot} >= {"forward", "backward"}
+    assert exp.graphs[0].two_phase
