@@ -1,14 +1,70 @@
 """``depthrewrite::moda_attn`` and ``depthrewrite::moda_slots``: MoDA's joint attention and the token-major slot
-layout as registered ops (PyTorch references; the flash-style kernel plugs in here). Backward recomputes from the
-saved inputs; dropout masks come from a seed input, so the recomputation sees the same masks."""
+layout as registered ops.
+
+``moda_attn`` runs the fused Triton kernel (``fused.py``, imported lazily) when
+:func:`~depthrewrite.kernels.dispatch.use_triton` says so and the call is one the kernel covers (see
+:func:`kernel_covers`), else the PyTorch reference. Its backward is its own registered op,
+``depthrewrite::moda_attn_backward`` (one opaque node per site in a compiled backward graph), which dispatches the
+same way: the Triton backward (recomputes the LSE, then dQ + depth gradients and dK/dV) or the reference
+recomputation. Dropout masks come from a seed input, so the reference recomputation sees the same masks.
+``moda_slots`` is a layout copy and stays a PyTorch op."""
 
 from __future__ import annotations
 
 import torch
 
+from ..dispatch import KernelInfo, register_kernel_info, use_triton
 from .reference import moda_attn_ref, moda_slots_ref
 
-__all__ = ["moda_attn", "moda_slots"]
+__all__ = ["moda_attn", "moda_attn_backward", "moda_slots", "kernel_covers"]
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_MAX_HEAD_DIM = 256
+
+
+def kernel_covers(q, k, v, attn_mask, depth_k, depth_v, depth_weight, dropout_p) -> bool:
+    """Whether the fused kernel handles this call; otherwise the op silently runs the reference.
+
+    Covered: fp32/bf16/fp16 with q, k, v, depth_k, depth_v of one dtype (bf16 only on CUDA: Triton's interpreter
+    has no bf16), Hq a multiple of Hk, head dim <= 256 (padded to a power of two with masks), n >= 1 depth slots,
+    non-empty T and S, no mask or a boolean / floating mask broadcastable to ``[B, Hq, T, S]``, ``dropout_p == 0``.
+    """
+    if dropout_p > 0.0:
+        return False  # the reference's dropout masks come from torch.rand with a seed; a kernel cannot reproduce them
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or depth_k.dim() != 5 or depth_v.dim() != 5:
+        return False
+    dt = q.dtype
+    if dt not in _KERNEL_DTYPES or any(t.dtype != dt for t in (k, v, depth_k, depth_v)):
+        return False
+    if dt == torch.bfloat16 and not q.is_cuda:
+        return False
+    B, Hq, T, d = q.shape
+    Hk, S = k.shape[1], k.shape[2]
+    if Hk == 0 or Hq % Hk or d > _MAX_HEAD_DIM or min(B, T, S, d) == 0:
+        return False
+    if v.shape != k.shape or k.shape[0] != B or k.shape[3] != d:
+        return False
+    n = depth_k.shape[2]
+    if n < 1 or depth_k.shape != (B, T, n, Hk, d) or depth_v.shape != depth_k.shape:
+        return False
+    if depth_weight is not None and (depth_weight.shape != (Hq,) or not depth_weight.is_floating_point()):
+        return False
+    if attn_mask is not None:
+        if not (attn_mask.dtype == torch.bool or attn_mask.is_floating_point()) or attn_mask.dim() > 4:
+            return False
+        try:
+            torch.broadcast_shapes(attn_mask.shape, (B, Hq, T, S))
+        except RuntimeError:
+            return False
+        if torch.broadcast_shapes(attn_mask.shape, (B, Hq, T, S)) != (B, Hq, T, S):
+            return False
+    return True
+
+
+def _use_kernel(q, k, v, attn_mask, depth_k, depth_v, depth_weight, dropout_p) -> bool:
+    return use_triton(q, k, v, attn_mask, depth_k, depth_v, depth_weight, op="depthrewrite::moda_attn") and (
+        kernel_covers(q, k, v, attn_mask, depth_k, depth_v, depth_weight, dropout_p)
+    )
 
 
 @torch.library.custom_op("depthrewrite::moda_attn", mutates_args=())
@@ -26,6 +82,11 @@ def moda_attn(
     seed: torch.Tensor | None,
     softcap: float,
 ) -> torch.Tensor:
+    if _use_kernel(q, k, v, attn_mask, depth_k, depth_v, depth_weight, dropout_p):
+        from .fused import moda_attn_fwd
+
+        out, _ = moda_attn_fwd(q, k, v, attn_mask, depth_k, depth_v, depth_weight, scale, is_causal, softcap)
+        return out
     return moda_attn_ref(q, k, v, attn_mask, depth_k, depth_v, depth_weight, scale, is_causal, dropout_p, seed, softcap)
 
 
@@ -38,30 +99,111 @@ def _(q, k, v, attn_mask, depth_k, depth_v, depth_weight, scale, is_causal, drop
 _DIFF = (0, 1, 2, 3, 4, 5, 6)  # q, k, v, attn_mask (an additive bias may be learned), depth_k, depth_v, depth_weight
 
 
-def _setup(ctx, inputs, output):
-    ctx.tensor_pos = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)]
-    ctx.save_for_backward(*(inputs[i] for i in ctx.tensor_pos))
-    ctx.inputs = [None if i in ctx.tensor_pos else x for i, x in enumerate(inputs)]
-
-
-def _backward(ctx, grad):
-    args = list(ctx.inputs)
-    for i, t in zip(ctx.tensor_pos, ctx.saved_tensors):
-        args[i] = t
+def _reference_grads(grad, args, mask_grad: bool) -> list[torch.Tensor | None]:
+    """Gradients of the reference for q, k, v, attn_mask, depth_k, depth_v, depth_weight (recomputes the forward)."""
+    diff = [i for i in _DIFF if isinstance(args[i], torch.Tensor) and args[i].is_floating_point()]
+    if not mask_grad and 3 in diff:
+        diff.remove(3)
     with torch.enable_grad():
-        leaves = {
-            i: args[i].detach().requires_grad_(True)
-            for i in _DIFF
-            if isinstance(args[i], torch.Tensor) and args[i].is_floating_point()
-        }
+        leaves = {i: args[i].detach().requires_grad_(True) for i in diff}
         call = [leaves.get(i, a) for i, a in enumerate(args)]
         out = moda_attn_ref(*call)
         got = torch.autograd.grad(out, list(leaves.values()), grad, allow_unused=True)
     grads = dict(zip(leaves, got))
-    return tuple(grads.get(i) for i in range(len(args)))
+    return [grads.get(i) for i in _DIFF]
+
+
+@torch.library.custom_op("depthrewrite::moda_attn_backward", mutates_args=())
+def moda_attn_backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    depth_k: torch.Tensor,
+    depth_v: torch.Tensor,
+    depth_weight: torch.Tensor | None,
+    out: torch.Tensor,
+    scale: float,
+    is_causal: bool,
+    dropout_p: float,
+    seed: torch.Tensor | None,
+    softcap: float,
+    mask_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients ``(dq, dk, dv, dmask, dKd, dVd, dλ)`` of :func:`moda_attn`, each shaped like its input.
+
+    ``dmask`` is an empty tensor unless ``mask_grad`` (an additive float mask that requires grad); ``dλ`` is empty
+    when ``depth_weight`` is None. ``out`` is the forward output (the Triton backward needs ``rowsum(o ⊙ do)``).
+    """
+    if _use_kernel(q, k, v, attn_mask, depth_k, depth_v, depth_weight, dropout_p):
+        from .fused import moda_attn_bwd
+
+        got = list(
+            moda_attn_bwd(grad, q, k, v, attn_mask, depth_k, depth_v, depth_weight, out, scale, is_causal, softcap,
+                          mask_grad)
+        )
+    else:
+        args = [q, k, v, attn_mask, depth_k, depth_v, depth_weight, scale, is_causal, dropout_p, seed, softcap]
+        got = _reference_grads(grad, args, mask_grad)
+    like = (q, k, v, attn_mask if mask_grad else None, depth_k, depth_v, depth_weight)
+    res = []
+    for g, x in zip(got, like):
+        if x is None:
+            res.append(q.new_empty(0))
+            continue
+        r = torch.empty_like(x)  # the fake's layout, whatever the producer's strides
+        if g is None:
+            r.zero_()
+        else:
+            r.copy_(g)
+        res.append(r)
+    return tuple(res)
+
+
+@moda_attn_backward.register_fake
+def _(grad, q, k, v, attn_mask, depth_k, depth_v, depth_weight, out, scale, is_causal, dropout_p, seed, softcap,
+      mask_grad):
+    like = (q, k, v, attn_mask if mask_grad else None, depth_k, depth_v, depth_weight)
+    return tuple(q.new_empty(0) if x is None else torch.empty_like(x) for x in like)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, attn_mask, depth_k, depth_v, depth_weight, scale, is_causal, dropout_p, seed, softcap = inputs
+    ctx.save_for_backward(q, k, v, attn_mask, depth_k, depth_v, depth_weight, seed, output)
+    ctx.scale, ctx.is_causal, ctx.dropout_p, ctx.softcap = scale, is_causal, dropout_p, softcap
+
+
+def _backward(ctx, grad):
+    q, k, v, attn_mask, depth_k, depth_v, depth_weight, seed, out = ctx.saved_tensors
+    mask_grad = bool(attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[3])
+    dq, dk, dv, dmask, dkd, dvd, dlam = moda_attn_backward(
+        grad, q, k, v, attn_mask, depth_k, depth_v, depth_weight, out,
+        ctx.scale, ctx.is_causal, ctx.dropout_p, seed, ctx.softcap, mask_grad,
+    )
+    return (
+        dq, dk, dv, dmask if mask_grad else None, dkd, dvd, dlam if depth_weight is not None else None,
+        None, None, None, None, None,
+    )
 
 
 moda_attn.register_autograd(_backward, setup_context=_setup)
+
+register_kernel_info(
+    KernelInfo(
+        op="depthrewrite::moda_attn",
+        forward="_moda_fwd: flash-style (FA2) online softmax; grid (T/BMT, B·Hk), the G query heads of a KV head "
+        "folded into the rows; depth slots first, then the sequence blocks (tl.dot QKᵀ and PV)",
+        backward="depthrewrite::moda_attn_backward: _moda_fwd (stats only, recomputes the LSE), _moda_bwd_dq "
+        "(dQ + dKd/dVd + per-row dλ partials + dS for a learned additive mask), _moda_bwd_dkdv (dK/dV, G heads "
+        "folded); no atomics",
+        fuses="sequence attention (causal / bool / additive mask, soft-cap) and the same-token depth slots with λ "
+        "in one online softmax; no logits, probabilities or separate LSE merge in HBM",
+        falls_back="dropout_p > 0 (seeded torch.rand masks); dtypes other than fp32/bf16/fp16 or mixed input "
+        "dtypes; bf16 on CPU (the Triton interpreter has no bf16); head dim > 256; Hq not a multiple of Hk; empty "
+        "T or S; a mask that is neither bool nor floating or not broadcastable to [B, Hq, T, S]",
+    )
+)
 
 
 @torch.library.custom_op("depthrewrite::moda_slots", mutates_args=())
