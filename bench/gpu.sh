@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# One prepared GPU run (~8 minutes on an H200): the kernel tests natively (no interpreter), then the kernel and
+# whole-model benchmarks. Runs from the source tree with the machine's own torch/triton (may be torch 2.11 + triton
+# 3.6); nothing is installed. Results go to $OUT (default bench/out): versions.txt, nvidia-smi.txt, kernel-tests.txt,
+# bench.txt, results.json, results.md. Copy the figures into bench/RESULTS.md with the hardware and date.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+PY=${PYTHON:-python3}
+nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
+$PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))" | tee "$OUT/versions.txt"
+# 1. kernel tests on the GPU (fp32 and bf16 against the references); ~2 minutes
+timeout 200 $PY -m pytest -q -x tests/kernels -p no:cacheprovider 2>&1 | tail -40 > "$OUT/kernel-tests.txt"
+tail -3 "$OUT/kernel-tests.txt"
+# 2. kernel benchmarks (bf16) + one whole-model step per scheme; ~5 minutes
+timeout 330 $PY -m bench.kernels --dtype bf16 --rep 10 --model --out "$OUT" 2>&1 | tee "$OUT/bench.txt" | tail -60

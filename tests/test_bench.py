@@ -1,0 +1,58 @@
+"""The benchmark harness runs (timing, tables) without a GPU; the per-op case modules import everywhere.
+
+No speed is asserted here: measurements live in bench/RESULTS.md."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from bench import kernels
+from bench.kernel_cases import Case
+
+
+def test_run_case_and_markdown_on_cpu():
+    x = torch.randn(64, 64)
+    case = Case(
+        op="toy",
+        shape="64x64",
+        impls={"fused": lambda: x * 2, "reference": lambda: x + x, "compiled-reference": lambda: x.mul(2)},
+        impls_bwd={"fused": lambda: x * 2},
+        bytes=2 * x.numel() * 4,
+    )
+    rows = kernels.run_case(case, "cpu", copy_gbs=10.0, rep=3)
+    assert [(r["direction"], r["impl"]) for r in rows] == [
+        ("fwd", "fused"), ("fwd", "reference"), ("fwd", "compiled-reference"), ("fwd+bwd", "fused")
+    ]
+    assert all(r["ms"] > 0 and r["GB/s"] > 0 for r in rows if r["direction"] == "fwd")
+    assert rows[0]["x fused"] == 1.0
+    table = kernels.to_markdown(rows)
+    assert table.startswith("| op | shape | direction | impl | ms |") and table.count("\n") == 6
+
+
+def test_a_failing_impl_is_reported_not_raised():
+    def boom():
+        raise RuntimeError("out of memory\nmore")
+
+    rows = kernels.run_case(Case(op="toy", shape="s", impls={"fused": boom, "compiled-reference": boom}), "cpu", 0.0, 1)
+    assert rows[0]["error"] == "RuntimeError: out of memory" and rows[0]["ms"] is None
+
+
+def test_without_a_gpu_nothing_is_measured(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert kernels.main([]) == 0
+    assert "nothing measured" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("op", kernels.OPS)
+def test_case_modules_import(op):
+    try:
+        mod = importlib.import_module(f"bench.kernel_cases.{op}")
+    except ModuleNotFoundError as e:
+        if e.name == f"bench.kernel_cases.{op}":
+            pytest.fail(f"bench/kernel_cases/{op}.py is missing")
+        raise
+    assert callable(mod.cases)
