@@ -1,0 +1,186 @@
+"""depthrewrite::moda_attn's fused Triton kernels against the PyTorch reference: forward, every gradient (q, k, v,
+depth_k, depth_v, λ, a learned additive mask), masks and soft-capping, GQA groups that are not powers of two, odd head
+dims, the fallback boundary, and opcheck of both registered ops with the Triton backend forced.
+
+On CPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1), so shapes are tiny; on a
+CUDA machine the same file runs the compiled kernels and adds fp16/bf16 (the interpreter has no bf16).
+
+Tolerances (atol, rtol) per dtype are in TOL (output) and GRAD_TOL (gradients) below, in the style of Liger's tests
+(platform-notes §12); half-precision gradients must also pass fla's RMS-ratio check (< 0.005 of the reference's RMS).
+fp32 runs use true fp32 dot products (``input_precision="ieee"``), so only summation order differs from the reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from depthrewrite.kernels.dispatch import kernel_backend
+from depthrewrite.kernels.moda import fused, kernel_covers, moda_attn, moda_attn_backward, moda_attn_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {
+    torch.float32: dict(atol=2e-5, rtol=2e-5),
+    torch.float16: dict(atol=1e-2, rtol=1e-2),
+    torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
+}
+GRAD_TOL = {
+    torch.float32: dict(atol=1e-4, rtol=1e-4),
+    torch.float16: dict(atol=5e-2, rtol=5e-2),
+    torch.bfloat16: dict(atol=1e-1, rtol=1e-1),
+}
+RMS_RATIO = 0.005
+HALF = [
+    pytest.param(dt, marks=pytest.mark.skipif(DEVICE == "cpu", reason="half types are tested on CUDA only"))
+    for dt in (torch.float16, torch.bfloat16)
+]
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts the fused launchers' calls, to tell the kernel path from the reference fallback."""
+    n = {"fwd": 0, "bwd": 0}
+    fwd, bwd = fused.moda_attn_fwd, fused.moda_attn_bwd
+
+    def f(*a, **k):
+        n["fwd"] += 1
+        return fwd(*a, **k)
+
+    def b(*a, **k):
+        n["bwd"] += 1
+        return bwd(*a, **k)
+
+    monkeypatch.setattr(fused, "moda_attn_fwd", f)
+    monkeypatch.setattr(fused, "moda_attn_bwd", b)
+    return n
+
+
+def make(B, Hq, Hk, T, S, n, d, *, mask=None, mask_shape=None, lam=None, dtype=torch.float32, seed=0):
+    """Inputs for one call; q, k, v, depth slots (and λ, a float mask) require grad."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g).to(DEVICE, dtype).requires_grad_()  # noqa: E731
+    q, k, v = r(B, Hq, T, d), r(B, Hk, S, d), r(B, Hk, S, d)
+    Kd, Vd = r(B, T, n, Hk, d), r(B, T, n, Hk, d)
+    m = None
+    shape = mask_shape or (T, S)
+    if mask == "bool":
+        m = (torch.rand(*shape, generator=g) > 0.3).to(DEVICE)
+    elif mask == "add":
+        m = torch.randn(*shape, generator=g).to(DEVICE, dtype).requires_grad_()
+    w = None
+    if lam == "mixed":  # some negative (clamped to 0 forward, straight-through gradient), some > 1
+        w = (torch.rand(Hq, generator=g) * 2 - 0.5).to(DEVICE).requires_grad_()
+    elif lam == "zero":
+        w = torch.zeros(Hq, device=DEVICE, requires_grad=True)
+    return q, k, v, m, Kd, Vd, w
+
+
+def _f32(t):
+    return None if t is None else (t.detach().float().requires_grad_(t.requires_grad) if t.is_floating_point() else t)
+
+
+def check(inputs, scale, causal, softcap, dtype=torch.float32):
+    """Kernel vs reference (the reference in fp32 on upcast inputs): output, then every gradient."""
+    q, k, v, m, Kd, Vd, w = inputs
+    with kernel_backend("triton"):
+        out = moda_attn(q, k, v, m, Kd, Vd, w, scale, causal, 0.0, None, softcap)
+    ref_in = [_f32(t) for t in inputs]
+    ref = moda_attn_ref(*ref_in[:6], ref_in[6], scale, causal, 0.0, None, softcap)
+    assert out.dtype == dtype and out.shape == q.shape and out.stride() == ref.stride()
+    torch.testing.assert_close(out.float(), ref, **TOL[dtype])
+    go = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    leaves = [t for t in inputs if t is not None and t.requires_grad]
+    ref_leaves = [t for t in ref_in if t is not None and t.requires_grad]
+    with kernel_backend("triton"):
+        got = torch.autograd.grad(out, leaves, go.to(dtype))
+    want = torch.autograd.grad(ref, ref_leaves, go)
+    names = [nm for nm, t in zip("q k v mask Kd Vd lam".split(), inputs) if t is not None and t.requires_grad]
+    for nm, a, b, x in zip(names, got, want, leaves):
+        assert a.shape == x.shape and a.dtype == x.dtype, nm
+        torch.testing.assert_close(a.float(), b, **GRAD_TOL[dtype], msg=lambda s, nm=nm: f"d{nm}: {s}")
+        if dtype != torch.float32:
+            rms = (a.float() - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-12)
+            assert rms < RMS_RATIO, (nm, rms.item())
+
+
+CASES = [
+    # id: B, Hq, Hk, T, S, n, d, causal, mask, mask_shape, lam, softcap
+    pytest.param(1, 2, 2, 19, 19, 1, 8, True, None, None, None, 0.0, id="mha-one-slot-causal"),
+    pytest.param(2, 4, 2, 13, 21, 3, 5, False, "bool", (2, 1, 13, 21), "mixed", 0.0, id="gqa2-bool4d-S>T-odd-d"),
+    pytest.param(1, 6, 2, 17, 17, 2, 12, True, "add", (17, 17), "mixed", 4.0, id="gqa3-learned-add2d-softcap"),
+    pytest.param(1, 4, 1, 18, 18, 9, 20, True, "bool", (1, 18, 18), None, 0.0, id="mqa4-many-slots-bool3d"),
+    pytest.param(1, 4, 2, 20, 9, 2, 16, True, None, None, "zero", 2.5, id="S<T-causal-lambda0-softcap"),
+    pytest.param(1, 16, 1, 5, 7, 4, 4, False, "add", (1, 16, 1, 7), "mixed", 0.0, id="G16-one-token-per-block"),
+]
+
+
+@pytest.mark.parametrize("B, Hq, Hk, T, S, n, d, causal, mask, mask_shape, lam, softcap", CASES)
+def test_fused_matches_reference(B, Hq, Hk, T, S, n, d, causal, mask, mask_shape, lam, softcap, calls):
+    inputs = make(B, Hq, Hk, T, S, n, d, mask=mask, mask_shape=mask_shape, lam=lam, seed=T * 7 + n)
+    check(inputs, 1.0 / math.sqrt(d), causal, softcap)
+    assert calls == {"fwd": 2, "bwd": 1}  # the kernel path ran both ways (the backward recomputes the LSE)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("causal, mask", [(True, None), (False, "bool")])
+def test_fused_half_precision(dtype, causal, mask, calls):
+    inputs = make(2, 8, 2, 77, 77, 8, 64, mask=mask, mask_shape=(2, 1, 77, 77), lam="mixed", dtype=dtype)
+    check(inputs, 0.125, causal, 0.0, dtype)
+    assert calls == {"fwd": 2, "bwd": 1}
+
+
+def test_fully_masked_rows_keep_their_depth_slots(calls):
+    """A row whose every sequence key is masked attends to its depth slots only (never empty, never NaN)."""
+    q, k, v, _, Kd, Vd, _ = make(1, 2, 1, 6, 6, 3, 8)
+    m = torch.ones(6, 6, dtype=torch.bool, device=DEVICE)
+    m[2] = False
+    with kernel_backend("triton"):
+        out = moda_attn(q, k, v, m, Kd, Vd, None, 0.3, False, 0.0, None, 0.0)
+    s = torch.einsum("hd,nd->hn", q[0, :, 2], Kd[0, 2, :, 0]) * 0.3
+    want = s.softmax(-1) @ Vd[0, 2, :, 0]
+    torch.testing.assert_close(out[0, :, 2], want, **TOL[torch.float32])
+    assert torch.isfinite(out).all() and calls["fwd"] == 1
+
+
+def test_lambda_zero_is_plain_attention(calls):
+    """λ = 0 (preserve_init) gives SDPA's causal attention of the sequence part exactly (spec §8 Q8)."""
+    q, k, v, _, Kd, Vd, w = make(1, 2, 2, 21, 21, 4, 16, lam="zero")
+    with kernel_backend("triton"):
+        out = moda_attn(q, k, v, None, 100 * Kd, Vd, w, 0.25, True, 0.0, None, 0.0)  # large depth logits, λ = 0
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25), atol=2e-5,
+                               rtol=2e-5)
+
+
+def test_fallback_boundary(calls):
+    """Dropout, fp64 and head dims > 256 run the reference inside the op; head dim 256 and any G stay fused."""
+    q, k, v, _, Kd, Vd, _ = make(1, 2, 1, 4, 4, 2, 8)
+    seed = torch.tensor([3])
+    with kernel_backend("triton"):
+        out = moda_attn(q, k, v, None, Kd, Vd, None, 0.3, True, 0.5, seed, 0.0)
+    assert torch.equal(out, moda_attn_ref(q, k, v, None, Kd, Vd, None, 0.3, True, 0.5, seed, 0.0))
+    d64 = [t.detach().double() for t in (q, k, v, Kd, Vd)]
+    with kernel_backend("triton"):
+        moda_attn(d64[0], d64[1], d64[2], None, d64[3], d64[4], None, 0.3, True, 0.0, None, 0.0)
+    assert calls["fwd"] == 0
+    big = [torch.empty(s, device="meta") for s in ((1, 2, 3, 257), (1, 1, 3, 257), (1, 3, 2, 1, 257))]
+    assert not kernel_covers(big[0], big[1], big[1], None, big[2], big[2], None, 0.0)
+    ok = [torch.empty(s, device="meta") for s in ((1, 6, 3, 256), (1, 2, 3, 256), (1, 3, 2, 2, 256))]
+    assert kernel_covers(ok[0], ok[1], ok[1], None, ok[2], ok[2], None, 0.0)
+    assert not kernel_covers(ok[0], ok[1], ok[1], None, ok[2], ok[2], None, 0.1)  # dropout
+    assert not kernel_covers(ok[0], ok[1], ok[1], torch.empty(3, 5, dtype=torch.bool), ok[2], ok[2], None, 0.0)
+
+
+def test_opcheck_forward_and_backward_ops():
+    q, k, v, m, Kd, Vd, w = make(1, 4, 2, 5, 5, 2, 4, mask="add", lam="mixed")
+    with kernel_backend("triton"):
+        torch.library.opcheck(moda_attn, (q, k, v, m, Kd, Vd, w, 0.5, True, 0.0, None, 2.0))
+        out = moda_attn(q, k, v, m, Kd, Vd, w, 0.5, True, 0.0, None, 2.0).detach()
+        go = torch.randn_like(out).expand_as(out)
+        torch.library.opcheck(
+            moda_attn_backward,
+            (go, *(t.detach() for t in (q, k, v, m, Kd, Vd, w)), out, 0.5, True, 0.0, None, 2.0, True),
+            test_utils=("test_schema", "test_faketensor"),
+        )
