@@ -130,6 +130,11 @@ class Explanation:
             lines.append("kernels:")
             width = max(len(k) for k in kernels)
             lines += [f"  {op:<{width}}  {impl}" for op, impl in kernels.items()]
+            infos = kernel_info()
+            fused = {o: infos[f"depthrewrite::{o}"].fuses for o in kernels if f"depthrewrite::{o}" in infos}
+            if fused:
+                lines.append("what each fused kernel fuses:")
+                lines += [f"  {op:<{width}}  {text}" for op, text in fused.items()]
         return "\n".join(lines)
 
     def _repr_pretty_(self, p, cycle):  # IPython
