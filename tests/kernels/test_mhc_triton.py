@@ -1,0 +1,196 @@
+"""The fused mHC kernels (depthrewrite/kernels/mhc/fused.py) against the PyTorch reference: forward and every
+gradient of ``mhc_coeffs`` / ``mhc_pre`` / ``mhc_post``, opcheck of the ops and of their backward ops, the fallback
+boundary (n > 8, fp64). On CPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1);
+on a CUDA machine the same file runs them natively and adds bf16.
+
+Tolerances (atol, rtol), per dtype of X; coefficients and their grads are fp32 throughout:
+  fp32: forward 1e-5 / 1e-5, gradients 1e-4 / 1e-4 (the GEMMs use exact fp32 since TF32 is off in tests)
+  bf16 (CUDA only): forward 2e-2 / 2e-2 (outputs are rounded to bf16), gradients 5e-2 / 5e-2
+  (Liger's mHC tests use 1.5e-2 / 2.5e-2 / 5e-2 for bf16 pre-post / res / grads; platform-notes §12.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from depthrewrite.kernels.dispatch import kernel_backend, kernel_info
+from depthrewrite.kernels.mhc import (
+    mhc_coeffs,
+    mhc_coeffs_backward,
+    mhc_coeffs_ref,
+    mhc_post,
+    mhc_post_backward,
+    mhc_post_ref,
+    mhc_pre,
+    mhc_pre_backward,
+    mhc_pre_ref,
+)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {
+    torch.float32: dict(fwd=(1e-5, 1e-5), grad=(1e-4, 1e-4)),
+    torch.bfloat16: dict(fwd=(2e-2, 2e-2), grad=(5e-2, 5e-2)),
+}
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEV == "cuda" else [])
+ITERS, EPS = 20, 1e-6
+
+
+def _site(n: int, D: int, lead: tuple[int, ...], dtype=torch.float32, seed: int = 0):
+    """X [*lead, n, D] and coefficient parameters at trained-model-like scales (non-trivial Sinkhorn)."""
+    g = torch.Generator().manual_seed(seed)
+    X = (torch.randn(*lead, n, D, generator=g) * 2).to(DEV, dtype)
+    phi = (torch.randn(n * D, n * n + 2 * n, generator=g) * 0.3).to(DEV)
+    bias = torch.randn(n * n + 2 * n, generator=g).to(DEV)
+    alpha = (torch.rand(3, generator=g) + 0.1).to(DEV)
+    return X, phi, bias, alpha
+
+
+def _grads(fn, inputs, seed: int = 1):
+    """Outputs of fn and the grads of every input for a random cotangent on every output."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+    out = fn(*leaves)
+    outs = out if isinstance(out, tuple) else (out,)
+    g = torch.Generator().manual_seed(seed)
+    cot = [torch.randn(o.shape, generator=g).to(o.device, o.dtype) for o in outs]
+    return outs, torch.autograd.grad(outs, leaves, cot)
+
+
+def _close(got, want, tol):
+    atol, rtol = tol
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a.float(), b.float(), atol=atol * max(1.0, b.abs().max().item()), rtol=rtol)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts the fused launcher calls (to tell the kernel path from the fallback)."""
+    from depthrewrite.kernels.mhc import fused
+
+    seen: list[str] = []
+    for name in ("coeffs_forward", "coeffs_backward", "pre_forward", "pre_backward", "post_forward", "post_backward"):
+        orig = getattr(fused, name)
+
+        def spy(*a, _orig=orig, _name=name, **k):
+            seen.append(_name)
+            return _orig(*a, **k)
+
+        monkeypatch.setattr(fused, name, spy)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "n, D, lead, iters",
+    [
+        pytest.param(1, 37, (5,), ITERS, id="one-stream-rank1"),
+        pytest.param(4, 13, (2, 17), ITERS, id="n4-odd-rank2"),  # 34 tokens: 3 token blocks, K = 52 < BK
+        pytest.param(4, 20, (1, 2, 3), 1, id="n4-rank3-iters1"),
+        pytest.param(3, 29, (9,), 5, id="n3-K87"),  # K over one K-chunk, masked tail
+        pytest.param(8, 5, (3,), ITERS, id="n8-boundary"),  # the largest n the kernels cover: 80 columns
+    ],
+)
+def test_coeffs_forward_and_grads(n, D, lead, iters, dtype, calls):
+    X, phi, bias, alpha = _site(n, D, lead, dtype)
+    f = lambda *a: mhc_coeffs(*a, iters, EPS)  # noqa: E731
+    with kernel_backend("reference"):
+        want, gwant = _grads(f, (X, phi, bias, alpha))
+    with kernel_backend("triton"):
+        got, ggot = _grads(f, (X, phi, bias, alpha))
+    assert calls == ["coeffs_forward", "coeffs_backward"]
+    _close(got, want, TOL[dtype]["fwd"])
+    _close(ggot, gwant, TOL[dtype]["grad"])
+    torch.testing.assert_close(got[2].sum(-1), torch.ones_like(got[2].sum(-1)), atol=1e-5, rtol=0)
+
+
+def test_coeffs_backward_token_segments():
+    """Kernel 2 of the coefficient backward with several token segments (grad φ partials summed by torch)."""
+    from depthrewrite.kernels.mhc import fused
+
+    X, phi, bias, alpha = _site(4, 9, (70,))
+    (pre, post, res), want = _grads(lambda *a: mhc_coeffs_ref(*a, ITERS, EPS), (X, phi, bias, alpha))
+    g = torch.Generator().manual_seed(1)
+    cot = [torch.randn(o.shape, generator=g).to(DEV) for o in (pre, post, res)]
+    for segments in (1, 2, 3):
+        got = fused.coeffs_backward(X, phi, bias, alpha, *cot, ITERS, EPS, segments=segments)
+        _close(got, want, TOL[torch.float32]["grad"])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "n, D, lead",
+    [
+        pytest.param(1, 33, (4,), id="one-stream"),
+        pytest.param(4, 19, (3, 5), id="n4-odd-rank2"),
+        pytest.param(3, 7, (2, 1, 3), id="n3-rank3"),
+        pytest.param(8, 11, (2,), id="n8"),
+    ],
+)
+def test_apply_forward_and_grads(n, D, lead, dtype, calls):
+    g = torch.Generator().manual_seed(n)
+    X = torch.randn(*lead, n, D, generator=g).to(DEV, dtype)
+    pre = torch.rand(*lead, n, generator=g).to(DEV)
+    post = (2 * torch.rand(*lead, n, generator=g)).to(DEV)
+    res = torch.rand(*lead, n, n, generator=g).to(DEV)
+    y = torch.randn(*lead, D, generator=g).to(DEV, dtype)
+    for op, args in ((mhc_pre, (X, pre)), (mhc_post, (X, res, post, y))):
+        with kernel_backend("reference"):
+            want, gwant = _grads(op, args)
+        with kernel_backend("triton"):
+            got, ggot = _grads(op, args)
+        _close(got, want, TOL[dtype]["fwd"])
+        _close(ggot, gwant, TOL[dtype]["grad"])
+    assert calls == ["pre_forward", "pre_backward", "post_forward", "post_backward"]
+
+
+def test_fallbacks_are_silent_and_exact(calls):
+    """n > 8 and fp64 run the reference inside the op even with the triton backend forced."""
+    with kernel_backend("triton"):
+        X, phi, bias, alpha = _site(9, 3, (2,))
+        _, g9 = _grads(lambda *a: mhc_coeffs(*a, ITERS, EPS), (X, phi, bias, alpha))
+        X64, phi64, b64, a64 = (t.double().requires_grad_() for t in _site(2, 3, (2, 3)))
+        assert torch.autograd.gradcheck(lambda *a: mhc_coeffs(*a, ITERS, EPS), (X64, phi64, b64, a64))
+        out = mhc_pre(X64.detach(), torch.rand(2, 3, 2, dtype=torch.float64, device=DEV))
+    assert calls == [] and out.dtype == torch.float64
+    with kernel_backend("reference"):
+        _, gref = _grads(lambda *a: mhc_coeffs(*a, ITERS, EPS), (X, phi, bias, alpha))
+    _close(g9, gref, (1e-6, 1e-6))
+
+
+def test_reference_backward_ops_match_fp64_autograd():
+    """The closed-form backward used on the reference path (gradcheck also checks it against finite differences)."""
+    g = torch.Generator().manual_seed(3)
+    kw = dict(dtype=torch.float64)
+    X = torch.randn(2, 3, 4, 5, generator=g, **kw).requires_grad_()
+    pre, post = torch.rand(2, 3, 4, generator=g, **kw).requires_grad_(), torch.rand(2, 3, 4, generator=g, **kw).requires_grad_()
+    res = torch.rand(2, 3, 4, 4, generator=g, **kw).requires_grad_()
+    y = torch.randn(2, 3, 5, generator=g, **kw).requires_grad_()
+    with kernel_backend("reference"):
+        assert torch.autograd.gradcheck(mhc_pre, (X, pre))
+        assert torch.autograd.gradcheck(mhc_post, (X, res, post, y))
+        Xs, phi, bias, alpha = (t.double().cpu().requires_grad_() for t in _site(3, 4, (2,)))
+        assert torch.autograd.gradcheck(lambda *a: mhc_coeffs(*a, 7, EPS), (Xs, phi, bias, alpha))
+
+
+def test_opcheck_with_the_triton_backend():
+    X, phi, bias, alpha = _site(4, 5, (2, 3))
+    g = torch.Generator().manual_seed(2)
+    pre, post = torch.rand(2, 3, 4, generator=g).to(DEV), torch.rand(2, 3, 4, generator=g).to(DEV)
+    res = torch.rand(2, 3, 4, 4, generator=g).to(DEV)
+    y, gX = torch.randn(2, 3, 5, generator=g).to(DEV), torch.randn(2, 3, 4, 5, generator=g).to(DEV)
+    rg = lambda *ts: tuple(t.clone().requires_grad_() for t in ts)  # noqa: E731
+    with kernel_backend("triton"):
+        torch.library.opcheck(mhc_coeffs, (*rg(X, phi, bias, alpha), ITERS, EPS))
+        torch.library.opcheck(mhc_pre, rg(X, pre))
+        torch.library.opcheck(mhc_post, rg(X, res, post, y))
+        torch.library.opcheck(mhc_coeffs_backward, (X, phi, bias, alpha, pre, post, res, ITERS, EPS))
+        torch.library.opcheck(mhc_pre_backward, (X, pre, y))
+        torch.library.opcheck(mhc_post_backward, (X, res, post, y, gX))
+
+
+def test_kernel_info_is_registered():
+    info = kernel_info()
+    for op in ("mhc_coeffs", "mhc_pre", "mhc_post", "mhc_collapse"):
+        assert f"depthrewrite::{op}" in info
+    assert "n > 8" in info["depthrewrite::mhc_coeffs"].falls_back
