@@ -1,26 +1,167 @@
-"""``depthrewrite::depth_attn``: the AttnRes depth mix as one registered op.
+"""``depthrewrite::depth_attn`` and the two-phase pair ``depth_attn_partial`` / ``depth_attn_merge`` as registered ops.
 
-One node per mixing site in exported and compiled graphs. Forward runs the PyTorch reference (the Triton kernel
-plugs in here later); backward recomputes the mix from the saved sources instead of keeping fp32 intermediates.
+One node per mixing site in exported and compiled graphs. Each op body dispatches: the fused Triton kernel
+(:mod:`.fused`, imported lazily) when :func:`~depthrewrite.kernels.dispatch.use_triton` says so and the kernel covers
+the case, the PyTorch reference (:mod:`.reference`) otherwise. Each backward is its own registered op
+(``depthrewrite::depth_attn_backward``, ``…_partial_backward``, ``…_merge_backward``), called from the registered
+autograd formula, so a compiled backward graph shows one opaque node per site; it dispatches the same way, to the
+Triton backward or to the reference formulas below. Nothing but the inputs is saved for backward: scores and
+softmax weights are recomputed from the sources.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .reference import depth_attn_ref
+from ..dispatch import KernelInfo, register_kernel_info, use_triton
+from .reference import depth_attn_merge_ref, depth_attn_partial_ref, depth_attn_ref
 
-__all__ = ["depth_attn"]
+__all__ = ["depth_attn", "depth_attn_partial", "depth_attn_merge", "MAX_SOURCES", "MAX_ROW"]
+
+MAX_SOURCES = 16  # sources per kernel launch (separate pointer arguments); must equal fused.MAX_SOURCES
+MAX_ROW = 16384  # largest D of the whole-row kernels (depth_attn forward, merge); must equal fused.MAX_ROW
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _dtypes_ok(tensors: list[torch.Tensor]) -> bool:
+    """The kernels take fp32/bf16/fp16 sources of one dtype (fp64 runs the reference, e.g. for gradcheck)."""
+    return tensors[0].dtype in _KERNEL_DTYPES and all(t.dtype == tensors[0].dtype for t in tensors)
+
+
+def _params_ok(*params: torch.Tensor) -> bool:
+    return all(p.dtype in _KERNEL_DTYPES for p in params)
+
+
+def _acc_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+# ---- reference backward formulas (attnres spec §9), used when the Triton kernel does not run ------------------------
+
+
+def _partial_backward_ref(
+    grad_o: torch.Tensor,
+    grad_lse: torch.Tensor | None,
+    sources: list[torch.Tensor],
+    queries: torch.Tensor,
+    gains: torch.Tensor,
+    eps: float,
+) -> list[torch.Tensor]:
+    """Gradients of ``(o, lse) = depth_attn_partial_ref(sources, queries, gains, eps)``.
+
+    ``grad_o`` ``[S, ..., D]``, ``grad_lse`` ``[S, ...]`` or ``None``. Returns
+    ``[grad_queries, grad_gains, *grad_sources]``. With ``p = softmax_i(s)``:
+    ``ds_{s,i} = p_{s,i}(go_s·v_i − go_s·o_s + glse_s)``;
+    ``dv_i = Σ_s p_{s,i} go_s + r_i Σ_s ds_{s,i} u_s − (r_i²/D)(Σ_s ds_{s,i} s_{s,i}) v_i``;
+    ``du_s = Σ_tokens Σ_i ds_{s,i} r_i v_i``, ``dw = γ ⊙ du``, ``dγ = w ⊙ du``.
+    """
+    acc = _acc_dtype(sources[0])
+    D = sources[0].shape[-1]
+    v = torch.stack([s.to(acc) for s in sources], dim=0)  # [K, ..., D]
+    u = gains.to(acc) * queries.to(acc)  # [S, D]
+    r = torch.rsqrt(v.pow(2).mean(-1) + eps)  # [K, ...]
+    s = torch.einsum("k...d,sd->sk...", v, u) * r  # [S, K, ...]
+    p = torch.softmax(s, dim=1)
+    go = grad_o.to(acc)
+    gv = torch.einsum("s...d,k...d->sk...", go, v)
+    inner = gv - (p * gv).sum(1, keepdim=True)
+    if grad_lse is not None:
+        inner = inner + grad_lse.to(acc).unsqueeze(1)
+    ds = p * inner
+    cu = ds * r  # [S, K, ...]
+    cv = r * r / D * (ds * s).sum(0)  # [K, ...]
+    du = torch.einsum("sk...,k...d->sd", cu, v)
+    gq = (gains.to(acc) * du).to(queries.dtype)
+    gg = (queries.to(acc) * du).to(gains.dtype)
+    gs = []
+    for i, src in enumerate(sources):  # one tensor per source: outputs of a custom op may not alias each other
+        dv = torch.einsum("s...,s...d->...d", p[:, i], go) + torch.einsum("s...,sd->...d", cu[:, i], u)
+        gs.append((dv - cv[i].unsqueeze(-1) * v[i]).to(src.dtype))
+    return [gq, gg, *gs]
+
+
+def _merge_backward_ref(
+    grad: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    last: torch.Tensor,
+    query: torch.Tensor,
+    gain: torch.Tensor,
+    eps: float,
+    scale: float,
+) -> list[torch.Tensor]:
+    """Gradients of ``depth_attn_merge_ref``: ``[grad_o, grad_lse, grad_last, grad_query, grad_gain]``.
+
+    With ``w1 = σ(lse − s2)``, ``w2 = 1 − w1``, ``ĝ = scale·grad`` and ``t = w1·w2·ĝ·(v − o)``:
+    ``grad_o = w1·ĝ``, ``grad_lse = −t``, ``grad_last = w2·ĝ + t·r·(u − s2·r·v/D)``, ``du = Σ_tokens t·r·v``.
+    """
+    acc = _acc_dtype(last)
+    D = last.shape[-1]
+    v = last.to(acc)
+    u = gain.to(acc) * query.to(acc)
+    r = torch.rsqrt(v.pow(2).mean(-1) + eps)
+    s2 = (v * u).sum(-1) * r
+    w1 = torch.sigmoid(lse.to(acc) - s2)
+    w2 = 1 - w1
+    g = grad.to(acc) * scale
+    t = w1 * w2 * (g * (v - o.to(acc))).sum(-1)
+    cr = t * r
+    dv = w2.unsqueeze(-1) * g + cr.unsqueeze(-1) * u - (cr * s2 * r / D).unsqueeze(-1) * v
+    du = (cr.unsqueeze(-1) * v).reshape(-1, D).sum(0)
+    return [
+        (w1.unsqueeze(-1) * g).to(o.dtype),
+        (-t).to(lse.dtype),
+        dv.to(last.dtype),
+        (gain.to(acc) * du).to(query.dtype),
+        (query.to(acc) * du).to(gain.dtype),
+    ]
+
+
+# ---- depthrewrite::depth_attn ---------------------------------------------------------------------------------------
 
 
 @torch.library.custom_op("depthrewrite::depth_attn", mutates_args=())
 def depth_attn(sources: list[torch.Tensor], query: torch.Tensor, gain: torch.Tensor, eps: float, scale: float) -> torch.Tensor:
+    if (
+        use_triton(*sources, query, gain, op="depthrewrite::depth_attn")
+        and _dtypes_ok(sources)
+        and _params_ok(query, gain)
+        and sources[0].shape[-1] <= MAX_ROW
+    ):
+        from . import fused
+
+        return fused.depth_attn_fwd(sources, query, gain, eps, scale)
     return depth_attn_ref(sources, query, gain, eps, scale)
 
 
 @depth_attn.register_fake
 def _(sources, query, gain, eps, scale):
     return torch.empty_like(sources[0])
+
+
+@torch.library.custom_op("depthrewrite::depth_attn_backward", mutates_args=())
+def depth_attn_backward(
+    grad: torch.Tensor, sources: list[torch.Tensor], query: torch.Tensor, gain: torch.Tensor, eps: float, scale: float
+) -> list[torch.Tensor]:
+    """``[grad_query, grad_gain, *grad_sources]`` of ``depth_attn`` (recomputes the forward's scores and weights)."""
+    if (
+        use_triton(grad, *sources, query, gain, op="depthrewrite::depth_attn_backward")
+        and _dtypes_ok(sources)
+        and _params_ok(query, gain, grad)
+        and len(sources) <= MAX_SOURCES
+    ):
+        from . import fused
+
+        return fused.depth_attn_bwd(grad, sources, query, gain, eps, scale)
+    gq, gg, *gs = _partial_backward_ref(
+        grad.unsqueeze(0) * scale, None, sources, query.unsqueeze(0), gain.unsqueeze(0), eps
+    )
+    return [gq[0], gg[0], *gs]
+
+
+@depth_attn_backward.register_fake
+def _(grad, sources, query, gain, eps, scale):
+    return [torch.empty_like(query), torch.empty_like(gain), *[torch.empty_like(s) for s in sources]]
 
 
 def _setup_context(ctx, inputs, output):
@@ -31,12 +172,202 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad):
     query, gain, *sources = ctx.saved_tensors
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(True) for t in (query, gain, *sources)]
-        out = depth_attn_ref(leaves[2:], leaves[0], leaves[1], ctx.eps, ctx.scale)
-        grads = torch.autograd.grad(out, leaves, grad, allow_unused=True)
-    gq, gg, *gs = grads
+    gq, gg, *gs = depth_attn_backward(grad, sources, query, gain, ctx.eps, ctx.scale)
     return list(gs), gq, gg, None, None
 
 
 depth_attn.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---- depthrewrite::depth_attn_partial (two-phase, phase 1) -----------------------------------------------------------
+
+
+@torch.library.custom_op("depthrewrite::depth_attn_partial", mutates_args=())
+def depth_attn_partial(
+    sources: list[torch.Tensor], queries: torch.Tensor, gains: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if (
+        use_triton(*sources, queries, gains, op="depthrewrite::depth_attn_partial")
+        and _dtypes_ok(sources)
+        and _params_ok(queries, gains)
+        and len(sources) <= MAX_SOURCES
+    ):
+        from . import fused
+
+        return fused.depth_attn_partial_fwd(sources, queries, gains, eps)
+    return depth_attn_partial_ref(sources, queries, gains, eps)
+
+
+@depth_attn_partial.register_fake
+def _(sources, queries, gains, eps):
+    x = sources[0]
+    acc = _acc_dtype(x)
+    S = queries.shape[0]
+    return x.new_empty((S, *x.shape), dtype=acc), x.new_empty((S, *x.shape[:-1]), dtype=acc)
+
+
+@torch.library.custom_op("depthrewrite::depth_attn_partial_backward", mutates_args=())
+def depth_attn_partial_backward(
+    grad_o: torch.Tensor,
+    grad_lse: torch.Tensor,
+    sources: list[torch.Tensor],
+    queries: torch.Tensor,
+    gains: torch.Tensor,
+    eps: float,
+) -> list[torch.Tensor]:
+    """``[grad_queries, grad_gains, *grad_sources]`` of ``depth_attn_partial``."""
+    if (
+        use_triton(grad_o, grad_lse, *sources, queries, gains, op="depthrewrite::depth_attn_partial_backward")
+        and _dtypes_ok(sources)
+        and _params_ok(queries, gains, grad_o, grad_lse)
+        and len(sources) <= MAX_SOURCES
+    ):
+        from . import fused
+
+        return fused.depth_attn_partial_bwd(grad_o, grad_lse, sources, queries, gains, eps)
+    return _partial_backward_ref(grad_o, grad_lse, sources, queries, gains, eps)
+
+
+@depth_attn_partial_backward.register_fake
+def _(grad_o, grad_lse, sources, queries, gains, eps):
+    return [torch.empty_like(queries), torch.empty_like(gains), *[torch.empty_like(s) for s in sources]]
+
+
+def _partial_setup_context(ctx, inputs, output):
+    sources, queries, gains, eps = inputs
+    ctx.save_for_backward(queries, gains, *sources)
+    ctx.eps = eps
+
+
+def _partial_backward(ctx, grad_o, grad_lse):
+    queries, gains, *sources = ctx.saved_tensors
+    x = sources[0]
+    S = queries.shape[0]
+    if grad_o is None:
+        grad_o = x.new_zeros((S, *x.shape), dtype=_acc_dtype(x))
+    if grad_lse is None:
+        grad_lse = x.new_zeros((S, *x.shape[:-1]), dtype=_acc_dtype(x))
+    gq, gg, *gs = depth_attn_partial_backward(grad_o, grad_lse, sources, queries, gains, ctx.eps)
+    return list(gs), gq, gg, None
+
+
+depth_attn_partial.register_autograd(_partial_backward, setup_context=_partial_setup_context)
+
+
+# ---- depthrewrite::depth_attn_merge (two-phase, phase 2) -------------------------------------------------------------
+
+
+def _merge_kernel_ok(o, lse, last, query, gain) -> bool:
+    return (
+        last.dtype in _KERNEL_DTYPES
+        and o.dtype == torch.float32
+        and lse.dtype == torch.float32
+        and _params_ok(query, gain)
+        and last.shape[-1] <= MAX_ROW
+    )
+
+
+@torch.library.custom_op("depthrewrite::depth_attn_merge", mutates_args=())
+def depth_attn_merge(
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    last: torch.Tensor,
+    query: torch.Tensor,
+    gain: torch.Tensor,
+    eps: float,
+    scale: float,
+) -> torch.Tensor:
+    if use_triton(o, lse, last, query, gain, op="depthrewrite::depth_attn_merge") and _merge_kernel_ok(
+        o, lse, last, query, gain
+    ):
+        from . import fused
+
+        return fused.depth_attn_merge_fwd(o, lse, last, query, gain, eps, scale)
+    return depth_attn_merge_ref(o, lse, last, query, gain, eps, scale)
+
+
+@depth_attn_merge.register_fake
+def _(o, lse, last, query, gain, eps, scale):
+    return torch.empty_like(last)
+
+
+@torch.library.custom_op("depthrewrite::depth_attn_merge_backward", mutates_args=())
+def depth_attn_merge_backward(
+    grad: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    last: torch.Tensor,
+    query: torch.Tensor,
+    gain: torch.Tensor,
+    eps: float,
+    scale: float,
+) -> list[torch.Tensor]:
+    """``[grad_o, grad_lse, grad_last, grad_query, grad_gain]`` of ``depth_attn_merge``."""
+    if (
+        use_triton(grad, o, lse, last, query, gain, op="depthrewrite::depth_attn_merge_backward")
+        and _merge_kernel_ok(o, lse, last, query, gain)
+        and grad.dtype in _KERNEL_DTYPES
+    ):
+        from . import fused
+
+        return fused.depth_attn_merge_bwd(grad, o, lse, last, query, gain, eps, scale)
+    return _merge_backward_ref(grad, o, lse, last, query, gain, eps, scale)
+
+
+@depth_attn_merge_backward.register_fake
+def _(grad, o, lse, last, query, gain, eps, scale):
+    return [torch.empty_like(t) for t in (o, lse, last, query, gain)]
+
+
+def _merge_setup_context(ctx, inputs, output):
+    o, lse, last, query, gain, eps, scale = inputs
+    ctx.save_for_backward(o, lse, last, query, gain)
+    ctx.eps, ctx.scale = eps, scale
+
+
+def _merge_backward(ctx, grad):
+    o, lse, last, query, gain = ctx.saved_tensors
+    go, glse, glast, gq, gg = depth_attn_merge_backward(grad, o, lse, last, query, gain, ctx.eps, ctx.scale)
+    return go, glse, glast, gq, gg, None, None
+
+
+depth_attn_merge.register_autograd(_merge_backward, setup_context=_merge_setup_context)
+
+
+# ---- what the kernels do, for explain() and the docs -----------------------------------------------------------------
+
+register_kernel_info(
+    KernelInfo(
+        op="depthrewrite::depth_attn",
+        forward="fused._fwd_kernel: one program per token block, whole row on chip, online softmax over the sources",
+        backward="depthrewrite::depth_attn_backward -> fused._multi_bwd_kernel (S = 1): persistent, recomputes "
+        "scores/weights from the sources, writes every source's gradient; query/gain gradients from per-program fp32 "
+        "rows summed with torch",
+        fuses="key RMS statistics, K scores, softmax, weighted sum and scale in one read of each source (the reference "
+        "stacks the sources into an fp32 copy and reads it several times)",
+        falls_back="fp64 or mixed-dtype sources; forward with D > 16384; backward with more than 16 sources "
+        "(reference formulas, stacked fp32). Forward with more than 16 sources runs chunks of 16 carrying the online "
+        "softmax state through fp32 scratch.",
+    )
+)
+register_kernel_info(
+    KernelInfo(
+        op="depthrewrite::depth_attn_partial",
+        forward="fused._multi_fwd_kernel: S queries against the same sources; pass 1 reads each source once for all "
+        "S scores, pass 2 re-reads the (L2-resident) token block and writes o [S, T, D] fp32 and lse [S, T]",
+        backward="depthrewrite::depth_attn_partial_backward -> fused._multi_bwd_kernel: persistent, recomputes scores "
+        "and weights, gradients flow through o and lse",
+        fuses="the S per-site mixes of a block's completed sources (attnres spec §7 phase 1) in one pass",
+        falls_back="fp64 or mixed-dtype sources; more than 16 sources (forward and backward)",
+    )
+)
+register_kernel_info(
+    KernelInfo(
+        op="depthrewrite::depth_attn_merge",
+        forward="fused._merge_fwd_kernel: whole row on chip; the last source's RMS and score, log-sum-exp merge, scale",
+        backward="depthrewrite::depth_attn_merge_backward -> fused._merge_bwd_kernel: persistent, query/gain gradients "
+        "as per-program fp32 rows in registers, summed with torch",
+        fuses="the open partial sum's key norm and score with the online-softmax merge (attnres spec §7 phase 2)",
+        falls_back="fp64 last source, o/lse not fp32; D > 16384",
+    )
+)

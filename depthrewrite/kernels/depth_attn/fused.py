@@ -1,0 +1,642 @@
+"""Fused Triton kernels for the depth-attention ops (AttnRes / Block AttnRes), forward and backward.
+
+Imported lazily by :mod:`.op`, only when :func:`depthrewrite.kernels.dispatch.use_triton` says so (``@triton.jit``
+reads ``TRITON_INTERPRET`` when it decorates, and CPU users must not pay for importing Triton).
+
+Kernels (all statistics, softmax and accumulation in fp32; sources are read through up to ``MAX_SOURCES`` separate
+pointer arguments, never ``torch.stack``-ed):
+
+- ``_fwd_kernel`` — ``depth_attn`` forward. One program per block of ``BT`` tokens with the whole row
+  (``BD = next_power_of_2(D)``) on chip; an online softmax over the sources reads each source exactly once and keeps
+  the fp32 accumulator in registers. More than ``MAX_SOURCES`` sources: consecutive launches carry the online-softmax
+  state (running max, denominator ``[T]`` and accumulator ``[T, D]``, fp32) through a scratch buffer.
+- ``_multi_fwd_kernel`` — ``depth_attn_partial`` forward: S queries against the same sources. D is processed in chunks:
+  pass 1 reads the token block's sources once for all S queries (sum of squares and S dot products per source),
+  the S softmaxes are formed on chip, pass 2 re-reads the same sources (the block is small enough to still be in
+  L2) and writes ``o`` and ``lse``.
+- ``_multi_bwd_kernel`` — backward of ``depth_attn_partial`` and of ``depth_attn`` (as the case S = 1, ``lse`` unused).
+  Persistent grid; pass 1 recomputes scores, weights and ``go·v`` from the sources, pass 2 writes every source's
+  gradient and accumulates the query-gradient ``du = Σ_t Σ_i ds_i r_i v_i`` into one fp32 row per program
+  (read-modify-write of the program's own row, no atomics); the rows are summed with torch.
+- ``_merge_fwd_kernel`` / ``_merge_bwd_kernel`` — ``depth_attn_merge``: one extra source merged by log-sum-exp.
+  Whole row on chip; the backward is persistent with a per-program fp32 ``du`` row in registers.
+
+Parameter gradients (queries, gains) are reduced over tokens as per-program fp32 partials, summed with torch
+(deterministic; no atomics).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "MAX_SOURCES",
+    "MAX_ROW",
+    "depth_attn_fwd",
+    "depth_attn_bwd",
+    "depth_attn_partial_fwd",
+    "depth_attn_partial_bwd",
+    "depth_attn_merge_fwd",
+    "depth_attn_merge_bwd",
+]
+
+from .op import MAX_ROW, MAX_SOURCES  # pointer arguments per launch; largest D of the whole-row kernels
+
+
+# ---- kernels ------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _pick(j: tl.constexpr, p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15):
+    """The j-th of 16 pointer arguments (``j`` is a compile-time constant, so this folds away)."""
+    p = p0
+    if j == 1:
+        p = p1
+    if j == 2:
+        p = p2
+    if j == 3:
+        p = p3
+    if j == 4:
+        p = p4
+    if j == 5:
+        p = p5
+    if j == 6:
+        p = p6
+    if j == 7:
+        p = p7
+    if j == 8:
+        p = p8
+    if j == 9:
+        p = p9
+    if j == 10:
+        p = p10
+    if j == 11:
+        p = p11
+    if j == 12:
+        p = p12
+    if j == 13:
+        p = p13
+    if j == 14:
+        p = p14
+    if j == 15:
+        p = p15
+    return p
+
+
+@triton.jit
+def _fwd_kernel(
+    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+    q_ptr, g_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
+    T, D, eps, scale,
+    NSRC: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    rows = pid * BT + tl.arange(0, BT)
+    cols = tl.arange(0, BD)
+    rmask = rows < T
+    cmask = cols < D
+    mask = rmask[:, None] & cmask[None, :]
+    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    u = tl.load(q_ptr + cols, mask=cmask, other=0.0).to(tl.float32) * tl.load(g_ptr + cols, mask=cmask, other=0.0).to(
+        tl.float32
+    )
+    if FIRST:
+        m = tl.full([BT], float("-inf"), tl.float32)
+        den = tl.zeros([BT], tl.float32)
+        acc = tl.zeros([BT, BD], tl.float32)
+    else:
+        m = tl.load(m_ptr + rows, mask=rmask, other=0.0)
+        den = tl.load(l_ptr + rows, mask=rmask, other=1.0)
+        acc = tl.load(acc_ptr + offs, mask=mask, other=0.0)
+    for j in tl.static_range(NSRC):
+        src = _pick(j, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+        v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+        r = tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
+        s = tl.sum(v * u[None, :], axis=1) * r
+        m_new = tl.maximum(m, s)
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new)
+        den = den * alpha + p
+        acc = acc * alpha[:, None] + p[:, None] * v
+        m = m_new
+    if LAST:
+        h = acc * (scale / den)[:, None]
+        tl.store(out_ptr + offs, h.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(m_ptr + rows, m, mask=rmask)
+        tl.store(l_ptr + rows, den, mask=rmask)
+        tl.store(acc_ptr + offs, acc, mask=mask)
+
+
+@triton.jit
+def _scores(
+    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+    q_ptr, g_ptr, go_ptr, gscale, rows, S, T, D,
+    NSRC: tl.constexpr, HAS_GO: tl.constexpr, SP: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
+    BDC: tl.constexpr,
+):  # fmt: skip
+    """Pass 1 over D in chunks for one block of tokens: ``SS [BT, KP]`` (sums of squares), ``DOT [SP, BT, KP]``
+    (``v_i · u_s``) and, with ``HAS_GO``, ``GV [SP, BT, KP]`` (``gscale · go_s · v_i``)."""
+    s_ar = tl.arange(0, SP)
+    k3 = tl.arange(0, KP)[None, None, :]
+    k2 = tl.arange(0, KP)[None, :]
+    rmask = rows < T
+    smask = s_ar < S
+    ss = tl.zeros([BT, KP], tl.float32)
+    dot = tl.zeros([SP, BT, KP], tl.float32)
+    gv = tl.zeros([SP, BT, KP], tl.float32)
+    for d0 in range(0, D, BDC):
+        cols = d0 + tl.arange(0, BDC)
+        cmask = cols < D
+        uoffs = s_ar[:, None] * D + cols[None, :]
+        umask = smask[:, None] & cmask[None, :]
+        u = tl.load(q_ptr + uoffs, mask=umask, other=0.0).to(tl.float32) * tl.load(
+            g_ptr + uoffs, mask=umask, other=0.0
+        ).to(tl.float32)
+        u3 = u[:, None, :]
+        mask = rmask[:, None] & cmask[None, :]
+        offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+        if HAS_GO:
+            goffs = (s_ar.to(tl.int64)[:, None, None] * T + rows.to(tl.int64)[None, :, None]) * D + cols[None, None, :]
+            gmask = smask[:, None, None] & mask[None, :, :]
+            go = tl.load(go_ptr + goffs, mask=gmask, other=0.0).to(tl.float32) * gscale
+        for j in tl.static_range(NSRC):
+            src = _pick(j, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+            v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+            vb = v[None, :, :]
+            ss += tl.where(k2 == j, tl.sum(v * v, axis=1)[:, None], 0.0)
+            dot += tl.where(k3 == j, tl.sum(vb * u3, axis=2)[:, :, None], 0.0)
+            if HAS_GO:
+                gv += tl.where(k3 == j, tl.sum(vb * go, axis=2)[:, :, None], 0.0)
+    return ss, dot, gv
+
+
+@triton.jit
+def _multi_fwd_kernel(
+    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+    q_ptr, g_ptr, o_ptr, lse_ptr,
+    S, T, D, eps,
+    NSRC: tl.constexpr, SP: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BDC: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    rows = pid * BT + tl.arange(0, BT)
+    rmask = rows < T
+    s_ar = tl.arange(0, SP)
+    smask = s_ar < S
+    k3 = tl.arange(0, KP)[None, None, :]
+    ss, dot, gv = _scores(
+        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+        q_ptr, g_ptr, q_ptr, 1.0, rows, S, T, D,
+        NSRC, False, SP, KP, BT, BDC,
+    )  # fmt: skip
+    r = tl.rsqrt(ss / D + eps)  # [BT, KP]
+    sc = tl.where(k3 < NSRC, dot * r[None, :, :], float("-inf"))  # [SP, BT, KP]
+    m = tl.max(sc, axis=2)
+    e = tl.exp(sc - m[:, :, None])
+    den = tl.sum(e, axis=2)
+    p = e / den[:, :, None]
+    lse = m + tl.log(den)
+    tl.store(lse_ptr + s_ar[:, None] * T + rows[None, :], lse, mask=smask[:, None] & rmask[None, :])
+    for d0 in range(0, D, BDC):
+        cols = d0 + tl.arange(0, BDC)
+        cmask = cols < D
+        mask = rmask[:, None] & cmask[None, :]
+        offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+        o = tl.zeros([SP, BT, BDC], tl.float32)
+        for j in tl.static_range(NSRC):
+            src = _pick(j, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+            v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+            pj = tl.sum(tl.where(k3 == j, p, 0.0), axis=2)  # [SP, BT]
+            o += pj[:, :, None] * v[None, :, :]
+        ooffs = (s_ar.to(tl.int64)[:, None, None] * T + rows.to(tl.int64)[None, :, None]) * D + cols[None, None, :]
+        tl.store(o_ptr + ooffs, o, mask=smask[:, None, None] & mask[None, :, :])
+
+
+@triton.jit
+def _multi_bwd_kernel(
+    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+    dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15,
+    q_ptr, g_ptr, go_ptr, glse_ptr, du_ptr,
+    S, T, D, eps, gscale, n_tiles,
+    NSRC: tl.constexpr, HAS_GLSE: tl.constexpr, SP: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
+    BDC: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    s_ar = tl.arange(0, SP)
+    smask = s_ar < S
+    k3 = tl.arange(0, KP)[None, None, :]
+    k2 = tl.arange(0, KP)[None, :]
+    for tile in range(pid, n_tiles, nprog):
+        rows = tile * BT + tl.arange(0, BT)
+        rmask = rows < T
+        ss, dot, gv = _scores(
+            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+            q_ptr, g_ptr, go_ptr, gscale, rows, S, T, D,
+            NSRC, True, SP, KP, BT, BDC,
+        )  # fmt: skip
+        r = tl.rsqrt(ss / D + eps)  # [BT, KP]
+        valid = k3 < NSRC
+        sc = tl.where(valid, dot * r[None, :, :], float("-inf"))  # [SP, BT, KP]
+        m = tl.max(sc, axis=2)
+        e = tl.exp(sc - m[:, :, None])
+        p = e / tl.sum(e, axis=2)[:, :, None]
+        ghb = tl.sum(p * gv, axis=2)  # go_s · o_s
+        if HAS_GLSE:
+            glse = tl.load(glse_ptr + s_ar[:, None] * T + rows[None, :], mask=smask[:, None] & rmask[None, :], other=0.0)
+            ds = p * (gv - ghb[:, :, None] + glse[:, :, None])
+        else:
+            ds = p * (gv - ghb[:, :, None])
+        ds = tl.where(smask[:, None, None], ds, 0.0)
+        coef_u = ds * r[None, :, :]  # [SP, BT, KP]: coefficient of u_s in dv_i, and of v_i in du_s
+        coef_v = r * r / D * tl.sum(ds * tl.where(valid, sc, 0.0), axis=0)  # [BT, KP]: coefficient of -v_i
+        # pass 2: every source's gradient, and the program's du row
+        for d0 in range(0, D, BDC):
+            cols = d0 + tl.arange(0, BDC)
+            cmask = cols < D
+            mask = rmask[:, None] & cmask[None, :]
+            offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+            uoffs = s_ar[:, None] * D + cols[None, :]
+            umask = smask[:, None] & cmask[None, :]
+            u = tl.load(q_ptr + uoffs, mask=umask, other=0.0).to(tl.float32) * tl.load(
+                g_ptr + uoffs, mask=umask, other=0.0
+            ).to(tl.float32)
+            goffs = (s_ar.to(tl.int64)[:, None, None] * T + rows.to(tl.int64)[None, :, None]) * D + cols[None, None, :]
+            go = tl.load(go_ptr + goffs, mask=smask[:, None, None] & mask[None, :, :], other=0.0).to(tl.float32)
+            go = go * gscale
+            du = tl.zeros([SP, BDC], tl.float32)
+            for j in tl.static_range(NSRC):
+                src = _pick(j, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+                dst = _pick(j, dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
+                v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+                pj = tl.sum(tl.where(k3 == j, p, 0.0), axis=2)  # [SP, BT]
+                cu = tl.sum(tl.where(k3 == j, coef_u, 0.0), axis=2)  # [SP, BT]
+                cv = tl.sum(tl.where(k2 == j, coef_v, 0.0), axis=1)  # [BT]
+                dv = tl.sum(pj[:, :, None] * go + cu[:, :, None] * u[:, None, :], axis=0) - cv[:, None] * v
+                tl.store(dst + offs, dv.to(dst.dtype.element_ty), mask=mask)
+                du += tl.sum(cu[:, :, None] * v[None, :, :], axis=1)
+            duoffs = (pid * SP + s_ar)[:, None] * D + cols[None, :]
+            tl.store(du_ptr + duoffs, tl.load(du_ptr + duoffs, mask=umask, other=0.0) + du, mask=umask)
+
+
+@triton.jit
+def _merge_fwd_kernel(
+    o_ptr, lse_ptr, v_ptr, q_ptr, g_ptr, out_ptr, T, D, eps, scale, BT: tl.constexpr, BD: tl.constexpr
+):
+    pid = tl.program_id(0)
+    rows = pid * BT + tl.arange(0, BT)
+    cols = tl.arange(0, BD)
+    rmask = rows < T
+    cmask = cols < D
+    mask = rmask[:, None] & cmask[None, :]
+    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    u = tl.load(q_ptr + cols, mask=cmask, other=0.0).to(tl.float32) * tl.load(g_ptr + cols, mask=cmask, other=0.0).to(
+        tl.float32
+    )
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    o = tl.load(o_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    lse = tl.load(lse_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+    r = tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
+    s2 = tl.sum(v * u[None, :], axis=1) * r
+    m = tl.maximum(lse, s2)
+    a = tl.exp(lse - m)
+    b = tl.exp(s2 - m)
+    inv = scale / (a + b)
+    h = (a * inv)[:, None] * o + (b * inv)[:, None] * v
+    tl.store(out_ptr + offs, h.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _merge_bwd_kernel(
+    gh_ptr, o_ptr, lse_ptr, v_ptr, q_ptr, g_ptr, go_ptr, glse_ptr, gv_ptr, du_ptr,
+    T, D, eps, scale, n_tiles, BT: tl.constexpr, BD: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    cols = tl.arange(0, BD)
+    cmask = cols < D
+    u = tl.load(q_ptr + cols, mask=cmask, other=0.0).to(tl.float32) * tl.load(g_ptr + cols, mask=cmask, other=0.0).to(
+        tl.float32
+    )
+    du = tl.zeros([BD], tl.float32)
+    for tile in range(pid, n_tiles, nprog):
+        rows = tile * BT + tl.arange(0, BT)
+        rmask = rows < T
+        mask = rmask[:, None] & cmask[None, :]
+        offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        o = tl.load(o_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(gh_ptr + offs, mask=mask, other=0.0).to(tl.float32) * scale
+        lse = tl.load(lse_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+        r = tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
+        s2 = tl.sum(v * u[None, :], axis=1) * r
+        m = tl.maximum(lse, s2)
+        a = tl.exp(lse - m)
+        b = tl.exp(s2 - m)
+        w1 = a / (a + b)
+        w2 = b / (a + b)
+        t = w1 * w2 * tl.sum(g * (v - o), axis=1)  # d loss / d s2 (= -d loss / d lse)
+        tl.store(go_ptr + offs, w1[:, None] * g, mask=mask)
+        tl.store(glse_ptr + rows, -t, mask=rmask)
+        cr = t * r
+        dv = w2[:, None] * g + cr[:, None] * u[None, :] - (cr * s2 * r / D)[:, None] * v
+        tl.store(gv_ptr + offs, dv.to(gv_ptr.dtype.element_ty), mask=mask)
+        du += tl.sum(cr[:, None] * v, axis=0)
+    tl.store(du_ptr + pid * D + cols, du, mask=cmask)
+
+
+# ---- launch configuration -----------------------------------------------------------------------------------------
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def _warps(elems: int) -> int:
+    return 4 if elems <= 2048 else 8 if elems <= 8192 else 16
+
+
+def _programs(device: torch.device, n_tiles: int) -> int:
+    """Grid size of the persistent kernels: a few programs per multiprocessor (2 under the interpreter)."""
+    if device.type == "cuda":
+        return max(1, min(n_tiles, 4 * torch.cuda.get_device_properties(device).multi_processor_count))
+    return max(1, min(n_tiles, 2))
+
+
+def _row_config(device: torch.device, D: int) -> tuple[int, int, int]:
+    """(BT, BD, num_warps) of the whole-row kernels."""
+    bd = _pow2(D)
+    bt = max(1, min(16, 2048 // bd)) if device.type == "cuda" else 2
+    return bt, bd, _warps(bt * bd)
+
+
+def _chunk_config(device: torch.device, S: int, K: int, D: int, T: int, elt: int) -> tuple[int, int, int, int, int]:
+    """(SP, KP, BT, BDC, num_warps) of the D-chunked kernels.
+
+    ``BT`` keeps one program's token block (``BT·K·D·elt`` bytes, read twice) small enough to stay in L2 between the
+    two passes; ``BDC`` keeps the ``[SP, BT, BDC]`` fp32 tiles at about 4096 elements.
+    """
+    sp, kp = _pow2(S), _pow2(K)
+    if device.type != "cuda":  # the interpreter: tiny blocks, so that small tests exercise every loop and mask
+        return sp, kp, 2, 16, 4
+    bt = 1
+    while bt < 16 and bt * 2 * K * D * elt <= 128 * 1024 and bt * 2 <= _pow2(T):
+        bt *= 2
+    bdc = max(16, min(_pow2(D), 4096 // (sp * bt), 1024))
+    return sp, kp, bt, bdc, _warps(sp * bt * bdc)
+
+
+def _ptrs(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    return ts + [ts[0]] * (MAX_SOURCES - len(ts))
+
+
+def _flat(t: torch.Tensor, D: int) -> torch.Tensor:
+    return t.contiguous().view(-1, D)
+
+
+# ---- launchers ----------------------------------------------------------------------------------------------------
+
+
+def depth_attn_fwd(
+    sources: list[torch.Tensor], query: torch.Tensor, gain: torch.Tensor, eps: float, scale: float
+) -> torch.Tensor:
+    """``depth_attn`` forward: online softmax over the K sources, each read once.
+
+    Args:
+        sources: K tensors ``[..., D]``, one shape, dtype fp32/bf16/fp16 (any K ≥ 1; ``D ≤ MAX_ROW``).
+        query: ``[D]``. gain: ``[D]`` (any float dtype; ``u = gain·query`` is formed in fp32 in the kernel).
+        eps: key RMSNorm epsilon. scale: multiplies the mix.
+
+    Returns:
+        ``[..., D]`` in the sources' dtype.
+
+    Fuses the K key RMS statistics, the K scores, the softmax, the weighted sum and the scale into one pass; per
+    token it reads K·D elements and writes D. More than ``MAX_SOURCES`` sources run as consecutive launches of up
+    to ``MAX_SOURCES`` each that carry (max, denominator, fp32 accumulator) through scratch (+8·D bytes per extra
+    launch and token).
+    """
+    D = sources[0].shape[-1]
+    vs = [_flat(s, D) for s in sources]
+    T = vs[0].shape[0]
+    out = torch.empty_like(vs[0])
+    if T == 0:
+        return out.view(sources[0].shape)
+    q, g = query.contiguous(), gain.contiguous()
+    bt, bd, nw = _row_config(vs[0].device, D)
+    grid = (triton.cdiv(T, bt),)
+    chunks = [vs[i : i + MAX_SOURCES] for i in range(0, len(vs), MAX_SOURCES)]
+    if len(chunks) > 1:
+        m = torch.empty(T, device=out.device, dtype=torch.float32)
+        den = torch.empty_like(m)
+        acc = torch.empty(T, D, device=out.device, dtype=torch.float32)
+    else:
+        m = den = acc = out  # unused
+    for c, chunk in enumerate(chunks):
+        _fwd_kernel[grid](
+            *_ptrs(chunk), q, g, out, m, den, acc, T, D, float(eps), float(scale),
+            NSRC=len(chunk), FIRST=c == 0, LAST=c == len(chunks) - 1, BT=bt, BD=bd, num_warps=nw,
+        )  # fmt: skip
+    return out.view(sources[0].shape)
+
+
+def _multi_bwd(
+    go: torch.Tensor,
+    glse: torch.Tensor | None,
+    vs: list[torch.Tensor],
+    queries: torch.Tensor,
+    gains: torch.Tensor,
+    eps: float,
+    gscale: float,
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Launch ``_multi_bwd_kernel``; ``go`` ``[S, T, D]``, ``vs`` K tensors ``[T, D]``. Returns (dv list, du [S, D])."""
+    S, D = queries.shape
+    T = vs[0].shape[0]
+    dvs = [torch.empty_like(v) for v in vs]
+    if T == 0:
+        return dvs, torch.zeros(S, D, device=go.device, dtype=torch.float32)
+    sp, kp, bt, bdc, nw = _chunk_config(go.device, S, len(vs), D, T, vs[0].element_size())
+    n_tiles = triton.cdiv(T, bt)
+    nprog = _programs(go.device, n_tiles)
+    du = torch.zeros(nprog, sp, D, device=go.device, dtype=torch.float32)
+    _multi_bwd_kernel[(nprog,)](
+        *_ptrs(vs), *_ptrs(dvs), queries, gains, go, glse if glse is not None else go, du,
+        S, T, D, float(eps), float(gscale), n_tiles,
+        NSRC=len(vs), HAS_GLSE=glse is not None, SP=sp, KP=kp, BT=bt, BDC=bdc, num_warps=nw,
+    )  # fmt: skip
+    return dvs, du.sum(0)[:S]
+
+
+def depth_attn_bwd(
+    grad: torch.Tensor,
+    sources: list[torch.Tensor],
+    query: torch.Tensor,
+    gain: torch.Tensor,
+    eps: float,
+    scale: float,
+) -> list[torch.Tensor]:
+    """``depth_attn`` backward (``1 ≤ K ≤ MAX_SOURCES``).
+
+    Args:
+        grad: ``[..., D]``, the gradient of the output. sources, query, gain, eps, scale: as in the forward.
+
+    Returns:
+        ``[grad_query [D], grad_gain [D], *grad_sources]`` in the dtypes of query, gain and the sources.
+
+    Nothing is saved by the forward but its inputs: the kernel recomputes the RMS statistics, scores and softmax
+    weights from the sources (pass 1: reads K·D + D per token), then writes every source's gradient (pass 2: reads
+    the K·D again, L2-resident, writes K·D). ``du = Σ_t Σ_i ds_i r_i v_i`` is accumulated as one fp32 row per
+    program and summed with torch; ``grad_query = gain·du``, ``grad_gain = query·du``.
+    """
+    D = sources[0].shape[-1]
+    vs = [_flat(s, D) for s in sources]
+    go = _flat(grad, D).unsqueeze(0)
+    dvs, du = _multi_bwd(go, None, vs, query.contiguous().view(1, D), gain.contiguous().view(1, D), eps, scale)
+    du = du[0]
+    gq = (gain.float() * du).to(query.dtype)
+    gg = (query.float() * du).to(gain.dtype)
+    return [gq, gg, *[dv.view(s.shape) for dv, s in zip(dvs, sources)]]
+
+
+def depth_attn_partial_fwd(
+    sources: list[torch.Tensor], queries: torch.Tensor, gains: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``depth_attn_partial`` forward (``1 ≤ K ≤ MAX_SOURCES``): S queries against the same sources.
+
+    Args:
+        sources: K tensors ``[..., D]`` (fp32/bf16/fp16). queries, gains: ``[S, D]``. eps: key RMSNorm epsilon.
+
+    Returns:
+        ``(o [S, ..., D] fp32, lse [S, ...] fp32)``.
+
+    One program per block of tokens; D in chunks. Pass 1 reads each source of the block once for all S queries
+    (sum of squares + S dot products); the S softmaxes are formed on chip; pass 2 re-reads the block's sources
+    (L2-resident) and writes ``o`` (S·D fp32 per token) and ``lse``.
+    """
+    D = sources[0].shape[-1]
+    S = queries.shape[0]
+    lead = tuple(sources[0].shape[:-1])
+    vs = [_flat(s, D) for s in sources]
+    T = vs[0].shape[0]
+    o = torch.empty(S, T, D, device=vs[0].device, dtype=torch.float32)
+    lse = torch.empty(S, T, device=vs[0].device, dtype=torch.float32)
+    if T > 0:
+        sp, kp, bt, bdc, nw = _chunk_config(vs[0].device, S, len(vs), D, T, vs[0].element_size())
+        _multi_fwd_kernel[(triton.cdiv(T, bt),)](
+            *_ptrs(vs), queries.contiguous(), gains.contiguous(), o, lse, S, T, D, float(eps),
+            NSRC=len(vs), SP=sp, KP=kp, BT=bt, BDC=bdc, num_warps=nw,
+        )  # fmt: skip
+    return o.view(S, *lead, D), lse.view(S, *lead)
+
+
+def depth_attn_partial_bwd(
+    grad_o: torch.Tensor,
+    grad_lse: torch.Tensor,
+    sources: list[torch.Tensor],
+    queries: torch.Tensor,
+    gains: torch.Tensor,
+    eps: float,
+) -> list[torch.Tensor]:
+    """``depth_attn_partial`` backward (``1 ≤ K ≤ MAX_SOURCES``).
+
+    Args:
+        grad_o: ``[S, ..., D]``. grad_lse: ``[S, ...]``. sources, queries, gains, eps: as in the forward.
+
+    Returns:
+        ``[grad_queries [S, D], grad_gains [S, D], *grad_sources]`` in the inputs' dtypes.
+
+    Recomputes scores and weights from the sources (nothing but the inputs is saved); with
+    ``ds_{s,i} = p_{s,i}(go_s·v_i − go_s·o_s + glse_s)``, writes
+    ``dv_i = Σ_s p_{s,i} go_s + r_i Σ_s ds_{s,i} u_s − (r_i²/D) (Σ_s ds_{s,i} s_{s,i}) v_i`` and reduces
+    ``du_s = Σ_t Σ_i ds_{s,i} r_i v_i`` as per-program fp32 rows summed with torch.
+    """
+    S, D = queries.shape
+    vs = [_flat(s, D) for s in sources]
+    T = vs[0].shape[0]
+    go = grad_o.contiguous().view(S, T, D)
+    glse = grad_lse.to(torch.float32).contiguous().view(S, T)
+    dvs, du = _multi_bwd(go, glse, vs, queries.contiguous(), gains.contiguous(), eps, 1.0)
+    gq = (gains.float() * du).to(queries.dtype)
+    gg = (queries.float() * du).to(gains.dtype)
+    return [gq, gg, *[dv.view(s.shape) for dv, s in zip(dvs, sources)]]
+
+
+def depth_attn_merge_fwd(
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    last: torch.Tensor,
+    query: torch.Tensor,
+    gain: torch.Tensor,
+    eps: float,
+    scale: float,
+) -> torch.Tensor:
+    """``depth_attn_merge`` forward (``D ≤ MAX_ROW``).
+
+    Args:
+        o: ``[..., D]`` fp32. lse: ``[...]`` fp32. last: ``[..., D]`` (fp32/bf16/fp16). query, gain: ``[D]``.
+        eps: key RMSNorm epsilon. scale: multiplies the mix.
+
+    Returns:
+        ``[..., D]`` in ``last``'s dtype.
+
+    Fuses the last source's RMS statistic and score, the log-sum-exp merge and the scale: per token reads
+    ``o`` (4·D bytes), ``last`` (D elements) and ``lse``, writes D elements.
+    """
+    D = last.shape[-1]
+    v = _flat(last, D)
+    T = v.shape[0]
+    out = torch.empty_like(v)
+    if T > 0:
+        bt, bd, nw = _row_config(v.device, D)
+        _merge_fwd_kernel[(triton.cdiv(T, bt),)](
+            _flat(o, D), lse.contiguous().view(-1), v, query.contiguous(), gain.contiguous(), out,
+            T, D, float(eps), float(scale), BT=bt, BD=bd, num_warps=nw,
+        )  # fmt: skip
+    return out.view(last.shape)
+
+
+def depth_attn_merge_bwd(
+    grad: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    last: torch.Tensor,
+    query: torch.Tensor,
+    gain: torch.Tensor,
+    eps: float,
+    scale: float,
+) -> list[torch.Tensor]:
+    """``depth_attn_merge`` backward (``D ≤ MAX_ROW``).
+
+    Args:
+        grad: ``[..., D]``, the gradient of the output. The rest: as in the forward.
+
+    Returns:
+        ``[grad_o (fp32), grad_lse (fp32), grad_last, grad_query, grad_gain]`` in the inputs' dtypes.
+
+    Persistent grid; recomputes the last source's RMS statistic, score and the two merge weights ``w1, w2``; per
+    token reads ``grad``, ``o``, ``last``, ``lse`` and writes ``grad_o = scale·w1·grad``,
+    ``grad_lse = −t``, ``grad_last = scale·w2·grad + t·r·(u − s2·r·v/D)`` with ``t = w1·w2·scale·grad·(v − o)``;
+    ``du = Σ_t t·r·v`` stays in registers per program (one fp32 row each), summed with torch.
+    """
+    D = last.shape[-1]
+    v = _flat(last, D)
+    T = v.shape[0]
+    g_o = torch.empty(T, D, device=v.device, dtype=torch.float32)
+    g_lse = torch.empty(T, device=v.device, dtype=torch.float32)
+    g_v = torch.empty_like(v)
+    if T > 0:
+        bt, bd, nw = _row_config(v.device, D)
+        n_tiles = triton.cdiv(T, bt)
+        nprog = _programs(v.device, n_tiles)
+        du = torch.empty(nprog, D, device=v.device, dtype=torch.float32)
+        _merge_bwd_kernel[(nprog,)](
+            _flat(grad, D), _flat(o, D), lse.contiguous().view(-1), v, query.contiguous(), gain.contiguous(),
+            g_o, g_lse, g_v, du, T, D, float(eps), float(scale), n_tiles, BT=bt, BD=bd, num_warps=nw,
+        )  # fmt: skip
+        du = du.sum(0)
+    else:
+        du = torch.zeros(D, device=v.device, dtype=torch.float32)
+    gq = (gain.float() * du).to(query.dtype)
+    gg = (query.float() * du).to(gain.dtype)
+    return [g_o.view(o.shape).to(o.dtype), g_lse.view(lse.shape).to(lse.dtype), g_v.view(last.shape), gq, gg]
