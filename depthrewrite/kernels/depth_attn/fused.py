@@ -174,11 +174,55 @@ def _scores(
 
 
 @triton.jit
+def _offs3(s_ar, rows, S, T, K_total, j0, NSRC: tl.constexpr, KP: tl.constexpr):
+    """Offsets and mask of the ``[SP, BT, KP]`` tile of an ``[S, K_total, T]`` scratch (sources ``j0 …``)."""
+    kk = tl.arange(0, KP)
+    offs = (s_ar.to(tl.int64)[:, None, None] * K_total + j0 + kk[None, None, :]) * T + rows[None, :, None]
+    mask = (s_ar < S)[:, None, None] & (rows < T)[None, :, None] & (kk < NSRC)[None, None, :]
+    return offs, mask
+
+
+@triton.jit
+def _offs2(rows, T, j0, NSRC: tl.constexpr, KP: tl.constexpr):
+    """Offsets and mask of the ``[BT, KP]`` tile of a ``[K_total, T]`` scratch (sources ``j0 …``)."""
+    kk = tl.arange(0, KP)
+    offs = (j0 + kk[None, :]).to(tl.int64) * T + rows[:, None]
+    mask = (rows < T)[:, None] & (kk < NSRC)[None, :]
+    return offs, mask
+
+
+@triton.jit
+def _stats_kernel(
+    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+    q_ptr, g_ptr, go_ptr, gscale, ss_ptr, dot_ptr, gv_ptr,
+    S, T, D, K_total, j0,
+    NSRC: tl.constexpr, HAS_GO: tl.constexpr, SP: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
+    BDC: tl.constexpr,
+):  # fmt: skip
+    """More than MAX_SOURCES sources, pass 1 for one chunk of them: per-token statistics into fp32 scratch."""
+    pid = tl.program_id(0)
+    rows = pid * BT + tl.arange(0, BT)
+    s_ar = tl.arange(0, SP)
+    ss, dot, gv = _scores(
+        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+        q_ptr, g_ptr, go_ptr, gscale, rows, S, T, D,
+        NSRC, HAS_GO, SP, KP, BT, BDC,
+    )  # fmt: skip
+    offs2, mask2 = _offs2(rows, T, j0, NSRC, KP)
+    tl.store(ss_ptr + offs2, ss, mask=mask2)
+    offs3, mask3 = _offs3(s_ar, rows, S, T, K_total, j0, NSRC, KP)
+    tl.store(dot_ptr + offs3, dot, mask=mask3)
+    if HAS_GO:
+        tl.store(gv_ptr + offs3, gv, mask=mask3)
+
+
+@triton.jit
 def _multi_fwd_kernel(
     x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-    q_ptr, g_ptr, o_ptr, lse_ptr,
-    S, T, D, eps,
-    NSRC: tl.constexpr, SP: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BDC: tl.constexpr,
+    q_ptr, g_ptr, o_ptr, lse_ptr, p_ptr,
+    S, T, D, eps, K_total, j0,
+    NSRC: tl.constexpr, FUSED: tl.constexpr, ACCUM: tl.constexpr, SP: tl.constexpr, KP: tl.constexpr,
+    BT: tl.constexpr, BDC: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     rows = pid * BT + tl.arange(0, BT)
@@ -186,19 +230,23 @@ def _multi_fwd_kernel(
     s_ar = tl.arange(0, SP)
     smask = s_ar < S
     k3 = tl.arange(0, KP)[None, None, :]
-    ss, dot, gv = _scores(
-        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-        q_ptr, g_ptr, q_ptr, 1.0, rows, S, T, D,
-        NSRC, False, SP, KP, BT, BDC,
-    )  # fmt: skip
-    r = tl.rsqrt(ss / D + eps)  # [BT, KP]
-    sc = tl.where(k3 < NSRC, dot * r[None, :, :], float("-inf"))  # [SP, BT, KP]
-    m = tl.max(sc, axis=2)
-    e = tl.exp(sc - m[:, :, None])
-    den = tl.sum(e, axis=2)
-    p = e / den[:, :, None]
-    lse = m + tl.log(den)
-    tl.store(lse_ptr + s_ar[:, None] * T + rows[None, :], lse, mask=smask[:, None] & rmask[None, :])
+    if FUSED:
+        ss, dot, gv = _scores(
+            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+            q_ptr, g_ptr, q_ptr, 1.0, rows, S, T, D,
+            NSRC, False, SP, KP, BT, BDC,
+        )  # fmt: skip
+        r = tl.rsqrt(ss / D + eps)  # [BT, KP]
+        sc = tl.where(k3 < NSRC, dot * r[None, :, :], float("-inf"))  # [SP, BT, KP]
+        m = tl.max(sc, axis=2)
+        e = tl.exp(sc - m[:, :, None])
+        den = tl.sum(e, axis=2)
+        p = e / den[:, :, None]
+        lse = m + tl.log(den)
+        tl.store(lse_ptr + s_ar[:, None] * T + rows[None, :], lse, mask=smask[:, None] & rmask[None, :])
+    else:  # weights of this chunk of sources, from the scratch filled by _stats_kernel + torch
+        offs3, mask3 = _offs3(s_ar, rows, S, T, K_total, j0, NSRC, KP)
+        p = tl.load(p_ptr + offs3, mask=mask3, other=0.0)
     for d0 in range(0, D, BDC):
         cols = d0 + tl.arange(0, BDC)
         cmask = cols < D
@@ -211,17 +259,20 @@ def _multi_fwd_kernel(
             pj = tl.sum(tl.where(k3 == j, p, 0.0), axis=2)  # [SP, BT]
             o += pj[:, :, None] * v[None, :, :]
         ooffs = (s_ar.to(tl.int64)[:, None, None] * T + rows.to(tl.int64)[None, :, None]) * D + cols[None, None, :]
-        tl.store(o_ptr + ooffs, o, mask=smask[:, None, None] & mask[None, :, :])
+        omask = smask[:, None, None] & mask[None, :, :]
+        if ACCUM:
+            o += tl.load(o_ptr + ooffs, mask=omask, other=0.0)
+        tl.store(o_ptr + ooffs, o, mask=omask)
 
 
 @triton.jit
 def _multi_bwd_kernel(
     x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
     dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15,
-    q_ptr, g_ptr, go_ptr, glse_ptr, du_ptr,
-    S, T, D, eps, gscale, n_tiles,
-    NSRC: tl.constexpr, HAS_GLSE: tl.constexpr, SP: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
-    BDC: tl.constexpr,
+    q_ptr, g_ptr, go_ptr, glse_ptr, du_ptr, p_ptr, cu_ptr, cv_ptr,
+    S, T, D, eps, gscale, n_tiles, K_total, j0,
+    NSRC: tl.constexpr, FUSED: tl.constexpr, HAS_GLSE: tl.constexpr, SP: tl.constexpr, KP: tl.constexpr,
+    BT: tl.constexpr, BDC: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -232,26 +283,34 @@ def _multi_bwd_kernel(
     for tile in range(pid, n_tiles, nprog):
         rows = tile * BT + tl.arange(0, BT)
         rmask = rows < T
-        ss, dot, gv = _scores(
-            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-            q_ptr, g_ptr, go_ptr, gscale, rows, S, T, D,
-            NSRC, True, SP, KP, BT, BDC,
-        )  # fmt: skip
-        r = tl.rsqrt(ss / D + eps)  # [BT, KP]
-        valid = k3 < NSRC
-        sc = tl.where(valid, dot * r[None, :, :], float("-inf"))  # [SP, BT, KP]
-        m = tl.max(sc, axis=2)
-        e = tl.exp(sc - m[:, :, None])
-        p = e / tl.sum(e, axis=2)[:, :, None]
-        ghb = tl.sum(p * gv, axis=2)  # go_s · o_s
-        if HAS_GLSE:
-            glse = tl.load(glse_ptr + s_ar[:, None] * T + rows[None, :], mask=smask[:, None] & rmask[None, :], other=0.0)
-            ds = p * (gv - ghb[:, :, None] + glse[:, :, None])
-        else:
-            ds = p * (gv - ghb[:, :, None])
-        ds = tl.where(smask[:, None, None], ds, 0.0)
-        coef_u = ds * r[None, :, :]  # [SP, BT, KP]: coefficient of u_s in dv_i, and of v_i in du_s
-        coef_v = r * r / D * tl.sum(ds * tl.where(valid, sc, 0.0), axis=0)  # [BT, KP]: coefficient of -v_i
+        if FUSED:
+            ss, dot, gv = _scores(
+                x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                q_ptr, g_ptr, go_ptr, gscale, rows, S, T, D,
+                NSRC, True, SP, KP, BT, BDC,
+            )  # fmt: skip
+            r = tl.rsqrt(ss / D + eps)  # [BT, KP]
+            valid = k3 < NSRC
+            sc = tl.where(valid, dot * r[None, :, :], float("-inf"))  # [SP, BT, KP]
+            m = tl.max(sc, axis=2)
+            e = tl.exp(sc - m[:, :, None])
+            p = e / tl.sum(e, axis=2)[:, :, None]
+            ghb = tl.sum(p * gv, axis=2)  # go_s · o_s
+            if HAS_GLSE:
+                glse_offs = s_ar[:, None] * T + rows[None, :]
+                glse = tl.load(glse_ptr + glse_offs, mask=smask[:, None] & rmask[None, :], other=0.0)
+                ds = p * (gv - ghb[:, :, None] + glse[:, :, None])
+            else:
+                ds = p * (gv - ghb[:, :, None])
+            ds = tl.where(smask[:, None, None], ds, 0.0)
+            coef_u = ds * r[None, :, :]  # [SP, BT, KP]: coefficient of u_s in dv_i, and of v_i in du_s
+            coef_v = r * r / D * tl.sum(ds * tl.where(valid, sc, 0.0), axis=0)  # [BT, KP]: coefficient of -v_i
+        else:  # coefficients of this chunk of sources, from the scratch filled by _stats_kernel + torch
+            offs3, mask3 = _offs3(s_ar, rows, S, T, K_total, j0, NSRC, KP)
+            p = tl.load(p_ptr + offs3, mask=mask3, other=0.0)
+            coef_u = tl.load(cu_ptr + offs3, mask=mask3, other=0.0)
+            offs2, mask2 = _offs2(rows, T, j0, NSRC, KP)
+            coef_v = tl.load(cv_ptr + offs2, mask=mask2, other=0.0)
         # pass 2: every source's gradient, and the program's du row
         for d0 in range(0, D, BDC):
             cols = d0 + tl.arange(0, BDC)
@@ -441,6 +500,37 @@ def depth_attn_fwd(
     return out.view(sources[0].shape)
 
 
+def _chunks(vs: list[torch.Tensor]) -> list[tuple[int, list[torch.Tensor]]]:
+    return [(j0, vs[j0 : j0 + MAX_SOURCES]) for j0 in range(0, len(vs), MAX_SOURCES)]
+
+
+def _split_stats(
+    vs: list[torch.Tensor],
+    queries: torch.Tensor,
+    gains: torch.Tensor,
+    go: torch.Tensor | None,
+    gscale: float,
+    eps: float,
+    cfg: tuple[int, int, int, int, int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """More than MAX_SOURCES sources: ``_stats_kernel`` per chunk, then ``(r [K, T], scores [S, K, T], gv)``."""
+    S, D = queries.shape
+    K, T = len(vs), vs[0].shape[0]
+    sp, _, bt, bdc, nw = cfg
+    dev = vs[0].device
+    ss = torch.empty(K, T, device=dev, dtype=torch.float32)
+    dot = torch.empty(S, K, T, device=dev, dtype=torch.float32)
+    gv = torch.empty_like(dot) if go is not None else None
+    for j0, chunk in _chunks(vs):
+        _stats_kernel[(triton.cdiv(T, bt),)](
+            *_ptrs(chunk), queries, gains, go if go is not None else dot, float(gscale), ss, dot,
+            gv if gv is not None else dot, S, T, D, K, j0,
+            NSRC=len(chunk), HAS_GO=go is not None, SP=sp, KP=_pow2(len(chunk)), BT=bt, BDC=bdc, num_warps=nw,
+        )  # fmt: skip
+    r = torch.rsqrt(ss / D + eps)
+    return r, dot * r, gv
+
+
 def _multi_bwd(
     go: torch.Tensor,
     glse: torch.Tensor | None,
@@ -450,21 +540,45 @@ def _multi_bwd(
     eps: float,
     gscale: float,
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Launch ``_multi_bwd_kernel``; ``go`` ``[S, T, D]``, ``vs`` K tensors ``[T, D]``. Returns (dv list, du [S, D])."""
+    """Launch ``_multi_bwd_kernel``; ``go`` ``[S, T, D]``, ``vs`` K tensors ``[T, D]``. Returns (dv list, du [S, D]).
+
+    ``K ≤ MAX_SOURCES``: one fused launch. More: ``_stats_kernel`` per chunk of sources (scores, ``go·v`` into
+    ``[S, K, T]`` fp32 scratch), the softmax and the per-source coefficients with torch on those small tensors, then
+    ``_multi_bwd_kernel`` per chunk (FUSED=False) reading them.
+    """
     S, D = queries.shape
-    T = vs[0].shape[0]
+    K, T = len(vs), vs[0].shape[0]
     dvs = [torch.empty_like(v) for v in vs]
     if T == 0:
         return dvs, torch.zeros(S, D, device=go.device, dtype=torch.float32)
-    sp, kp, bt, bdc, nw = _chunk_config(go.device, S, len(vs), D, T, vs[0].element_size())
+    cfg = _chunk_config(go.device, S, min(K, MAX_SOURCES), D, T, vs[0].element_size())
+    sp, kp, bt, bdc, nw = cfg
     n_tiles = triton.cdiv(T, bt)
     nprog = _programs(go.device, n_tiles)
     du = torch.zeros(nprog, sp, D, device=go.device, dtype=torch.float32)
-    _multi_bwd_kernel[(nprog,)](
-        *_ptrs(vs), *_ptrs(dvs), queries, gains, go, glse if glse is not None else go, du,
-        S, T, D, float(eps), float(gscale), n_tiles,
-        NSRC=len(vs), HAS_GLSE=glse is not None, SP=sp, KP=kp, BT=bt, BDC=bdc, num_warps=nw,
-    )  # fmt: skip
+    glse_arg = glse if glse is not None else go
+    if K <= MAX_SOURCES:
+        _multi_bwd_kernel[(nprog,)](
+            *_ptrs(vs), *_ptrs(dvs), queries, gains, go, glse_arg, du, go, go, go,
+            S, T, D, float(eps), float(gscale), n_tiles, K, 0,
+            NSRC=K, FUSED=True, HAS_GLSE=glse is not None, SP=sp, KP=kp, BT=bt, BDC=bdc, num_warps=nw,
+        )  # fmt: skip
+        return dvs, du.sum(0)[:S]
+    r, sc, gv = _split_stats(vs, queries, gains, go, gscale, eps, cfg)
+    p = torch.softmax(sc, dim=1)  # [S, K, T]
+    inner = gv - (p * gv).sum(1, keepdim=True)
+    if glse is not None:
+        inner = inner + glse.unsqueeze(1)
+    ds = p * inner
+    cu = (ds * r).contiguous()
+    cv = (r * r / D * (ds * sc).sum(0)).contiguous()
+    for j0, chunk in _chunks(vs):
+        _multi_bwd_kernel[(nprog,)](
+            *_ptrs(chunk), *_ptrs(dvs[j0 : j0 + len(chunk)]), queries, gains, go, glse_arg, du, p, cu, cv,
+            S, T, D, float(eps), float(gscale), n_tiles, K, j0,
+            NSRC=len(chunk), FUSED=False, HAS_GLSE=glse is not None, SP=sp, KP=_pow2(len(chunk)), BT=bt, BDC=bdc,
+            num_warps=nw,
+        )  # fmt: skip
     return dvs, du.sum(0)[:S]
 
 
@@ -476,7 +590,8 @@ def depth_attn_bwd(
     eps: float,
     scale: float,
 ) -> list[torch.Tensor]:
-    """``depth_attn`` backward (``1 ≤ K ≤ MAX_SOURCES``).
+    """``depth_attn`` backward (any K ≥ 1; more than ``MAX_SOURCES`` sources go through the split path of
+    :func:`_multi_bwd`).
 
     Args:
         grad: ``[..., D]``, the gradient of the output. sources, query, gain, eps, scale: as in the forward.
@@ -502,7 +617,7 @@ def depth_attn_bwd(
 def depth_attn_partial_fwd(
     sources: list[torch.Tensor], queries: torch.Tensor, gains: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``depth_attn_partial`` forward (``1 ≤ K ≤ MAX_SOURCES``): S queries against the same sources.
+    """``depth_attn_partial`` forward: S queries against the same K sources (any K ≥ 1).
 
     Args:
         sources: K tensors ``[..., D]`` (fp32/bf16/fp16). queries, gains: ``[S, D]``. eps: key RMSNorm epsilon.
@@ -512,20 +627,37 @@ def depth_attn_partial_fwd(
 
     One program per block of tokens; D in chunks. Pass 1 reads each source of the block once for all S queries
     (sum of squares + S dot products); the S softmaxes are formed on chip; pass 2 re-reads the block's sources
-    (L2-resident) and writes ``o`` (S·D fp32 per token) and ``lse``.
+    (L2-resident) and writes ``o`` (S·D fp32 per token) and ``lse``. More than ``MAX_SOURCES`` sources:
+    ``_stats_kernel`` per chunk of sources writes the scores to ``[S, K, T]`` fp32 scratch, torch forms the softmax
+    and ``lse`` on those small tensors, and ``_multi_fwd_kernel`` per chunk (FUSED=False) accumulates ``o``.
     """
     D = sources[0].shape[-1]
     S = queries.shape[0]
     lead = tuple(sources[0].shape[:-1])
     vs = [_flat(s, D) for s in sources]
     T = vs[0].shape[0]
+    K = len(vs)
     o = torch.empty(S, T, D, device=vs[0].device, dtype=torch.float32)
     lse = torch.empty(S, T, device=vs[0].device, dtype=torch.float32)
-    if T > 0:
-        sp, kp, bt, bdc, nw = _chunk_config(vs[0].device, S, len(vs), D, T, vs[0].element_size())
-        _multi_fwd_kernel[(triton.cdiv(T, bt),)](
-            *_ptrs(vs), queries.contiguous(), gains.contiguous(), o, lse, S, T, D, float(eps),
-            NSRC=len(vs), SP=sp, KP=kp, BT=bt, BDC=bdc, num_warps=nw,
+    if T == 0:
+        return o.view(S, *lead, D), lse.view(S, *lead)
+    qs, gs = queries.contiguous(), gains.contiguous()
+    cfg = _chunk_config(vs[0].device, S, min(K, MAX_SOURCES), D, T, vs[0].element_size())
+    sp, kp, bt, bdc, nw = cfg
+    grid = (triton.cdiv(T, bt),)
+    if K <= MAX_SOURCES:
+        _multi_fwd_kernel[grid](
+            *_ptrs(vs), qs, gs, o, lse, o, S, T, D, float(eps), K, 0,
+            NSRC=K, FUSED=True, ACCUM=False, SP=sp, KP=kp, BT=bt, BDC=bdc, num_warps=nw,
+        )  # fmt: skip
+        return o.view(S, *lead, D), lse.view(S, *lead)
+    _, sc, _ = _split_stats(vs, qs, gs, None, 1.0, eps, cfg)
+    lse = torch.logsumexp(sc, dim=1)
+    p = torch.softmax(sc, dim=1).contiguous()
+    for j0, chunk in _chunks(vs):
+        _multi_fwd_kernel[grid](
+            *_ptrs(chunk), qs, gs, o, lse, p, S, T, D, float(eps), K, j0,
+            NSRC=len(chunk), FUSED=False, ACCUM=j0 > 0, SP=sp, KP=_pow2(len(chunk)), BT=bt, BDC=bdc, num_warps=nw,
         )  # fmt: skip
     return o.view(S, *lead, D), lse.view(S, *lead)
 
@@ -538,7 +670,7 @@ def depth_attn_partial_bwd(
     gains: torch.Tensor,
     eps: float,
 ) -> list[torch.Tensor]:
-    """``depth_attn_partial`` backward (``1 ≤ K ≤ MAX_SOURCES``).
+    """``depth_attn_partial`` backward (any K ≥ 1; see :func:`_multi_bwd` for more than ``MAX_SOURCES``).
 
     Args:
         grad_o: ``[S, ..., D]``. grad_lse: ``[S, ...]``. sources, queries, gains, eps: as in the forward.

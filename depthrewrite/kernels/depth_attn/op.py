@@ -148,7 +148,6 @@ def depth_attn_backward(
         use_triton(grad, *sources, query, gain, op="depthrewrite::depth_attn_backward")
         and _dtypes_ok(sources)
         and _params_ok(query, gain, grad)
-        and len(sources) <= MAX_SOURCES
     ):
         from . import fused
 
@@ -190,7 +189,6 @@ def depth_attn_partial(
         use_triton(*sources, queries, gains, op="depthrewrite::depth_attn_partial")
         and _dtypes_ok(sources)
         and _params_ok(queries, gains)
-        and len(sources) <= MAX_SOURCES
     ):
         from . import fused
 
@@ -220,7 +218,6 @@ def depth_attn_partial_backward(
         use_triton(grad_o, grad_lse, *sources, queries, gains, op="depthrewrite::depth_attn_partial_backward")
         and _dtypes_ok(sources)
         and _params_ok(queries, gains, grad_o, grad_lse)
-        and len(sources) <= MAX_SOURCES
     ):
         from . import fused
 
@@ -345,9 +342,9 @@ register_kernel_info(
         "rows summed with torch",
         fuses="key RMS statistics, K scores, softmax, weighted sum and scale in one read of each source (the reference "
         "stacks the sources into an fp32 copy and reads it several times)",
-        falls_back="fp64 or mixed-dtype sources; forward with D > 16384; backward with more than 16 sources "
-        "(reference formulas, stacked fp32). Forward with more than 16 sources runs chunks of 16 carrying the online "
-        "softmax state through fp32 scratch.",
+        falls_back="fp64 or mixed-dtype sources, or a non-float query/gain; forward with D > 16384. (More than 16 "
+        "sources is still fused: the forward runs chunks of 16 that carry the online-softmax state through fp32 "
+        "scratch; the backward computes per-token scores into [K, T] fp32 scratch, then gradients per chunk.)",
     )
 )
 register_kernel_info(
@@ -358,7 +355,8 @@ register_kernel_info(
         backward="depthrewrite::depth_attn_partial_backward -> fused._multi_bwd_kernel: persistent, recomputes scores "
         "and weights, gradients flow through o and lse",
         fuses="the S per-site mixes of a block's completed sources (attnres spec §7 phase 1) in one pass",
-        falls_back="fp64 or mixed-dtype sources; more than 16 sources (forward and backward)",
+        falls_back="fp64 or mixed-dtype sources, or non-float queries/gains. (More than 16 sources is still fused: "
+        "per-token scores into [S, K, T] fp32 scratch per chunk of 16, softmax in torch, then one pass per chunk.)",
     )
 )
 register_kernel_info(
