@@ -11,6 +11,8 @@ recomputation. Dropout masks come from a seed input, so the reference recomputat
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..dispatch import KernelInfo, register_kernel_info, use_triton
@@ -96,21 +98,77 @@ def _(q, k, v, attn_mask, depth_k, depth_v, depth_weight, scale, is_causal, drop
     return q.new_empty((B, T, H, d)).transpose(1, 2)  # SDPA's output layout
 
 
-_DIFF = (0, 1, 2, 3, 4, 5, 6)  # q, k, v, attn_mask (an additive bias may be learned), depth_k, depth_v, depth_weight
 
 
 def _reference_grads(grad, args, mask_grad: bool) -> list[torch.Tensor | None]:
-    """Gradients of the reference for q, k, v, attn_mask, depth_k, depth_v, depth_weight (recomputes the forward)."""
-    diff = [i for i in _DIFF if isinstance(args[i], torch.Tensor) and args[i].is_floating_point()]
-    if not mask_grad and 3 in diff:
-        diff.remove(3)
-    with torch.enable_grad():
-        leaves = {i: args[i].detach().requires_grad_(True) for i in diff}
-        call = [leaves.get(i, a) for i, a in enumerate(args)]
-        out = moda_attn_ref(*call)
-        got = torch.autograd.grad(out, list(leaves.values()), grad, allow_unused=True)
-    grads = dict(zip(leaves, got))
-    return [grads.get(i) for i in _DIFF]
+    """Gradients of :func:`moda_attn_ref` for q, k, v, attn_mask, depth_k, depth_v, depth_weight, written out.
+
+    The op body runs below autograd, so the reference cannot be differentiated there; this is the joint-softmax
+    backward of moda.md §5 in plain PyTorch (fp32, or fp64 for fp64 inputs), recomputing the forward's logits and the
+    reference's seeded dropout masks (same generator, same draw order). With joint probabilities ``P`` (λ included),
+    dropout multipliers ``z`` and ``δ = do·o``: ``dS = P (z·dP − δ)`` on both parts, ``dλ = Σ e (z·dP − δ)``
+    (``e = P / λ``, straight through the clamp), soft-cap chained by ``1 − tanh²``; an additive mask gets ``dS`` of the
+    sequence part summed to its shape.
+    """
+    q, k, v, attn_mask, depth_k, depth_v, depth_weight, scale, is_causal, dropout_p, seed, softcap = args
+    acc = torch.promote_types(q.dtype, torch.float32)
+    B, Hq, T, d = q.shape
+    Hk, S = k.shape[1], k.shape[2]
+    G = Hq // Hk
+    qf, do = q.to(acc), grad.to(acc)
+    kf, vf = k.to(acc).repeat_interleave(G, dim=1), v.to(acc).repeat_interleave(G, dim=1)
+    Kd, Vd = depth_k.to(acc).repeat_interleave(G, dim=3), depth_v.to(acc).repeat_interleave(G, dim=3)
+    raw_s = (qf @ kf.transpose(-1, -2)) * scale
+    raw_d = torch.einsum("bhtd,btnhd->bhtn", qf, Kd) * scale
+    cap_s = softcap * torch.tanh(raw_s / softcap) if softcap > 0 else raw_s
+    cap_d = softcap * torch.tanh(raw_d / softcap) if softcap > 0 else raw_d
+    s = cap_s
+    if is_causal:
+        keep = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()
+        s = s.masked_fill(~keep, -math.inf)
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool else s + attn_mask.to(acc)
+    lse_s = torch.logsumexp(s, dim=-1, keepdim=True)
+    lse_d = torch.logsumexp(cap_d, dim=-1, keepdim=True)
+    lam = None
+    if depth_weight is not None:
+        lam = depth_weight.to(acc).clamp_min(0.0).view(1, Hq, 1, 1)
+    m = torch.maximum(lse_s, lse_d)
+    a, b = torch.exp(lse_s - m), torch.exp(lse_d - m)
+    if lam is not None:
+        b = b * lam
+    L = m + torch.log(a + b)  # joint LSE, λ included
+    p_s = torch.exp(s - L)
+    e_d = torch.exp(cap_d - L)  # depth exp-weights without λ
+    p_d = e_d * lam if lam is not None else e_d
+    z_s = z_d = None
+    if dropout_p > 0.0:
+        gen = None
+        if seed is not None:
+            gen = torch.Generator(device=q.device).manual_seed(int(seed.reshape(-1)[0]))
+        z_s = (torch.rand(s.shape, generator=gen, device=q.device, dtype=acc) >= dropout_p).to(acc) / (1.0 - dropout_p)
+        z_d = (torch.rand(cap_d.shape, generator=gen, device=q.device, dtype=acc) >= dropout_p).to(acc) / (1.0 - dropout_p)
+    pz_s = p_s * z_s if z_s is not None else p_s
+    pz_d = p_d * z_d if z_d is not None else p_d
+    out = pz_s @ vf + torch.einsum("bhtn,btnhd->bhtd", pz_d, Vd)
+    delta = (do * out).sum(-1, keepdim=True)
+    dp_s = do @ vf.transpose(-1, -2)
+    dp_d = torch.einsum("bhtd,btnhd->bhtn", do, Vd)
+    if z_s is not None:
+        dp_s, dp_d = dp_s * z_s, dp_d * z_d
+    ds_s = p_s * (dp_s - delta)
+    ds_d = p_d * (dp_d - delta)
+    dlam = (e_d * (dp_d - delta)).sum(dim=(0, 2, 3)) if depth_weight is not None else None
+    dmask = ds_s.sum_to_size(attn_mask.shape) if mask_grad else None
+    if softcap > 0:
+        ds_s = ds_s * (1.0 - (cap_s / softcap) ** 2)
+        ds_d = ds_d * (1.0 - (cap_d / softcap) ** 2)
+    dq = (ds_s @ kf + torch.einsum("bhtn,btnhd->bhtd", ds_d, Kd)) * scale
+    dk = ((ds_s.transpose(-1, -2) @ qf) * scale).view(B, Hk, G, S, d).sum(2)
+    dv = (pz_s.transpose(-1, -2) @ do).view(B, Hk, G, S, d).sum(2)
+    dkd = (torch.einsum("bhtn,bhtd->btnhd", ds_d, qf) * scale).view(B, T, -1, Hk, G, d).sum(4)
+    dvd = torch.einsum("bhtn,bhtd->btnhd", pz_d, do).view(B, T, -1, Hk, G, d).sum(4)
+    return [dq, dk, dv, dmask, dkd, dvd, dlam]
 
 
 @torch.library.custom_op("depthrewrite::moda_attn_backward", mutates_args=())
