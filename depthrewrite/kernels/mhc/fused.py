@@ -22,8 +22,10 @@ Applies (per block of tokens and D): ``u = Σ_i pre_i X_i`` and ``X' = H_res X +
 backward kernels loop over D per token block and produce every gradient in one pass (the coefficient gradients
 are per-token reductions over D, accumulated in registers; no cross-token reductions).
 
-GEMM precision: ``tl.dot`` uses tf32 when ``torch.backends.cuda.matmul.allow_tf32`` is on (as the reference's
-``x @ φ`` would) and exact fp32 (``"ieee"``) otherwise.
+GEMM precision: ``tl.dot`` uses one TF32 MMA when ``torch.backends.cuda.matmul.allow_tf32`` is on (as the reference's
+``x @ φ`` would) and otherwise "3xTF32" (operands split into a TF32 head and an fp32 tail, three MMAs; two when X is
+bf16/fp16, whose values are exact in TF32): fp32 accuracy on the tensor cores, instead of the FMA path of
+``input_precision="ieee"``, which would make these memory-bound kernels compute-bound.
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ def _pow2(x: int) -> int:
 
 
 def _precision() -> str:
-    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    """``"tf32"`` (one TF32 MMA) when PyTorch's fp32 matmuls may use TF32, else ``"3xtf32"`` (fp32-accurate)."""
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "3xtf32"
 
 
 def _num_sms(device: torch.device) -> int:
@@ -161,8 +164,41 @@ def _sinkhorn_bwd(L, G, valid, eps, P, SEG: tl.constexpr):
 
 
 @triton.jit
+def _tf32_hi(a):
+    """a with its mantissa truncated to TF32's 10 bits (exactly representable in TF32); a − hi is exact in fp32."""
+    return (a.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mma(a, b, acc, PREC: tl.constexpr, A_EXACT: tl.constexpr):
+    """acc + a @ b for fp32 tiles on the tensor cores.
+
+    PREC = "tf32": one TF32 MMA (what PyTorch does when TF32 is allowed). PREC = "3xtf32": split each operand into a
+    TF32 head and an fp32 tail, hi·hi + hi·lo + lo·hi (the tail·tail term is below fp32 rounding), accurate to about
+    fp32 at three MMAs instead of the slow FMA path of ``input_precision="ieee"``; A_EXACT (a holds bf16/fp16 values,
+    exact in TF32) drops the a-tail term. The kernels are memory-bound, so the extra MMAs are free.
+    """
+    if PREC == "3xtf32":
+        b_hi = _tf32_hi(b)
+        b_lo = b - b_hi
+        if A_EXACT:
+            acc = tl.dot(a, b_lo, acc, input_precision="tf32")
+            acc = tl.dot(a, b_hi, acc, input_precision="tf32")
+        else:
+            a_hi = _tf32_hi(a)
+            a_lo = a - a_hi
+            acc = tl.dot(a_lo, b_hi, acc, input_precision="tf32")
+            acc = tl.dot(a_hi, b_lo, acc, input_precision="tf32")
+            acc = tl.dot(a_hi, b_hi, acc, input_precision="tf32")
+    else:
+        acc = tl.dot(a, b, acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
 def _coeffs_gemm(X, PHI, rows, rmask, T, K, M, cpp, cpp_ok, cr_col, cr_ok,
-                 BT: tl.constexpr, BK: tl.constexpr, PP: tl.constexpr, NP: tl.constexpr, PREC: tl.constexpr):
+                 BT: tl.constexpr, BK: tl.constexpr, PP: tl.constexpr, NP: tl.constexpr, PREC: tl.constexpr,
+                 XEXACT: tl.constexpr):
     """z = x @ φ for a token block (two padded column tiles) and Σ x², streaming X once over K."""
     acc_pp = tl.zeros([BT, PP], dtype=tl.float32)
     acc_r = tl.zeros([BT, NP * NP], dtype=tl.float32)
@@ -176,15 +212,15 @@ def _coeffs_gemm(X, PHI, rows, rmask, T, K, M, cpp, cpp_ok, cr_col, cr_ok,
         prow = PHI + ks.to(tl.int64)[:, None] * M
         p1 = tl.load(prow + cpp[None, :], mask=kmask[:, None] & cpp_ok[None, :], other=0.0).to(tl.float32)
         p2 = tl.load(prow + cr_col[None, :], mask=kmask[:, None] & cr_ok[None, :], other=0.0).to(tl.float32)
-        acc_pp = tl.dot(x, p1, acc_pp, input_precision=PREC)
-        acc_r = tl.dot(x, p2, acc_r, input_precision=PREC)
+        acc_pp = _mma(x, p1, acc_pp, PREC, XEXACT)
+        acc_r = _mma(x, p2, acc_r, PREC, XEXACT)
     return acc_pp, acc_r, ss
 
 
 @triton.jit(do_not_specialize=["P"])
 def _coeffs_fwd_kernel(X, PHI, BIAS, ALPHA, PRE, POST, RES, T, K, M, eps, P,
                        N: tl.constexpr, NP: tl.constexpr, PP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                       PREC: tl.constexpr):
+                       PREC: tl.constexpr, XEXACT: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BT + tl.arange(0, BT)
     rmask = rows < T
@@ -195,7 +231,7 @@ def _coeffs_fwd_kernel(X, PHI, BIAS, ALPHA, PRE, POST, RES, T, K, M, eps, P,
     rj = cr % NP
     cr_ok = (ri < N) & (rj < N)
     cr_col = 2 * N + ri * N + rj
-    acc_pp, acc_r, ss = _coeffs_gemm(X, PHI, rows, rmask, T, K, M, cpp, cpp_ok, cr_col, cr_ok, BT, BK, PP, NP, PREC)
+    acc_pp, acc_r, ss = _coeffs_gemm(X, PHI, rows, rmask, T, K, M, cpp, cpp_ok, cr_col, cr_ok, BT, BK, PP, NP, PREC, XEXACT)
     r = 1.0 / tl.sqrt(ss / K + eps)
     a0 = tl.load(ALPHA).to(tl.float32)
     a1 = tl.load(ALPHA + 1).to(tl.float32)
@@ -223,7 +259,7 @@ def _coeffs_fwd_kernel(X, PHI, BIAS, ALPHA, PRE, POST, RES, T, K, M, eps, P,
 @triton.jit(do_not_specialize=["P"])
 def _coeffs_bwd_coef_kernel(X, PHI, BIAS, ALPHA, GPRE, GPOST, GRES, GZ, CX, GB_PART, GA_PART, T, K, M, eps, P,
                             N: tl.constexpr, NP: tl.constexpr, PP: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr,
-                            BK: tl.constexpr, PREC: tl.constexpr, SEG: tl.constexpr):
+                            BK: tl.constexpr, PREC: tl.constexpr, SEG: tl.constexpr, XEXACT: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BT + tl.arange(0, BT)
     rmask = rows < T
@@ -235,7 +271,7 @@ def _coeffs_bwd_coef_kernel(X, PHI, BIAS, ALPHA, GPRE, GPOST, GRES, GZ, CX, GB_P
     rj = cr % NP
     cr_ok = (ri < N) & (rj < N)
     cr_col = 2 * N + ri * N + rj
-    acc_pp, acc_r, ss = _coeffs_gemm(X, PHI, rows, rmask, T, K, M, cpp, cpp_ok, cr_col, cr_ok, BT, BK, PP, NP, PREC)
+    acc_pp, acc_r, ss = _coeffs_gemm(X, PHI, rows, rmask, T, K, M, cpp, cpp_ok, cr_col, cr_ok, BT, BK, PP, NP, PREC, XEXACT)
     r = 1.0 / tl.sqrt(ss / K + eps)
     a0 = tl.load(ALPHA).to(tl.float32)
     a1 = tl.load(ALPHA + 1).to(tl.float32)
@@ -282,7 +318,7 @@ def _coeffs_bwd_coef_kernel(X, PHI, BIAS, ALPHA, GPRE, GPOST, GRES, GZ, CX, GB_P
 @triton.jit
 def _coeffs_bwd_x_kernel(X, PHI, GZ, CX, GX, GPHI_PART, T, K, M, blocks_per_seg,
                          N: tl.constexpr, NP: tl.constexpr, PP: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr,
-                         BK: tl.constexpr, PREC: tl.constexpr):
+                         BK: tl.constexpr, PREC: tl.constexpr, XEXACT: tl.constexpr):
     kb = tl.program_id(0)
     seg = tl.program_id(1)
     ks = kb * BK + tl.arange(0, BK)
@@ -313,13 +349,13 @@ def _coeffs_bwd_x_kernel(X, PHI, GZ, CX, GX, GPHI_PART, T, K, M, blocks_per_seg,
         gz1 = tl.load(GZ + r64[:, None] * MP + cpp[None, :], mask=rmask[:, None], other=0.0)
         gz2 = tl.load(GZ + r64[:, None] * MP + PP + cr[None, :], mask=rmask[:, None], other=0.0)
         c = tl.load(CX + r64, mask=rmask, other=0.0)
-        gx = tl.dot(gz1, p1t, input_precision=PREC)
-        gx = tl.dot(gz2, p2t, gx, input_precision=PREC)
+        gx = _mma(gz1, p1t, tl.zeros([BT, BK], dtype=tl.float32), PREC, False)
+        gx = _mma(gz2, p2t, gx, PREC, False)
         gx = gx - c[:, None] * x
         tl.store(GX + r64[:, None] * K + ks[None, :], gx, mask=m2)
         xt = tl.trans(x)
-        g1 = tl.dot(xt, gz1, g1, input_precision=PREC)
-        g2 = tl.dot(xt, gz2, g2, input_precision=PREC)
+        g1 = _mma(xt, gz1, g1, PREC, XEXACT)
+        g2 = _mma(xt, gz2, g2, PREC, XEXACT)
     out = GPHI_PART + seg.to(tl.int64) * K * MP + ks.to(tl.int64)[:, None] * MP
     tl.store(out + cpp[None, :], g1, mask=kmask[:, None])
     tl.store(out + PP + cr[None, :], g2, mask=kmask[:, None])
@@ -372,7 +408,8 @@ def coeffs_forward(
     BT, BK = _coeff_blocks(T, K, X.device)
     _coeffs_fwd_kernel[(triton.cdiv(T, BT),)](
         x, phi_c, bias_c, alpha_c, pre, post, res, T, K, M, float(eps), max(int(iters) - 1, 0),
-        N=n, NP=NP, PP=PP, BT=BT, BK=BK, PREC=_precision(), num_warps=4, num_stages=3,
+        N=n, NP=NP, PP=PP, BT=BT, BK=BK, PREC=_precision(), XEXACT=X.dtype != torch.float32,
+        num_warps=4, num_stages=3,
     )
     return pre.reshape(*lead, n), post.reshape(*lead, n), res.reshape(*lead, n, n)
 
@@ -417,18 +454,22 @@ def coeffs_backward(
     prec = _precision()
     _coeffs_bwd_coef_kernel[(nblk,)](
         x, phi_c, bias_c, alpha_c, gpre_c, gpost_c, gres_c, gz, cx, gb_part, ga_part, T, K, M, float(eps), max(int(iters) - 1, 0),
-        N=n, NP=NP, PP=PP, MP=MP, BT=BT, BK=BK, PREC=prec, SEG=_SEG, num_warps=4, num_stages=3,
+        N=n, NP=NP, PP=PP, MP=MP, BT=BT, BK=BK, PREC=prec, SEG=_SEG, XEXACT=X.dtype != torch.float32,
+        num_warps=4, num_stages=3,
     )
-    nk = triton.cdiv(K, BK)
-    S = segments or max(1, min(nblk, triton.cdiv(2 * _num_sms(dev), nk)))
-    S = max(1, min(int(S), nblk))
-    bps = triton.cdiv(nblk, S)
-    S = triton.cdiv(nblk, bps)
+    # kernel 2: K-chunks of 128 (a [BT2, 128] slice of X per token block), token blocks of 32, split into S segments
+    BT2, BK2 = (32, 128) if dev.type == "cuda" else (BT, BK)
+    nk, nblk2 = triton.cdiv(K, BK2), triton.cdiv(T, BT2)
+    S = segments or max(1, min(nblk2, triton.cdiv(2 * _num_sms(dev), nk)))
+    S = max(1, min(int(S), nblk2))
+    bps = triton.cdiv(nblk2, S)
+    S = triton.cdiv(nblk2, bps)
     gx = torch.empty_like(x)
     gphi_part = torch.empty(S, K, MP, device=dev, dtype=torch.float32)
     _coeffs_bwd_x_kernel[(nk, S)](
         x, phi_c, gz, cx, gx, gphi_part, T, K, M, bps,
-        N=n, NP=NP, PP=PP, MP=MP, BT=BT, BK=BK, PREC=prec, num_warps=4, num_stages=2,
+        N=n, NP=NP, PP=PP, MP=MP, BT=BT2, BK=BK2, PREC=prec, XEXACT=X.dtype != torch.float32,
+        num_warps=8, num_stages=2,
     )
     cols = _colmap(n, dev)
     gphi = gphi_part.sum(0).index_select(1, cols).to(phi.dtype)
