@@ -111,7 +111,7 @@ CASES = [
     pytest.param(1, 2, 2, 19, 19, 1, 8, True, None, None, None, 0.0, id="mha-one-slot-causal"),
     pytest.param(2, 4, 2, 13, 21, 3, 5, False, "bool", (2, 1, 13, 21), "mixed", 0.0, id="gqa2-bool4d-S>T-odd-d"),
     pytest.param(1, 6, 2, 17, 17, 2, 12, True, "add", (17, 17), "mixed", 4.0, id="gqa3-learned-add2d-softcap"),
-    pytest.param(1, 4, 1, 18, 18, 9, 20, True, "bool", (1, 18, 18), None, 0.0, id="mqa4-many-slots-bool3d"),
+    pytest.param(1, 4, 1, 18, 18, 33, 20, True, "bool", (1, 18, 18), None, 0.0, id="mqa4-33-slots-bool3d"),
     pytest.param(1, 4, 2, 20, 9, 2, 16, True, None, None, "zero", 2.5, id="S<T-causal-lambda0-softcap"),
     pytest.param(1, 16, 1, 5, 7, 4, 4, False, "add", (1, 16, 1, 7), "mixed", 0.0, id="G16-one-token-per-block"),
 ]
@@ -129,6 +129,25 @@ def test_fused_matches_reference(B, Hq, Hk, T, S, n, d, causal, mask, mask_shape
 def test_fused_half_precision(dtype, causal, mask, calls):
     inputs = make(2, 8, 2, 77, 77, 8, 64, mask=mask, mask_shape=(2, 1, 77, 77), lam="mixed", dtype=dtype)
     check(inputs, 0.125, causal, 0.0, dtype)
+    assert calls == {"fwd": 2, "bwd": 1}
+
+
+def test_strided_inputs_and_stride0_grad(calls):
+    """SDPA-style transposed q/k/v (``[B, T, H, d]`` in memory) and the stride-0 gradient of ``sum()``."""
+    B, Hq, Hk, T, n, d = 2, 4, 2, 11, 2, 8
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(B, T, Hq, d, generator=g).to(DEVICE).transpose(1, 2).requires_grad_()
+    k = torch.randn(B, T, Hk, d, generator=g).to(DEVICE).transpose(1, 2).requires_grad_()
+    v = torch.randn(B, T, Hk, d, generator=g).to(DEVICE).transpose(1, 2).requires_grad_()
+    Kd, Vd = (torch.randn(B, T, n, Hk, d, generator=g).to(DEVICE).requires_grad_() for _ in range(2))
+    with kernel_backend("triton"):
+        out = moda_attn(q, k, v, None, Kd, Vd, None, 0.3, True, 0.0, None, 0.0)
+        got = torch.autograd.grad(out.sum(), (q, k, v, Kd, Vd))
+    ref = moda_attn_ref(q, k, v, None, Kd, Vd, None, 0.3, True, 0.0, None, 0.0)
+    want = torch.autograd.grad(ref.sum(), (q, k, v, Kd, Vd))
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **GRAD_TOL[torch.float32])
     assert calls == {"fwd": 2, "bwd": 1}
 
 
@@ -182,5 +201,5 @@ def test_opcheck_forward_and_backward_ops():
         torch.library.opcheck(
             moda_attn_backward,
             (go, *(t.detach() for t in (q, k, v, m, Kd, Vd, w)), out, 0.5, True, 0.0, None, 2.0, True),
-            test_utils=("test_schema", "test_faketensor"),
+            test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"),
         )
