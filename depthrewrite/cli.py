@@ -7,7 +7,7 @@
     depthrewrite convert hf:qwen2 --scheme msar [--streams 4] [-o conv_on=k]
     depthrewrite convert hf:qwen2 --scheme mhc [--streams 4] [-o sinkhorn_iters=20]
     depthrewrite convert hf:llama --scheme moda [-o preserve_init=True]
-    depthrewrite demo
+    depthrewrite demo [--steps 120] [--schemes vanilla,attnres,mhc] [--out depthrewrite-demo]
 """
 
 from __future__ import annotations
@@ -63,21 +63,15 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    """Until the training demo lands: inspect the built-in tiny Llama and draw its chain."""
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    model = zoo.hf_model("llama", layers=4, hidden=64)
-    report = api.inspect(model)
-    print(report)
-    (out / "chain.txt").write_text(str(report) + "\n")
-    (out / "graph.txt").write_text(report.graph_text() + "\n")
-    try:
-        path = report.save(out / "chain.svg")
-    except DepthRewriteError as e:
-        path = report.save(out / "chain.dot")
-        print(f"\n(no SVG: {e})")
-    print(f"\nwrote {out / 'chain.txt'}, {out / 'graph.txt'}, {path}")
-    return 0
+    """Inspect, convert into every scheme, check init equivalence, train on the stdlib, print and draw the results."""
+    from .demo import DemoConfig, run_demo
+
+    cfg = DemoConfig(out=Path(args.out), steps=args.steps, schemes=args.schemes, seed=args.seed,
+                     corpus_dir=Path(args.corpus) if args.corpus else None)
+    if args.steps < 1:
+        raise ConfigError(f"--steps must be >= 1, got {args.steps}")
+    results = run_demo(cfg)
+    return 1 if any(r.init_ok is False for r in results) else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,8 +96,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="any other scheme option, e.g. -o kernel_sizes=(4,8,12) -o conv_on=k -o sinkhorn_iters=10")
     p.set_defaults(func=_cmd_convert)
 
-    p = sub.add_parser("demo", help="the main demo (for now: inspect the built-in tiny Llama)")
+    from .demo import DEMO_SCHEMES
+    from .train import VARIANTS
+
+    p = sub.add_parser("demo", help="convert a built-in tiny Llama into every scheme, train each on the Python stdlib, "
+                       "print a table and write pictures")
     p.add_argument("--out", default="depthrewrite-demo", help="output folder (default: ./depthrewrite-demo)")
+    p.add_argument("--steps", type=int, default=120, help="training steps per variant (default: 120)")
+    p.add_argument("--schemes", default=DEMO_SCHEMES,
+                   help=f"comma-separated, from {', '.join(VARIANTS)}, or 'all' (default: {DEMO_SCHEMES})")
+    p.add_argument("--seed", type=int, default=0, help="model init and batch order (default: 0)")
+    p.add_argument("--corpus", default=None, help="a folder of *.py files to train on (default: the standard library)")
     p.set_defaults(func=_cmd_demo)
     return parser
 

@@ -1,4 +1,4 @@
-"""The CLI: `depthrewrite inspect SPEC` and `depthrewrite demo`."""
+"""The CLI: `depthrewrite inspect SPEC` and `depthrewrite convert` (the demo: tests/test_demo.py)."""
 
 from __future__ import annotations
 
@@ -37,13 +37,6 @@ def test_inspect_refusal_exits_2_with_message(capsys):
 def test_bad_spec(spec, capsys):
     assert main(["inspect", spec]) == 2
     assert "ConfigError" in capsys.readouterr().err
-
-
-def test_demo_writes_files(tmp_path, capsys):
-    assert main(["demo", "--out", str(tmp_path)]) == 0
-    assert (tmp_path / "chain.txt").read_text().startswith("LlamaForCausalLM: 8 sublayers")
-    assert (tmp_path / "graph.txt").exists()
-    assert (tmp_path / "chain.svg").exists() or (tmp_path / "chain.dot").exists()
 
 
 def test_convert_prints_the_site_report(capsys):

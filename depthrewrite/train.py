@@ -1,0 +1,250 @@
+"""A small, deterministic training loop shared by ``depthrewrite demo`` and ``python -m bench.quality``.
+
+It trains a byte-level causal LM (any model whose output is logits or has ``.logits``) on a :class:`~depthrewrite.corpus.Corpus`,
+original or converted, with AdamW, warmup + cosine decay and gradient clipping, and records the losses and step time::
+
+    variants = parse_variants("vanilla,attnres,mhc")
+    result = train_variant(lambda: hf_model("llama", seed=0), variants[1], corpus, TrainConfig(steps=100), seed=0)
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .errors import ConfigError
+
+__all__ = ["tiny_llama", "Variant", "VARIANTS", "parse_variants", "TrainConfig", "RunResult", "train_variant", "logits_of", "evaluate"]
+
+
+def tiny_llama(seed: int = 0, layers: int = 4, hidden: int = 64) -> nn.Module:
+    """The built-in model of the demo and the quality benchmark: a Hugging Face ``LlamaForCausalLM`` from a small
+    config (byte vocabulary 256, ``layers`` blocks = 2·layers sublayers, GQA with hidden/16 heads), random weights
+    drawn from ``seed``. Nothing is downloaded."""
+    from .zoo import hf_model
+
+    return hf_model("llama", layers=layers, hidden=hidden, seed=seed)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One model to train: the original (``scheme=None``) or a conversion with its options."""
+
+    name: str  # command-line name, e.g. "block-attnres"
+    label: str  # table label, e.g. "Block AttnRes (4 blocks)"
+    scheme: str | None
+    options: dict[str, Any] = field(default_factory=dict)
+    #: tolerance of the init-equivalence check (max|Δlogits| / max|logits|), None where the scheme is not
+    #: function-preserving with these options
+    init_tol: float | None = 1e-5
+    note: str = ""
+
+
+#: every variant the demo and the quality benchmark know, in table order
+VARIANTS: dict[str, Variant] = {
+    v.name: v
+    for v in (
+        Variant("vanilla", "Vanilla (PreNorm residual)", None, init_tol=None),
+        Variant("attnres", "Full AttnRes", "attnres"),
+        Variant("block-attnres", "Block AttnRes (4 blocks)", "attnres", {"blocks": 4}),
+        Variant("msar", "Full MSAR", "msar"),
+        Variant("block-msar", "Block MSAR (4 blocks)", "msar", {"blocks": 4}),
+        # mHC's default init (alpha = 0.01, phi ~ N(0, 1e-4)) is close to the original, not exact (docs/mhc.md)
+        Variant("mhc", "mHC (n=4)", "mhc", init_tol=1e-4, note="default init: close, exact only with alpha_init=0"),
+        # MoDA as in the paper (lambda = 1): depth logits compete in the softmax from step 0 (docs/moda.md)
+        Variant("moda", "MoDA (paper, λ≡1)", "moda", init_tol=None, note="not function-preserving (preserve_init=False)"),
+    )
+}
+
+
+def parse_variants(text: str | list[str] | tuple[str, ...]) -> list[Variant]:
+    """``"vanilla,attnres"`` (or ``"all"``) -> variants, in the order given; unknown names raise :class:`ConfigError`."""
+    names = [n.strip() for n in (text.split(",") if isinstance(text, str) else text) if n.strip()]
+    if names == ["all"]:
+        return list(VARIANTS.values())
+    if not names:
+        raise ConfigError(f"no schemes given; choose from: {', '.join(VARIANTS)} (or 'all')")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise ConfigError(f"unknown scheme(s) {', '.join(map(repr, unknown))}; choose from: {', '.join(VARIANTS)} (or 'all')")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"scheme listed twice in {','.join(names)}")
+    return [VARIANTS[n] for n in names]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 150
+    batch: int = 16
+    seq: int = 128
+    lr: float = 3e-3
+    warmup: int = 10  # linear warmup steps, then cosine decay to lr * min_lr_ratio
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    eval_every: int = 0  # validation loss every N steps (0: only at the end)
+    eval_batches: int = 8
+
+    def __post_init__(self):
+        for name in ("steps", "batch", "seq", "eval_batches"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+
+    def lr_at(self, step: int) -> float:
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        t = (step - self.warmup) / max(1, self.steps - self.warmup)
+        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+@dataclass
+class RunResult:
+    variant: Variant
+    seed: int
+    new_params: int
+    model_params: int
+    init_error: float | None  # max|Δlogits| / max|logits| against the original at init (None for vanilla)
+    step_time: float  # median seconds per training step (first steps excluded)
+    train_losses: list[float]
+    val_points: list[tuple[int, float]]  # (step, validation loss)
+    convert_time: float = 0.0
+    tokens: int = 0
+    model: nn.Module | None = field(default=None, repr=False)  # the trained model, with keep_model=True
+
+    @property
+    def final_train(self) -> float:
+        """Mean training loss over the last 10% of steps (at least one)."""
+        k = max(1, len(self.train_losses) // 10)
+        return statistics.fmean(self.train_losses[-k:])
+
+    @property
+    def final_val(self) -> float:
+        return self.val_points[-1][1]
+
+    @property
+    def init_ok(self) -> bool | None:
+        tol = self.variant.init_tol
+        if tol is None or self.init_error is None:
+            return None
+        return self.init_error <= tol
+
+
+def logits_of(out: Any) -> torch.Tensor:
+    return out.logits if hasattr(out, "logits") else out
+
+
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = logits_of(model(x))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Mean cross-entropy (nats per byte) over ``batches``, in eval mode; restores the previous mode."""
+    was = model.training
+    model.eval()
+    try:
+        return statistics.fmean(_loss(model, x, y).item() for x, y in batches)
+    finally:
+        model.train(was)
+
+
+def _progress(total: int, desc: str, enabled: bool | None):
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover - tqdm is in the viz/dev extras
+        return None
+    # disable=None: a bar on a terminal, nothing when stderr is not a TTY (CI logs)
+    return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True, disable=None if enabled is None else not enabled)
+
+
+def train_variant(
+    build: Callable[[int], nn.Module],
+    variant: Variant,
+    corpus,
+    cfg: TrainConfig,
+    seed: int = 0,
+    progress: bool | None = None,
+    keep_model: bool = False,
+) -> RunResult:
+    """Build the model with ``build(seed)``, convert it (unless vanilla), check init equivalence, train and evaluate.
+
+    Every variant with the same ``seed`` starts from the same original weights and sees the same batches in the same
+    order: the comparison is at matched steps and tokens.
+    """
+    from . import api
+
+    torch.manual_seed(seed)
+    original = build(seed)
+    eval_set = corpus.eval_batches(cfg.eval_batches, cfg.batch, cfg.seq)
+    init_error = None
+    t0 = time.perf_counter()
+    if variant.scheme is None:
+        model, new_params = original, 0
+    else:
+        torch.manual_seed(seed)  # schemes with random init (mHC's phi) draw the same numbers for every run of a seed
+        model = api.convert(original, variant.scheme, **variant.options)
+        new_params = model.report().new_params
+        original.eval()
+        model.eval()
+        with torch.no_grad():
+            x = eval_set[0][0][:4]
+            ref, out = logits_of(original(x)), logits_of(model(x))
+            init_error = ((out - ref).abs().max() / ref.abs().max()).item()
+    convert_time = time.perf_counter() - t0
+    model_params = sum(p.numel() for p in original.parameters())
+
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    model.train()
+    losses: list[float] = []
+    times: list[float] = []
+    val_points: list[tuple[int, float]] = []
+    bar = _progress(cfg.steps, variant.name if seed == 0 else f"{variant.name} (seed {seed})", progress)
+    try:
+        for step in range(cfg.steps):
+            x, y = corpus.batch("train", cfg.batch, cfg.seq, gen)
+            t = time.perf_counter()
+            for group in opt.param_groups:
+                group["lr"] = cfg.lr_at(step)
+            loss = _loss(model, x, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if cfg.grad_clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
+            times.append(time.perf_counter() - t)
+            losses.append(loss.item())
+            if not math.isfinite(losses[-1]):
+                raise FloatingPointError(f"{variant.name}: loss became {losses[-1]} at step {step}")
+            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+                val_points.append((step + 1, evaluate(model, eval_set)))
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
+    finally:
+        if bar is not None:
+            bar.close()
+    val_points.append((cfg.steps, evaluate(model, eval_set)))
+    steady = times[min(3, len(times) - 1):] or times
+    return RunResult(
+        variant=variant,
+        seed=seed,
+        new_params=new_params,
+        model_params=model_params,
+        init_error=init_error,
+        step_time=statistics.median(steady),
+        train_losses=losses,
+        val_points=val_points,
+        convert_time=convert_time,
+        tokens=cfg.steps * cfg.batch * cfg.seq,
+        model=model if keep_model else None,
+    )

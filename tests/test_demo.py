@@ -1,0 +1,115 @@
+"""`depthrewrite demo` at tiny settings, the stdlib corpus, the training loop's variants, and rewritten-graph drawing."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+import depthrewrite as dr
+from depthrewrite.cli import main
+from depthrewrite.corpus import Corpus, split_of
+from depthrewrite.draw import rewritten_networkx, rewritten_text, save_rewritten
+from depthrewrite.testing import nanogpt
+from depthrewrite.train import VARIANTS, parse_variants
+
+
+def test_demo_tiny_writes_table_and_pictures(tmp_path, capsys):
+    assert main(["demo", "--steps", "3", "--schemes", "vanilla,block-attnres", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "LlamaForCausalLM: 8 sublayers (4 attention, 4 mlp)" in out
+    assert "standard library" in out
+    table = [line for line in out.splitlines() if line.startswith(("vanilla ", "block-attnres "))]
+    assert len(table) == 2 and "✓ same function" in table[1]
+    md = (tmp_path / "results.md").read_text()
+    assert "| block-attnres" in md and "val loss" in md
+    assert (tmp_path / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "chain.txt").read_text().startswith("LlamaForCausalLM: 8 sublayers")
+    assert "depth_attn (site output)" in (tmp_path / "rewritten_block-attnres.txt").read_text()
+    picture = "rewritten_block-attnres.svg" if shutil.which("dot") else "rewritten_block-attnres.dot"
+    assert (tmp_path / picture).exists()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--schemes", "vanilla,nope"], "unknown scheme(s) 'nope'"),
+        (["--schemes", ","], "no schemes given"),
+        (["--steps", "0"], "--steps must be >= 1"),
+    ],
+)
+def test_demo_bad_arguments_exit_2(argv, message, tmp_path, capsys):
+    assert main(["demo", "--out", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err
+    assert "ConfigError" in err and message in err and "Traceback" not in err
+
+
+def test_parse_variants():
+    assert [v.name for v in parse_variants("all")] == list(VARIANTS)
+    assert [v.name for v in parse_variants(" mhc , vanilla")] == ["mhc", "vanilla"]
+    with pytest.raises(dr.ConfigError, match="twice"):
+        parse_variants("mhc,mhc")
+
+
+def test_stdlib_corpus_split_by_file_and_batches():
+    c = Corpus.stdlib(max_bytes=300_000)
+    assert c.train_files > 0 and c.val_files > 0 and len(c.val) > 0
+    # the split is a function of the relative path alone
+    assert split_of("json/decoder.py", 0.1) == split_of("json/decoder.py", 0.1)
+    g = torch.Generator().manual_seed(0)
+    x, y = c.batch("train", 3, 16, g)
+    assert x.shape == y.shape == (3, 16) and x.dtype == torch.long
+    assert torch.equal(x[:, 1:], y[:, :-1]) and int(x.max()) < 256
+    a, b = c.eval_batches(2, 2, 8), c.eval_batches(2, 2, 8)
+    assert a is b and torch.equal(a[0][0], Corpus.stdlib(max_bytes=300_000).eval_batches(2, 2, 8)[0][0])
+
+
+def test_corpus_from_dir_keeps_files_apart(tmp_path):
+    for i in range(40):
+        (tmp_path / f"f{i}.py").write_text(f"x = {i}\n" * 20)
+    c = Corpus.from_dir(tmp_path)
+    assert c.train_files + c.val_files == 40
+    val_names = {f"f{i}.py" for i in range(40) if split_of(f"f{i}.py", 0.1) == "val"}
+    assert c.val_files == len(val_names) > 0
+    with pytest.raises(dr.ConfigError, match="no \\*.txt files"):
+        Corpus.from_dir(tmp_path, pattern="*.txt")
+    with pytest.raises(dr.ConfigError, match="does not exist"):
+        Corpus.from_dir(tmp_path / "missing")
+
+
+@pytest.mark.parametrize(
+    "scheme, options, expect",
+    [
+        ("attnres", {"blocks": 2}, {"depth_attn": 4, "sums": 2}),  # 2 layers = 4 sublayers: sites 1..3 + output
+        ("msar", {}, {"msar_mix": 4, "sums": 0}),
+        ("mhc", {}, {"mhc_pre": 4, "mhc_post": 4, "mhc_collapse": 1}),
+        ("moda", {}, {"moda_attn": 1}),
+    ],
+)
+def test_rewritten_graph_is_read_from_the_converted_graph(scheme, options, expect, tmp_path):
+    conv = dr.convert(nanogpt(n_layer=2, n_embd=32), scheme, **options)
+    g = rewritten_networkx(conv)
+    ops = [d["label"].split(" ")[0].split("\\n")[0] for _, d in g.nodes(data=True) if d["role"] == "op"]
+    for op, n in expect.items():
+        if op == "sums":
+            assert sum(1 for n_ in g if n_.startswith("sum:")) == n
+        else:
+            assert ops.count(op) == n, ops
+    assert {"source", "final_norm", "output"} <= set(g) and all(f"sub{i}" in g for i in range(4))
+    if scheme in ("attnres", "msar"):  # every sublayer after the first reads a mix; the final norm reads the last
+        assert all(any(p.startswith("op:") for p in g.predecessors(f"sub{i}")) for i in range(1, 4))
+        assert [p for p in g.predecessors("final_norm")][0].startswith("op:")
+        assert not any(d["role"] == "stream" and not n.startswith("sum:") for n, d in g.nodes(data=True))
+    if scheme == "moda":  # the chain's residual adds stay, and the depth op sits inside the second attention
+        assert "h4" in g and g.has_edge("sub2", next(n for n in g if n.startswith("op:moda_attn")))
+    text = rewritten_text(conv)
+    assert text.splitlines()[0].startswith("GPT -> ")
+    assert save_rewritten(conv, tmp_path / "g.dot").read_text().startswith('digraph "rewritten"')
+    with pytest.raises(dr.ConfigError, match="use .svg"):
+        save_rewritten(conv, tmp_path / "g.jpg")
+
+
+def test_drawing_needs_a_converted_model():
+    with pytest.raises(dr.ConfigError, match="depthrewrite.convert"):
+        rewritten_networkx(nanogpt(n_layer=1))
