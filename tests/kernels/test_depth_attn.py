@@ -43,3 +43,41 @@ def test_zero_query_is_the_mean_and_bf16_returns_bf16():
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), torch.stack([x.float() for x in v]).mean(0), atol=1e-2, rtol=1e-2)
     assert torch.equal(depth_attn_ref(v, torch.zeros(8), torch.ones(8), 1e-6, 1.0), out)
+
+
+# ---- two-phase pair (attnres spec §7): references, registration and the hand-written backward formulas in fp64 ----
+
+
+@pytest.mark.parametrize("K, S, shape", [(1, 1, (3, 5)), (3, 2, (2, 3, 6))])
+def test_partial_opcheck_and_gradcheck(K, S, shape):
+    from depthrewrite.kernels.depth_attn import depth_attn_partial
+
+    g = torch.Generator().manual_seed(K)
+    f64 = dict(dtype=torch.float64, generator=g, requires_grad=True)
+    src = [torch.randn(*shape, **f64) for _ in range(K)]
+    qs, gs = torch.randn(S, shape[-1], **f64), torch.randn(S, shape[-1], **f64)
+    torch.library.opcheck(depth_attn_partial, (src, qs, gs, 1e-6))
+    assert torch.autograd.gradcheck(lambda *a: depth_attn_partial(list(a[:K]), a[K], a[K + 1], 1e-6), (*src, qs, gs))
+
+
+def test_merge_opcheck_and_gradcheck():
+    from depthrewrite.kernels.depth_attn import depth_attn_merge
+
+    g = torch.Generator().manual_seed(0)
+    f64 = dict(dtype=torch.float64, generator=g, requires_grad=True)
+    o, lse, last = torch.randn(2, 3, 7, **f64), torch.randn(2, 3, **f64), torch.randn(2, 3, 7, **f64)
+    q, gain = torch.randn(7, **f64), torch.randn(7, **f64)
+    torch.library.opcheck(depth_attn_merge, (o, lse, last, q, gain, 1e-6, 3.0))
+    assert torch.autograd.gradcheck(lambda *a: depth_attn_merge(*a, 1e-6, 3.0), (o, lse, last, q, gain))
+
+
+def test_two_phase_references_equal_the_single_pass():
+    from depthrewrite.kernels.depth_attn import depth_attn_merge_ref, depth_attn_partial_ref
+
+    g = torch.Generator().manual_seed(1)
+    src = [torch.randn(4, 6, generator=g, dtype=torch.float64) for _ in range(5)]
+    qs, gs = torch.randn(3, 6, generator=g, dtype=torch.float64), torch.randn(3, 6, generator=g, dtype=torch.float64)
+    o, lse = depth_attn_partial_ref(src[:4], qs, gs, 1e-6)
+    for s in range(3):
+        want = depth_attn_ref(src, qs[s], gs[s], 1e-6, 5.0)
+        torch.testing.assert_close(depth_attn_merge_ref(o[s], lse[s], src[4], qs[s], gs[s], 1e-6, 5.0), want)

@@ -74,7 +74,7 @@ def depth_attn_partial_ref(
     lse = torch.logsumexp(s, dim=1)  # [S, ...]
     p = torch.softmax(s, dim=1)
     o = torch.einsum("sk...,k...d->s...d", p, v)
-    return o, lse
+    return o.contiguous(), lse.contiguous()  # contiguous, like the kernel's outputs and the fake
 
 
 def depth_attn_merge_ref(
