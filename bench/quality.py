@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import json
 import os
 import platform
 import statistics
@@ -32,7 +33,7 @@ from depthrewrite.train import RunResult, TrainConfig, parse_variants, tiny_llam
 PAPER = {"vanilla": 1.898, "mhc": 1.871, "attnres": 1.867, "msar": 1.847}
 PAPER_LABEL = {"vanilla": "Vanilla", "mhc": "mHC", "attnres": "AttnRes", "msar": "MSAR"}
 
-FULL = dict(steps=300, batch=16, seq=128, layers=4, hidden=64, seeds=3, eval_batches=16)
+FULL = dict(steps=200, batch=16, seq=128, layers=4, hidden=64, seeds=3, eval_batches=16)
 QUICK = dict(steps=3, batch=2, seq=32, layers=2, hidden=32, seeds=1, eval_batches=2)
 DEFAULT_SCHEMES = "vanilla,attnres,block-attnres,mhc,msar,block-msar,moda"
 
@@ -49,7 +50,8 @@ def run(args: argparse.Namespace, after_seed=None) -> dict[str, list[RunResult]]
     corpus = Corpus.stdlib(max_bytes=args.max_bytes)
     print(corpus, flush=True)
     results: dict[str, list[RunResult]] = {v.name: [] for v in variants}
-    for seed in range(args.seeds):
+    seeds = [args.seed_only] if args.seed_only is not None else range(args.seeds)
+    for seed in seeds:
         for v in variants:
             t0 = time.perf_counter()
             r = train_variant(lambda s: tiny_llama(s, args.layers, args.hidden), v, corpus, cfg, seed=seed)
@@ -170,7 +172,8 @@ weights and the same batches. Losses are nats per byte.
 **Conditions of the step times.** {os.cpu_count()} CPU cores ({cpu}), torch {torch.__version__} with
 {torch.get_num_threads()} thread(s), niceness {os.nice(0) if hasattr(os, "nice") else "n/a"}, the PyTorch reference ops (no Triton kernels on CPU). Load average
 {load[0]:.1f} at the start and {load[1]:.1f} at the end; the machine was shared with other jobs, so step times are
-indicative and comparable only within this table. Whole run: {wall / 60:.1f} minutes.
+indicative and comparable only within this table. Seeds ran in {min(args.jobs, args.seeds)} parallel process(es); whole run:
+{wall / 60:.1f} minutes (wall clock).
 
 ## Against the MSAR paper's 10B-token ablation
 
@@ -217,6 +220,57 @@ def _plot(results: dict[str, list[RunResult]], path: Path) -> None:
     plt.close(fig)
 
 
+def _to_json(results: dict[str, list[RunResult]]) -> list[dict]:
+    return [
+        dict(variant=r.variant.name, seed=r.seed, new_params=r.new_params, model_params=r.model_params,
+             init_error=r.init_error, step_time=r.step_time, train_losses=r.train_losses,
+             val_points=[list(p) for p in r.val_points], convert_time=r.convert_time, tokens=r.tokens)
+        for rs in results.values() for r in rs
+    ]
+
+
+def _from_json(rows: list[dict], order: list[str]) -> dict[str, list[RunResult]]:
+    from depthrewrite.train import VARIANTS
+
+    results: dict[str, list[RunResult]] = {name: [] for name in order}
+    for d in sorted(rows, key=lambda d: d["seed"]):
+        d = dict(d)
+        name = d.pop("variant")
+        d["val_points"] = [tuple(p) for p in d["val_points"]]
+        results.setdefault(name, []).append(RunResult(variant=VARIANTS[name], **d))
+    return {k: v for k, v in results.items() if v}
+
+
+def _run_parallel(args: argparse.Namespace, argv: list[str]) -> dict[str, list[RunResult]]:
+    """One subprocess per seed (at most --jobs at a time), each saving its runs as JSON; merged here."""
+    import json
+    import subprocess
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-quality-"))
+    base = [a for a in argv if a != "--jobs" and not a.startswith("--jobs=")]
+    if "--jobs" in argv:  # drop the value that followed --jobs
+        i = argv.index("--jobs")
+        base = argv[:i] + argv[i + 2:]
+    pending = list(range(args.seeds))
+    running: list[subprocess.Popen] = []
+    failed = []
+    while pending or running:
+        while pending and len(running) < args.jobs:
+            seed = pending.pop(0)
+            cmd = [sys.executable, "-m", "bench.quality", *base, "--seed-only", str(seed), "--save-runs", str(tmp / f"seed{seed}.json")]
+            running.append(subprocess.Popen(cmd))
+        time.sleep(1.0)
+        for p in [p for p in running if p.poll() is not None]:
+            running.remove(p)
+            if p.returncode != 0:
+                failed.append(p.args)
+    if failed:
+        raise DepthRewriteError(f"{len(failed)} seed job(s) failed: {failed}")
+    rows = [row for f in sorted(tmp.glob("seed*.json")) for row in json.loads(f.read_text())]
+    return _from_json(rows, [v.name for v in parse_variants(args.schemes)])
+
+
 def _load() -> float:
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
 
@@ -233,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (default 1: steadier step times on a shared machine)")
     ap.add_argument("--max-bytes", type=int, default=None, help="cap each corpus split (default: whole stdlib)")
+    ap.add_argument("--jobs", type=int, default=1, help="seeds trained in parallel processes (default 1)")
+    ap.add_argument("--seed-only", type=int, default=None, help=argparse.SUPPRESS)  # a --jobs worker: one seed
+    ap.add_argument("--save-runs", type=Path, default=None, help=argparse.SUPPRESS)  # ... saved as JSON, no report
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
     base = QUICK if args.quick else FULL
     for k, v in base.items():
@@ -251,8 +309,14 @@ def main(argv: list[str] | None = None) -> int:
 
         def report(results):  # rewritten after every seed: an interrupted run still leaves its complete seeds
             write_report(results, args, time.perf_counter() - start, (load0, _load()), args.out)
+            args.out.with_name(args.out.stem + "_runs.json").write_text(json.dumps(_to_json(results)))
 
-        run(args, after_seed=report)
+        if args.save_runs is not None:  # a --jobs worker
+            args.save_runs.write_text(json.dumps(_to_json(run(args))))
+        elif args.jobs > 1:
+            report(_run_parallel(args, argv))
+        else:
+            run(args, after_seed=report)
     except DepthRewriteError as e:
         print(f"bench.quality: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

@@ -1,4 +1,5 @@
-"""Convert a Hugging Face Llama to Block AttnRes, check it is the same function, load its checkpoint, train a little.
+"""Convert a Hugging Face Llama to Block AttnRes, check it is the same function, load its checkpoint, and train it
+byte-level on the Python standard library's source (the demo's corpus).
 
     python examples/convert_llama.py [--out DIR] [--steps N]
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import torch
 
 import depthrewrite as dr
+from depthrewrite.corpus import Corpus
 from depthrewrite.zoo import hf_model
 
 
@@ -33,18 +35,27 @@ def main(out: Path, steps: int) -> None:
     missing = conv.load_state_dict(model.state_dict(), strict=False).missing_keys
     print(f"loading the original state dict: {len(missing)} missing keys, all new: {all(k.startswith('depthrewrite.') for k in missing)}")
 
+    corpus = Corpus.stdlib(max_bytes=2_000_000)  # held-out files for validation
+    print(corpus)
+    gen = torch.Generator().manual_seed(0)
     new = [p for n, p in conv.named_parameters() if n.startswith("depthrewrite.")]
     old = [p for n, p in conv.named_parameters() if not n.startswith("depthrewrite.")]
     opt = torch.optim.AdamW([{"params": old}, {"params": new, "weight_decay": 0.0}], lr=3e-3)
     conv.train()
     for step in range(steps):
-        logits = conv(ids).logits
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        x, y = corpus.batch("train", 8, 64, gen)
+        logits = conv(x).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
         opt.zero_grad()
         loss.backward()
         opt.step()
         if step % 5 == 0 or step == steps - 1:
             print(f"step {step:3d}  loss {loss.item():.3f}")
+    conv.eval()
+    with torch.no_grad():
+        val = [torch.nn.functional.cross_entropy(conv(x).logits.flatten(0, 1), y.flatten()).item()
+               for x, y in corpus.eval_batches(4, 8, 64)]
+    print(f"validation loss (held-out files): {sum(val) / len(val):.3f} nats/byte")
     torch.save(conv.state_dict(), out / "llama_attnres.pt")
     print(f"wrote {out / 'llama_attnres.pt'}")
 

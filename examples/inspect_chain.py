@@ -1,4 +1,5 @@
-"""Inspect the PreNorm residual chain of a Hugging Face model and of a hand-written nanoGPT, and draw one.
+"""Inspect the PreNorm residual chain of a Hugging Face model and of a hand-written nanoGPT, draw the chain, then
+convert the nanoGPT to Block AttnRes and draw the *rewritten* graph.
 
     python examples/inspect_chain.py [--out DIR]
 """
@@ -9,6 +10,7 @@ import argparse
 from pathlib import Path
 
 import depthrewrite as dr
+from depthrewrite.draw import rewritten_text, save_rewritten
 from depthrewrite.testing import nanogpt
 from depthrewrite.zoo import hf_model
 
@@ -28,6 +30,19 @@ def main(out: Path) -> None:
     except dr.ConfigError as e:  # no pydot / Graphviz: DOT text still works
         print(f"(svg unavailable: {e})")
         path = gpt.save(out / "nanogpt_chain.dot")
+    print(f"wrote {path}")
+
+    # The rewritten graph, read back from the converted FX graph: sublayers, the depth_attn mixing ops, block sums.
+    conv = dr.convert(nanogpt(n_layer=2), "attnres", blocks=2)
+    print()
+    print(conv.report())
+    print()
+    print(rewritten_text(conv))
+    try:
+        path = save_rewritten(conv, out / "nanogpt_block_attnres.svg")
+    except dr.ConfigError as e:
+        print(f"(svg unavailable: {e})")
+        path = save_rewritten(conv, out / "nanogpt_block_attnres.dot")
     print(f"wrote {path}")
 
 
