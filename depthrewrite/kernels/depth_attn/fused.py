@@ -7,17 +7,21 @@ Kernels (all statistics, softmax and accumulation in fp32; sources are read thro
 pointer arguments, never ``torch.stack``-ed):
 
 - ``_fwd_kernel`` — ``depth_attn`` forward. One program per block of ``BT`` tokens with the whole row
-  (``BD = next_power_of_2(D)``) on chip; an online softmax over the sources reads each source exactly once and keeps
-  the fp32 accumulator in registers. More than ``MAX_SOURCES`` sources: consecutive launches carry the online-softmax
-  state (running max, denominator ``[T]`` and accumulator ``[T, D]``, fp32) through a scratch buffer.
-- ``_multi_fwd_kernel`` — ``depth_attn_partial`` forward: S queries against the same sources. D is processed in chunks:
-  pass 1 reads the token block's sources once for all S queries (sum of squares and S dot products per source),
-  the S softmaxes are formed on chip, pass 2 re-reads the same sources (the block is small enough to still be in
+  (``BD = next_power_of_2(D)``) on chip; an online softmax over the sources reads each source exactly once and
+  keeps the fp32 accumulator in registers. More than ``MAX_SOURCES`` sources: consecutive launches carry the
+  online-softmax state (running max, denominator ``[T]`` and accumulator ``[T, D]``, fp32) through scratch.
+- ``_multi_fwd_kernel`` — ``depth_attn_partial`` forward: S queries against the same sources. D is processed in
+  chunks: pass 1 reads the token block's sources once for all S queries (sum of squares and S dot products per
+  source), the S softmaxes are formed on chip, pass 2 re-reads the same sources (the block is sized to still be in
   L2) and writes ``o`` and ``lse``.
-- ``_multi_bwd_kernel`` — backward of ``depth_attn_partial`` and of ``depth_attn`` (as the case S = 1, ``lse`` unused).
+- ``_multi_bwd_kernel`` — backward of ``depth_attn_partial`` and of ``depth_attn`` (the case S = 1, no ``lse``).
   Persistent grid; pass 1 recomputes scores, weights and ``go·v`` from the sources, pass 2 writes every source's
   gradient and accumulates the query-gradient ``du = Σ_t Σ_i ds_i r_i v_i`` into one fp32 row per program
   (read-modify-write of the program's own row, no atomics); the rows are summed with torch.
+- ``_stats_kernel`` — more than ``MAX_SOURCES`` sources in the two D-chunked kernels: pass 1 per chunk of sources
+  writes per-token scores (and ``go·v``) to ``[S, K, T]`` fp32 scratch; torch forms the softmax and the per-source
+  coefficients on these small tensors; ``_multi_fwd_kernel`` / ``_multi_bwd_kernel`` then run pass 2 per chunk
+  (``FUSED=False``).
 - ``_merge_fwd_kernel`` / ``_merge_bwd_kernel`` — ``depth_attn_merge``: one extra source merged by log-sum-exp.
   Whole row on chip; the backward is persistent with a per-program fp32 ``du`` row in registers.
 
@@ -417,10 +421,13 @@ def _warps(elems: int) -> int:
     return 4 if elems <= 2048 else 8 if elems <= 8192 else 16
 
 
-def _programs(device: torch.device, n_tiles: int) -> int:
-    """Grid size of the persistent kernels: a few programs per multiprocessor (2 under the interpreter)."""
+def _programs(device: torch.device, n_tiles: int, per_sm: int = 4) -> int:
+    """Grid size of the persistent kernels: ``per_sm`` programs per multiprocessor (2 under the interpreter).
+
+    Each program owns one fp32 ``du`` row block (``[SP, D]``); fewer programs keep that buffer L2-resident.
+    """
     if device.type == "cuda":
-        return max(1, min(n_tiles, 4 * torch.cuda.get_device_properties(device).multi_processor_count))
+        return max(1, min(n_tiles, per_sm * torch.cuda.get_device_properties(device).multi_processor_count))
     return max(1, min(n_tiles, 2))
 
 
@@ -554,7 +561,7 @@ def _multi_bwd(
     cfg = _chunk_config(go.device, S, min(K, MAX_SOURCES), D, T, vs[0].element_size())
     sp, kp, bt, bdc, nw = cfg
     n_tiles = triton.cdiv(T, bt)
-    nprog = _programs(go.device, n_tiles)
+    nprog = _programs(go.device, n_tiles, per_sm=4 if sp == 1 else 2)  # du rows: nprog·SP·D fp32
     du = torch.zeros(nprog, sp, D, device=go.device, dtype=torch.float32)
     glse_arg = glse if glse is not None else go
     if K <= MAX_SOURCES:
@@ -747,8 +754,8 @@ def depth_attn_merge_bwd(
         ``[grad_o (fp32), grad_lse (fp32), grad_last, grad_query, grad_gain]`` in the inputs' dtypes.
 
     Persistent grid; recomputes the last source's RMS statistic, score and the two merge weights ``w1, w2``; per
-    token reads ``grad``, ``o``, ``last``, ``lse`` and writes ``grad_o = scale·w1·grad``,
-    ``grad_lse = −t``, ``grad_last = scale·w2·grad + t·r·(u − s2·r·v/D)`` with ``t = w1·w2·scale·grad·(v − o)``;
+    token reads ``grad``, ``o``, ``last``, ``lse`` and writes ``grad_o = scale·w1·grad``, ``grad_lse = −t``,
+    ``grad_last = scale·w2·grad + t·r·(u − s2·r·v/D)`` with ``t = w1·w2·scale·grad·(v − o)``;
     ``du = Σ_t t·r·v`` stays in registers per program (one fp32 row each), summed with torch.
     """
     D = last.shape[-1]
