@@ -4,7 +4,8 @@ boundary (n > 8, fp64). On CPU the kernels run in Triton's interpreter (tests/co
 on a CUDA machine the same file runs them natively and adds bf16.
 
 Tolerances (atol, rtol), per dtype of X; coefficients and their grads are fp32 throughout:
-  fp32: forward 1e-5 / 1e-5, gradients 1e-4 / 1e-4 (the GEMMs use exact fp32 since TF32 is off in tests)
+  fp32: forward 1e-5 / 1e-5, gradients 1e-4 / 1e-4 (TF32 is off in tests: the GEMMs run fp32-accurate "3xTF32")
+  fp16: forward 2e-3 / 2e-3, gradients 1e-2 / 1e-2 (runs in the interpreter too; X exact in TF32: 2-MMA path)
   bf16 (CUDA only): forward 2e-2 / 2e-2 (outputs are rounded to bf16), gradients 5e-2 / 5e-2
   (Liger's mHC tests use 1.5e-2 / 2.5e-2 / 5e-2 for bf16 pre-post / res / grads; platform-notes §12.)
 """
@@ -30,6 +31,7 @@ from depthrewrite.kernels.mhc import (
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {
     torch.float32: dict(fwd=(1e-5, 1e-5), grad=(1e-4, 1e-4)),
+    torch.float16: dict(fwd=(2e-3, 2e-3), grad=(1e-2, 1e-2)),
     torch.bfloat16: dict(fwd=(2e-2, 2e-2), grad=(5e-2, 5e-2)),
 }
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEV == "cuda" else [])
@@ -102,6 +104,25 @@ def test_coeffs_forward_and_grads(n, D, lead, iters, dtype, calls):
     _close(got, want, TOL[dtype]["fwd"])
     _close(ggot, gwant, TOL[dtype]["grad"])
     torch.testing.assert_close(got[2].sum(-1), torch.ones_like(got[2].sum(-1)), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEV == "cuda" else []), ids=str)
+def test_half_precision_state(dtype, calls):
+    """X (and y) in a half type: the coefficient GEMM's 2-MMA path, outputs in X's dtype, coefficients fp32."""
+    X, phi, bias, alpha = _site(4, 13, (2, 9), dtype)
+    g = torch.Generator().manual_seed(5)
+    y = torch.randn(2, 9, 13, generator=g).to(DEV, dtype)
+    coeffs = lambda *a: mhc_coeffs(*a, ITERS, EPS)  # noqa: E731
+    with kernel_backend("reference"):
+        (pre, post, res), _ = _grads(coeffs, (X, phi, bias, alpha))
+    for op, args in ((coeffs, (X, phi, bias, alpha)), (mhc_pre, (X, pre)), (mhc_post, (X, res, post, y))):
+        with kernel_backend("reference"):
+            want, gwant = _grads(op, args)
+        with kernel_backend("triton"):
+            got, ggot = _grads(op, args)
+        _close(got, want, TOL[dtype]["fwd"])
+        _close(ggot, gwant, TOL[dtype]["grad"])
+    assert len(calls) == 6
 
 
 def test_coeffs_backward_token_segments():

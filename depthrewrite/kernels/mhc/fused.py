@@ -361,10 +361,11 @@ def _coeffs_bwd_x_kernel(X, PHI, GZ, CX, GX, GPHI_PART, T, K, M, blocks_per_seg,
     tl.store(out + PP + cr[None, :], g2, mask=kmask[:, None])
 
 
-def _coeff_blocks(T: int, K: int, device: torch.device) -> tuple[int, int]:
-    """(BT, BK) for the coefficient kernels: 64 tokens per program unless that leaves the GPU under-filled."""
+def _coeff_blocks(T: int, n: int, device: torch.device) -> tuple[int, int]:
+    """(BT, BK) for the coefficient kernels: 64 tokens per program unless that leaves the GPU under-filled, 16 for
+    n > 4 (the Sinkhorn backward keeps about ten [BT, NP, NP] fp32 tiles live; NP = 8 there)."""
     BT = 64 if triton.cdiv(T, 64) >= _num_sms(device) else 32
-    if T <= 16:
+    if T <= 16 or n > 4:
         BT = 16
     return BT, 64
 
@@ -405,7 +406,7 @@ def coeffs_forward(
     post = torch.empty(T, n, device=X.device, dtype=torch.float32)
     res = torch.empty(T, n, n, device=X.device, dtype=torch.float32)
     PP, NP = _coeff_layout(n)
-    BT, BK = _coeff_blocks(T, K, X.device)
+    BT, BK = _coeff_blocks(T, n, X.device)
     _coeffs_fwd_kernel[(triton.cdiv(T, BT),)](
         x, phi_c, bias_c, alpha_c, pre, post, res, T, K, M, float(eps), max(int(iters) - 1, 0),
         N=n, NP=NP, PP=PP, BT=BT, BK=BK, PREC=_precision(), XEXACT=X.dtype != torch.float32,
@@ -444,7 +445,7 @@ def coeffs_backward(
     gres_c = gres.contiguous().reshape(T, n, n).float()
     PP, NP = _coeff_layout(n)
     MP = PP + NP * NP
-    BT, BK = _coeff_blocks(T, K, X.device)
+    BT, BK = _coeff_blocks(T, n, X.device)
     nblk = triton.cdiv(T, BT)
     dev = X.device
     gz = torch.empty(T, MP, device=dev, dtype=torch.float32)
