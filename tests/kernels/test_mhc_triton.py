@@ -166,17 +166,18 @@ def test_apply_forward_and_grads(n, D, lead, dtype, calls):
 
 
 def test_fallbacks_are_silent_and_exact(calls):
-    """n > 8 and fp64 run the reference inside the op even with the triton backend forced."""
+    """n > 8, fp64 (and bf16 on CPU) run the reference inside the op even with the triton backend forced."""
     f = lambda *a: mhc_coeffs(*a, ITERS, EPS)  # noqa: E731
     site9 = _site(9, 3, (2,))
     site64 = tuple(t.double() for t in _site(2, 3, (2, 3)))
     pre64 = torch.rand(2, 3, 2, dtype=torch.float64, device=DEV)
+    sites = [site9, site64] + ([_site(4, 3, (2,), torch.bfloat16)] if DEV == "cpu" else [])  # interpreter: no bf16
     with kernel_backend("triton"):
-        got = [_grads(f, site9), _grads(f, site64)]
+        got = [_grads(f, s) for s in sites]
         u = mhc_pre(site64[0], pre64)
     assert calls == [] and u.dtype == torch.float64
     with kernel_backend("reference"):
-        want = [_grads(f, site9), _grads(f, site64)]
+        want = [_grads(f, s) for s in sites]
         torch.testing.assert_close(u, mhc_pre(site64[0], pre64), atol=0, rtol=0)
     for (o, g), (wo, wg) in zip(got, want):
         _close(o + g, wo + wg, (0.0, 0.0))

@@ -51,8 +51,11 @@ _SEG = 4  # Sinkhorn backward: pairs of normalisations per recomputation segment
 
 
 def supported(*tensors: torch.Tensor, n: int) -> bool:
-    """Whether the fused kernels cover these inputs: fp32/bf16/fp16 tensors, ``1 <= n <= 8``, no empty tensor."""
-    return 1 <= n <= MAX_STREAMS and all(t.dtype in _DTYPES and t.numel() > 0 for t in tensors)
+    """Whether the fused kernels cover these inputs: fp32/bf16/fp16 tensors, ``1 <= n <= 8``, no empty tensor (and,
+    in Triton's CPU interpreter, which has no bf16, no bf16 CPU tensor)."""
+    return 1 <= n <= MAX_STREAMS and all(
+        t.dtype in _DTYPES and t.numel() > 0 and (t.is_cuda or t.dtype != torch.bfloat16) for t in tensors
+    )
 
 
 def _pow2(x: int) -> int:

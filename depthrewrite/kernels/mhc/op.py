@@ -9,7 +9,7 @@ closed-form PyTorch backward below (which recomputes the forward from the saved 
 reference-only (a mean or sum over n streams; nothing to fuse) and keeps the autograd recomputation.
 
 Cases the kernels do not cover run the reference inside the op: fp64 (or other non fp32/bf16/fp16) tensors,
-n > 8 streams, empty tensors. Double backward is not supported.
+n > 8 streams, empty tensors, bf16 CPU tensors under Triton's interpreter. Double backward is not supported.
 """
 
 from __future__ import annotations
@@ -264,7 +264,8 @@ mhc_pre.register_autograd(_pre_bw, setup_context=_save_inputs(2))
 mhc_post.register_autograd(_post_bw, setup_context=_save_inputs(4))
 mhc_collapse.register_autograd(_collapse_bw, setup_context=_save_inputs(1))
 
-_FALLS_BACK = "fp64 (or any dtype but fp32/bf16/fp16), n > 8 streams, empty tensors: the PyTorch reference"
+_FALLS_BACK = ("fp64 (or any dtype but fp32/bf16/fp16), n > 8 streams, empty tensors (and bf16 CPU tensors under "
+               "Triton's interpreter): the PyTorch reference")
 
 register_kernel_info(KernelInfo(
     op="depthrewrite::mhc_coeffs",
