@@ -462,7 +462,7 @@ def coeffs_backward(
         num_warps=4, num_stages=3,
     )
     # kernel 2: K-chunks of 128 (a [BT2, 128] slice of X per token block), token blocks of 32, split into S segments
-    BT2, BK2 = (32, 128) if dev.type == "cuda" else (BT, BK)
+    BT2, BK2 = 32, 128
     nk, nblk2 = triton.cdiv(K, BK2), triton.cdiv(T, BT2)
     S = segments or max(1, min(nblk2, triton.cdiv(2 * _num_sms(dev), nk)))
     S = max(1, min(int(S), nblk2))
@@ -659,6 +659,9 @@ def post_backward(
     X: torch.Tensor, res: torch.Tensor, post: torch.Tensor, y: torch.Tensor, gout: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of :func:`post_forward` in one pass over D per token block (reads X, y, grad X' once).
+
+    Args:
+        X: ``[..., n, D]``; res: ``[..., n, n]``; post: ``[..., n]``; y: ``[..., D]``; gout: ``[..., n, D]`` (grad X').
 
     Returns:
         (grad X = H_resᵀ gX' in X's dtype, grad res ``[j, i] = ⟨gX'_j, X_i⟩``, grad post ``[j] = ⟨gX'_j, y⟩``,
