@@ -81,3 +81,29 @@ def test_two_phase_references_equal_the_single_pass():
     for s in range(3):
         want = depth_attn_ref(src, qs[s], gs[s], 1e-6, 5.0)
         torch.testing.assert_close(depth_attn_merge_ref(o[s], lse[s], src[4], qs[s], gs[s], 1e-6, 5.0), want)
+
+
+def test_each_site_is_one_opaque_node_forward_and_backward():
+    """AOT autograd keeps every op, and every backward op, as a single node (what the compile backend rewrites)."""
+    from torch._functorch.aot_autograd import aot_function, make_boxed_func
+
+    from depthrewrite.kernels.depth_attn import depth_attn_merge, depth_attn_partial
+
+    seen = []
+
+    def grab(gm, _):
+        seen.append(sorted(str(n.target) for n in gm.graph.nodes if "depthrewrite" in str(n.target)))
+        return make_boxed_func(gm)
+
+    def f(a, b, c, q, g):
+        o, lse = depth_attn_partial([a, b], q[None], g[None], 1e-6)
+        h = depth_attn_merge(o[0], lse[0], c, q, g, 1e-6, 3.0)
+        return depth_attn([a, b, c], q, g, 1e-6, 3.0).sum() + h.sum()
+
+    args = [torch.randn(4, 8, requires_grad=True) for _ in range(3)] + [torch.randn(8, requires_grad=True)] * 2
+    aot_function(f, fw_compiler=grab, bw_compiler=grab)(*args).backward()
+    ops = ["depthrewrite.depth_attn.default", "depthrewrite.depth_attn_merge.default"]
+    assert seen[0] == ops + ["depthrewrite.depth_attn_partial.default"]
+    assert seen[1] == [o.replace(".default", "_backward.default") for o in ops] + [
+        "depthrewrite.depth_attn_partial_backward.default"
+    ]
