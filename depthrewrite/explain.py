@@ -173,9 +173,9 @@ def explain(model: nn.Module, *args: Any, **kwargs: Any) -> Explanation:
         graphs = records_for(module)
     exp = Explanation(model=name, compiled=compiled or bool(graphs), device=device, graphs=graphs)
     if args or kwargs:
-        import torch._dynamo
+        from torch._dynamo import explain as dynamo_explain
 
-        out = torch._dynamo.explain(module)(*args, **kwargs)
+        out = dynamo_explain(module)(*args, **kwargs)
         exp.graph_breaks = out.graph_break_count
         exp.break_reasons = [str(getattr(b, "reason", b)).split("\n")[0] for b in out.break_reasons]
     if not graphs:
