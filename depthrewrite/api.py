@@ -55,6 +55,7 @@ def convert(
     *,
     example_inputs: tuple | None = None,
     example_kwargs: dict | None = None,
+    pipeline_stages: int | None = None,
     **options: Any,
 ) -> fx.GraphModule:
     """Rewrite the PreNorm residual chain of ``model`` into ``scheme``.
@@ -65,6 +66,10 @@ def convert(
             keywords (see :class:`AttnResConfig`, :class:`MSARConfig`, :class:`MHCConfig`, :class:`MoDAConfig`), or a
             config instance such as ``AttnResConfig(blocks=8)``.
         example_inputs, example_kwargs: inputs for capture, as for :func:`capture`.
+        pipeline_stages (int, optional): place ``pipeline_stages - 1`` stage boundaries
+            (``torch.ops.pippy._pipe_split``) in both graphs, balanced by parameter count and on block boundaries for
+            Block schemes, so ``torch.distributed.pipelining.pipeline(converted, mb_args)`` splits it; the report then
+            lists what crosses each boundary. See :mod:`depthrewrite.pipeline` and docs/pipelines.md.
 
     Returns:
         A GraphModule that trains like the original: the original state-dict keys plus new parameters under
@@ -72,6 +77,8 @@ def convert(
         call signature and output type. ``converted.report()`` describes the rewrite.
     """
     config = scheme_config(scheme, **options)
+    if pipeline_stages is not None and (not isinstance(pipeline_stages, int) or isinstance(pipeline_stages, bool) or pipeline_stages < 1):
+        raise ConfigError(f"pipeline_stages must be an integer >= 1, got {pipeline_stages!r}")
     if isinstance(model, fx.GraphModule):
         raise ConfigError(
             f"convert() takes the original nn.Module, not a captured {type(model).__name__}: it captures the model in "
@@ -130,5 +137,9 @@ def convert(
     args, kwargs = gm.meta["depthrewrite_inputs"]
     gm = as_converted(gm, eval_graph, model, args, kwargs, report)
     gm.train(was_training)
+    if pipeline_stages is not None:
+        from .pipeline import split
+
+        split(gm, pipeline_stages)
     log.info("converted %s: %d mixing sites, %d new parameters", type(model).__name__, len(sites), report.new_params)
     return gm

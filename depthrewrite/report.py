@@ -226,6 +226,7 @@ class ConvertReport:
     notes: tuple[str, ...] = ()
     state_elements: int | None = None  # values per token, when the depth state is not d-sized vectors (MoDA)
     state_label: str = "stored depth state"
+    pipeline: Any = None  # depthrewrite.pipeline.PipelineInfo once the model is split into stages
 
     @property
     def param_ratio(self) -> float:
@@ -246,6 +247,7 @@ class ConvertReport:
             model_params=self.model_params,
             stored_sources=self.stored_sources,
             memory_per_token=self.memory_per_token,
+            **({"pipeline": self.pipeline.to_dict()} if self.pipeline is not None else {}),
         )
 
     def __str__(self) -> str:
@@ -266,7 +268,10 @@ class ConvertReport:
             for s in self.sites
         ]
         headers = ["site", "before", "K", "reads", "params"] + (["coefficients"] if detail else [])
-        return "\n".join(head) + "\n" + tabulate(rows, headers=headers, tablefmt="simple")
+        text = "\n".join(head) + "\n" + tabulate(rows, headers=headers, tablefmt="simple")
+        if self.pipeline is not None:
+            text += "\n" + self.pipeline.table()
+        return text
 
     def __repr__(self) -> str:
         return f"ConvertReport({self.model_class}, {self.config!r}, sites={len(self.sites)})"
