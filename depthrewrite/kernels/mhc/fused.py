@@ -131,7 +131,7 @@ def _sinkhorn_start(L, valid, eps):
 def _sinkhorn_fwd(L, valid, eps, P):
     A0, p = _sinkhorn_start(L, valid, eps)
     B = _norm_rows(A0, eps)
-    for _ in range(P):
+    for _p in range(P):
         B = _pair(B, eps)
     return B
 
@@ -151,12 +151,12 @@ def _sinkhorn_bwd(L, G, valid, eps, P, SEG: tl.constexpr):
     for gi in range(nseg):
         start = (nseg - 1 - gi) * SEG
         Bs = B0
-        for _ in range(start):
+        for _s in range(start):
             Bs = _pair(Bs, eps)
         cnt = tl.minimum(start + SEG, P) - start
         for qi in range(cnt):
             Bp = Bs
-            for _ in range(cnt - 1 - qi):
+            for _q in range(cnt - 1 - qi):
                 Bp = _pair(Bp, eps)
             C = _norm_cols(Bp, eps)
             G = tl.where(valid, _norm_rows_bwd(C, G, eps), 0.0)
