@@ -219,3 +219,35 @@ def test_kernel_info_is_registered():
     for op in ("mhc_coeffs", "mhc_pre", "mhc_post", "mhc_collapse"):
         assert f"depthrewrite::{op}" in info
     assert "n > 8" in info["depthrewrite::mhc_coeffs"].falls_back
+
+
+def test_site_compiles_with_one_node_per_op():
+    """A whole site, forward and backward, under torch.compile(aot_eager, fullgraph): the kernels stay opaque ops."""
+    X, phi, bias, alpha = _site(4, 6, (2, 3))
+    y = torch.randn(2, 3, 6).to(DEV)
+
+    def site(X, phi, bias, alpha, y):
+        pre, post, res = mhc_coeffs(X, phi, bias, alpha, ITERS, EPS)
+        return mhc_post(X, res, post, y * mhc_pre(X, pre))
+
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs: dict[str, list[str]] = {}
+
+    def record(kind):
+        def compiler(gm, _inputs):
+            graphs[kind] = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+    backend = aot_autograd(fw_compiler=record("fw"), bw_compiler=record("bw"))
+    with kernel_backend("triton"):
+        want, gwant = _grads(site, (X, phi, bias, alpha, y))
+        got, ggot = _grads(torch.compile(site, backend=backend, fullgraph=True), (X, phi, bias, alpha, y))
+    _close(got, want, (1e-6, 1e-6))
+    _close(ggot, gwant, (1e-6, 1e-6))
+    for op in ("mhc_coeffs", "mhc_pre", "mhc_post"):
+        assert sum(t.startswith(f"depthrewrite.{op}.") for t in graphs["fw"]) == 1, graphs["fw"]
+        assert sum(t.startswith(f"depthrewrite.{op}_backward.") for t in graphs["bw"]) == 1, graphs["bw"]
