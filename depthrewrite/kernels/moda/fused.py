@@ -148,7 +148,7 @@ def _moda_fwd(
     if HAS_LAM:
         lam = tl.load(LAM + head, mask=row_ok, other=1.0).to(tl.float32)
         lam = tl.maximum(lam, 0.0)
-        loglam = tl.where(lam > 0.0, tl.log(tl.maximum(lam, 1e-38)), float("-inf"))
+        loglam = tl.where(lam > 0.0, tl.log(tl.maximum(lam, 1e-30)), float("-inf"))
     else:
         loglam = tl.zeros([BMT * GP], tl.float32)
 
@@ -418,28 +418,34 @@ def _moda_bwd_dkdv(
 def block_config(G: int, d: int, dtype: torch.dtype) -> dict[str, int]:
     """Block sizes and warps for head dim ``d`` and group size ``G`` (Hopper-sized; tiny under the interpreter).
 
-    Returns ``dict(BMT, GP, BN, BD, warps, stages, bwd_BMT, bwd_BN, bwd_warps)``: ``BMT`` query tokens per program
-    (``BMT · GP`` folded rows), ``BN`` sequence keys per block, ``BD`` the head dim padded to a power of two.
+    Returns a dict: ``GP`` (G rounded up to a power of two), ``BD`` (head dim padded to a power of two, >= 16) and, per
+    kernel (prefix ``fwd_``, ``dq_``, ``kv_``), ``rows`` (folded query rows per tile: ``rows / GP`` tokens × GP heads),
+    ``bn`` (sequence keys per tile), ``warps`` and ``stages``. Chosen so that an sm_90 AOT compile of every kernel
+    (strides of 1 specialised, as the JIT does) shows no register spills for bf16/fp16 at d <= 128; fp32 (no tensor
+    cores with ``input_precision="ieee"``) still spills a little at d = 128 and is the correctness path, not the fast one.
     """
     GP = triton.next_power_of_2(G)
     BD = max(16, triton.next_power_of_2(d))
     if interpreting():
-        rows, bn, warps, stages, brows, bbn, bwarps = 16, 16, 4, 1, 16, 16, 4
+        c = dict(fwd=(16, 16, 4, 1), dq=(16, 16, 4, 1), kv=(16, 16, 4, 1))
+    elif dtype == torch.float32:
+        if BD <= 64:
+            c = dict(fwd=(64, 32, 8, 2), dq=(32, 32, 8, 2), kv=(32, 32, 8, 2))
+        elif BD <= 128:
+            c = dict(fwd=(32, 32, 8, 2), dq=(16, 32, 8, 2), kv=(16, 16, 4, 2))
+        else:
+            c = dict(fwd=(16, 16, 8, 2), dq=(16, 16, 8, 2), kv=(16, 16, 8, 2))
+    elif BD <= 64:
+        c = dict(fwd=(128, 64, 8, 3), dq=(64, 64, 4, 2), kv=(64, 64, 4, 2))
+    elif BD <= 128:
+        c = dict(fwd=(128, 64, 8, 2), dq=(64, 64, 8, 2), kv=(64, 32, 8, 2))
     else:
-        big = BD > 64 or dtype == torch.float32
-        rows, bn = 128, 64
-        warps = 8 if big else 4
-        stages = 2 if big else 3
-        brows, bbn = 64, 64
-        bwarps = 8 if big else 4
-        if dtype == torch.float32 and BD > 64:
-            rows, bn, brows, bbn = 64, 32, 32, 32
-    rows = max(rows, GP)
-    brows = max(brows, GP)
-    return dict(
-        BMT=rows // GP, GP=GP, BN=bn, BD=BD, warps=warps, stages=stages,
-        bwd_BMT=brows // GP, bwd_BN=bbn, bwd_warps=bwarps,
-    )
+        c = dict(fwd=(64, 32, 8, 2), dq=(32, 32, 8, 2), kv=(32, 32, 8, 2))
+    out = dict(GP=GP, BD=BD)
+    for k, (rows, bn, warps, stages) in c.items():
+        rows = max(rows, GP)  # at least one token per tile
+        out.update({f"{k}_rows": rows, f"{k}_BMT": rows // GP, f"{k}_BN": bn, f"{k}_warps": warps, f"{k}_stages": stages})
+    return out
 
 
 def _mask_args(attn_mask: torch.Tensor | None, B: int, Hq: int, T: int, S: int, ref: torch.Tensor):
@@ -507,16 +513,16 @@ def moda_attn_fwd(
         o_arg, so = o, tuple(o.stride())
     mask, kind, sm = _mask_args(attn_mask, B, Hq, T, S, q)
     lam = depth_weight.contiguous() if depth_weight is not None else lse
-    grid = (triton.cdiv(T, cfg["BMT"]), B * Hk)
+    grid = (triton.cdiv(T, cfg["fwd_BMT"]), B * Hk)
     _moda_fwd[grid](
         q, k, v, depth_k, depth_v, lam, mask, o_arg, lse,
         *q.stride(), *k.stride(), *v.stride(), *depth_k.stride(), *depth_v.stride(), *sm, *so,
         Hq, Hk, G, T, S, n, d,
         float(scale), float(softcap) if softcap > 0 else 1.0,
-        BMT=cfg["BMT"], GP=cfg["GP"], BN=cfg["BN"], BD=cfg["BD"],
+        BMT=cfg["fwd_BMT"], GP=cfg["GP"], BN=cfg["fwd_BN"], BD=cfg["BD"],
         HAS_LAM=depth_weight is not None, MASK_KIND=kind, CAUSAL=bool(is_causal), SOFTCAP=softcap > 0,
         STATS_ONLY=stats_only, DOT_PREC=_dot_prec(q.dtype),
-        num_warps=cfg["warps"], num_stages=cfg["stages"],
+        num_warps=cfg["fwd_warps"], num_stages=cfg["fwd_stages"],
     )
     return o, lse
 
@@ -574,22 +580,22 @@ def moda_attn_bwd(
     lam = depth_weight.contiguous() if has_lam else lse
     common = dict(MASK_KIND=kind, CAUSAL=bool(is_causal), SOFTCAP=softcap > 0, DOT_PREC=_dot_prec(q.dtype))
     cap = float(softcap) if softcap > 0 else 1.0
-    _moda_bwd_dq[(triton.cdiv(T, cfg["bwd_BMT"]), B * Hk)](
+    _moda_bwd_dq[(triton.cdiv(T, cfg["dq_BMT"]), B * Hk)](
         q, k, v, depth_k, depth_v, lam, mask, grad, lse, delta,
         dq, dkd, dvd, dlam_rows, ds,
         *q.stride(), *k.stride(), *v.stride(), *depth_k.stride(), *depth_v.stride(), *sm, *grad.stride(),
         Hq, Hk, G, T, S, n, d,
         float(scale), cap,
-        BMT=cfg["bwd_BMT"], GP=cfg["GP"], BN=cfg["bwd_BN"], BD=cfg["BD"], HAS_LAM=has_lam, STORE_DS=store_ds,
-        num_warps=cfg["bwd_warps"], num_stages=1 if interpreting() else 2, **common,
+        BMT=cfg["dq_BMT"], GP=cfg["GP"], BN=cfg["dq_BN"], BD=cfg["BD"], HAS_LAM=has_lam, STORE_DS=store_ds,
+        num_warps=cfg["dq_warps"], num_stages=cfg["dq_stages"], **common,
     )
-    _moda_bwd_dkdv[(triton.cdiv(S, cfg["bwd_BN"]), B * Hk)](
+    _moda_bwd_dkdv[(triton.cdiv(S, cfg["kv_BN"]), B * Hk)](
         q, k, v, mask, grad, lse, delta, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *sm, *grad.stride(),
         Hq, Hk, G, T, S, d,
         float(scale), cap,
-        BMT=cfg["bwd_BMT"], GP=cfg["GP"], BN=cfg["bwd_BN"], BD=cfg["BD"],
-        num_warps=cfg["bwd_warps"], num_stages=1 if interpreting() else 2, **common,
+        BMT=cfg["kv_BMT"], GP=cfg["GP"], BN=cfg["kv_BN"], BD=cfg["BD"],
+        num_warps=cfg["kv_warps"], num_stages=cfg["kv_stages"], **common,
     )
     dmask = ds.sum_to_size(attn_mask.shape).to(attn_mask.dtype) if store_ds else None
     dlam = dlam_rows.sum(dim=(0, 2)).to(depth_weight.dtype) if has_lam else None
