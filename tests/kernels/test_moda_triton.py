@@ -179,7 +179,13 @@ def test_fallback_boundary(calls):
     seed = torch.tensor([3])
     with kernel_backend("triton"):
         out = moda_attn(q, k, v, None, Kd, Vd, None, 0.3, True, 0.5, seed, 0.0)
-    assert torch.equal(out, moda_attn_ref(q, k, v, None, Kd, Vd, None, 0.3, True, 0.5, seed, 0.0))
+    ref = moda_attn_ref(q, k, v, None, Kd, Vd, None, 0.3, True, 0.5, seed, 0.0)
+    assert torch.equal(out, ref)
+    with kernel_backend("triton"):  # the backward op's written-out reference reproduces the seeded dropout masks
+        got = torch.autograd.grad(out.square().sum(), (q, k, v, Kd, Vd))
+    want = torch.autograd.grad(ref.square().sum(), (q, k, v, Kd, Vd))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **GRAD_TOL[torch.float32])
     d64 = [t.detach().double() for t in (q, k, v, Kd, Vd)]
     with kernel_backend("triton"):
         moda_attn(d64[0], d64[1], d64[2], None, d64[3], d64[4], None, 0.3, True, 0.0, None, 0.0)

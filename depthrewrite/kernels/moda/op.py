@@ -285,3 +285,13 @@ def _slots_backward(ctx, grad):
 
 
 moda_slots.register_autograd(_slots_backward, setup_context=_slots_setup)
+
+register_kernel_info(
+    KernelInfo(
+        op="depthrewrite::moda_slots",
+        forward="none: a layout copy (torch.stack + permute into token-major [B, T, n, Hk, d])",
+        backward="none: views of the incoming gradient",
+        fuses="nothing (one strided copy; no arithmetic to fuse)",
+        falls_back="always the PyTorch layout copy",
+    )
+)
