@@ -82,7 +82,7 @@ def calls(monkeypatch):
 
 
 CASES = [  # K, lead, T, D, kernel sizes, sigmoid mixer, conv values
-    pytest.param(1, (2,), 5, 6, (2, 3, 4), True, True, id="one-source-m4"),
+    pytest.param(1, (2,), 1, 6, (2, 3, 4), True, True, id="one-source-m4-one-token"),  # a decoding-step shape
     pytest.param(2, (1,), 18, 5, (2, 3, 5), True, True, id="odd-T-crosses-tiles"),  # two 16-token tiles
     pytest.param(2, (), 4, 7, (3,), False, True, id="mean-mixer-m2-rank0"),
     pytest.param(3, (2, 1), 5, 5, (2, 2), True, False, id="raw-values-rank2"),
@@ -154,6 +154,22 @@ def test_opcheck(sig):
         torch.library.opcheck(msar_mix, (src, q, gain, conv, *mix, EPS, float(K), True, sig))
         plain = [s.detach() for s in src]
         torch.library.opcheck(msar_mix_backward, (grad, plain, q.detach(), gain, conv, *mix, EPS, float(K), True, sig))
+
+
+@pytest.mark.parametrize("sig, cv", [(True, True), (False, False)], ids=["sigmoid-conv", "mean-raw"])
+def test_reference_backward_gradcheck(sig, cv):
+    """The written-out reference backward (what the op runs off the kernel path) against fp64 finite differences."""
+    K, ks = 2, (2, 3)
+    src, q, gain, conv, mix = _site(K, (1,), 4, 3, ks, sig)
+    leaves = [t.detach().double().requires_grad_(True) for t in [*src, q, gain, *conv, *mix] if t is not None]
+
+    def f(*a):
+        c = len(ks)
+        mx = list(a[K + 2 + c :]) or [None, None, None]
+        return msar_mix(list(a[:K]), a[K], a[K + 1], list(a[K + 2 : K + 2 + c]), *mx, EPS, float(K), cv, sig)
+
+    with kernel_backend("reference"):
+        assert torch.autograd.gradcheck(f, tuple(leaves))
 
 
 def test_kernel_info_is_registered():

@@ -29,6 +29,8 @@ def _kernel_covers(sources: list[torch.Tensor], query: torch.Tensor, conv: list[
     s0 = sources[0]
     if s0.dim() < 2 or s0.dtype not in (torch.float32, torch.bfloat16, torch.float16) or s0.numel() == 0:
         return False
+    if s0.dtype == torch.bfloat16 and not s0.is_cuda:  # Triton's interpreter has no bf16
+        return False
     return all(s.shape == s0.shape and s.dtype == s0.dtype and s.device == s0.device for s in sources)
 
 
@@ -207,12 +209,13 @@ msar_mix.register_autograd(_backward, setup_context=_setup_context)
 register_kernel_info(
     KernelInfo(
         op="depthrewrite::msar_mix",
-        forward="_msar_fwd_kernel (one program per 16 tokens of a sequence; 3 passes over D chunks)",
+        forward="_msar_fwd_kernel (one program per 16 tokens of a sequence; 3 passes over D chunks, 2 with the mean "
+        "mixer)",
         backward="depthrewrite::msar_mix_backward: _msar_bwd_stats_kernel + _msar_bwd_grad_kernel",
         fuses="causal conv stream expansion + m per-stream key RMSNorm/logits/depth softmaxes + weighted sums + "
         "RMS/sigmoid (or mean) mixer + final combination; the m stream views and Z are never written, only h",
         falls_back="more than 16 sources, more than 4 streams, a conv filter longer than 16 taps or len(conv) != "
-        "m-1, float64 or mixed-dtype/shape sources, empty inputs",
+        "m-1, float64 or mixed-dtype/shape sources, empty inputs, bf16 CPU tensors (the interpreter has no bf16)",
     )
 )
 register_kernel_info(
