@@ -60,7 +60,7 @@ VARIANTS: dict[str, Variant] = {
         # mHC's default init (alpha = 0.01, phi ~ N(0, 1e-4)) is close to the original, not exact (docs/mhc.md)
         Variant("mhc", "mHC (n=4)", "mhc", init_tol=1e-4, note="default init: close, exact only with alpha_init=0"),
         # MoDA as in the paper (lambda = 1): depth logits compete in the softmax from step 0 (docs/moda.md)
-        Variant("moda", "MoDA (paper, λ≡1)", "moda", init_tol=None, note="not function-preserving (preserve_init=False)"),
+        Variant("moda", "MoDA (paper, λ≡1)", "moda", init_tol=None, note="the paper's λ≡1; preserve_init=True is exact"),
     )
 }
 
