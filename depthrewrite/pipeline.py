@@ -497,25 +497,26 @@ def _crossings(g: fx.Graph) -> tuple[dict[fx.Node, int], list[list[fx.Node]]]:
     return st, live
 
 
-def _labels(converted, g: fx.Graph, cuts: Sequence[int]) -> dict[fx.Node, str]:
-    """Readable names of the depth-state values: the sources of the site at each cut (AttnRes, MSAR), the streams
-    (mHC), the residual stream and slots (MoDA)."""
+def _labels(converted, g: fx.Graph, j: int) -> dict[fx.Node, str]:
+    """Readable names of the depth-state values at a cut before sublayer j: the sources of site j (AttnRes, MSAR), the
+    streams (mHC), the residual stream and slots (MoDA)."""
     report = converted.report()
     scheme = report.config.name
     labels: dict[fx.Node, str] = {}
     sites = {s.site: s for s in report.sites}
     for n in g.nodes:
         r = _role(n)
-        if scheme in _BLOCK_SCHEMES and r is not None and r.role == "mix" and r.site in sites:
-            for src, lab in zip(n.args[0], sites[r.site].sources):
-                labels.setdefault(src, lab)
+        if scheme in _BLOCK_SCHEMES and r is not None and r.role == "mix" and r.site == j and j in sites:
+            labels.update(zip(n.args[0], sites[j].sources))
         elif scheme == "mhc" and r is not None and r.role in ("expand", "mhc_state"):
-            labels[n] = f"X ({report.config.streams} streams) after sublayer {r.site}" if r.role == "mhc_state" else \
-                f"X ({report.config.streams} streams) = n copies of emb"
-        elif scheme == "moda" and n.op == "call_function" and _op_name(n) == "moda_slots" and _is_depth_op(n):
-            site = sites.get(_role(next(iter(n.users))).site) if n.users and _role(next(iter(n.users))) else None
+            n_streams = report.config.streams
+            labels[n] = f"X ({n_streams} streams) after sublayer {r.site}" if r.role == "mhc_state" else \
+                f"X ({n_streams} streams) = {n_streams} copies of emb"
+        elif scheme == "moda" and _is_depth_op(n) and _op_name(n) == "moda_slots" and n.users:
+            attn = next(iter(n.users))
+            site = sites.get(_role(attn).site) if _role(attn) is not None else None
             names = site.sources if site is not None else ()
-            kv = "K" if n is next(iter(n.users)).args[4] else "V"
+            kv = "K" if attn.args[4] is n else "V"
             for i, src in enumerate(n.args[0]):
                 labels.setdefault(src, f"slot {kv} {names[i] if i < len(names) else i}")
     if scheme == "moda":
@@ -530,6 +531,13 @@ def _labels(converted, g: fx.Graph, cuts: Sequence[int]) -> dict[fx.Node, str]:
     return labels
 
 
+def _side_label(n: fx.Node, name: str | None = None) -> str:
+    from .passes.analyse.graph import module_path_of
+
+    where = module_path_of(n)
+    return f"{name or n.name} ({where})" if where else (name or n.name)
+
+
 def _formula(report, j: int) -> tuple[str, int]:
     scheme, d = report.config.name, report.chain.hidden_size
     b = report.bytes_per_element
@@ -541,11 +549,15 @@ def _formula(report, j: int) -> tuple[str, int]:
     if scheme == "mhc":
         n = report.config.streams
         return f"n·d = {n}·{d}", n * d * b
-    # MoDA: h plus every slot written before sublayer j and read at or after it
-    per = [int(s.detail.split("depth KV ")[1].split()[0].replace(",", "")) for s in report.sites
-           if s.sources and "depth KV" in s.detail and isinstance(s.site, int) and s.site >= j]
-    slots = max(per) if per else 0
-    return f"d + slots·2·Hk·dh = {d} + {slots}", (d + slots) * b
+    # MoDA: h plus every slot written before sublayer j that an attention at or after j reads
+    import re
+
+    site = next((x for x in report.sites if x.sources and isinstance(x.site, int) and x.site >= j and "depth KV" in x.detail), None)
+    if site is None:
+        return f"d = {d}", d * b
+    per_slot = int(site.detail.split("depth KV ")[1].split()[0].replace(",", "")) // len(site.sources)
+    n_slots = sum(1 for lab in site.sources if int(re.sub(r"\D", "", lab) or 0) < j)
+    return f"d + slots·2·Hk·dh = {d} + {n_slots}·{per_slot}", (d + n_slots * per_slot) * b
 
 
 def boundary_info(converted, example_inputs: tuple | None = None, example_kwargs: dict | None = None) -> PipelineInfo:
@@ -558,20 +570,20 @@ def boundary_info(converted, example_inputs: tuple | None = None, example_kwargs
     g, vals = _specialise(converted, converted.graph, flat)
     tokens = _tokens(vals, g)
     st, live = _crossings(g)
-    labels = _labels(converted, g, cuts)
     # recomputed side values: the clones the split placed in later stages
     clone_of = {n: n.name.rsplit("_s", 1)[0] for n in g.nodes if n.op == "call_function" and "_s" in n.name
                 and n.name.rsplit("_s", 1)[1].isdigit()}
     bounds = []
     for k, nodes in enumerate(live):
         rows = []
+        labels = _labels(converted, g, cuts[k] if k < len(cuts) else -1)
         for n in nodes:
             v = vals.get(n)
             if not isinstance(v, torch.Tensor):
                 continue
             depth = n in labels or any(_is_depth_op(u) for u in n.users)
             rows.append(Crossing(
-                name=n.name, label=labels.get(n, n.name), kind="depth" if depth else "side", shape=tuple(v.shape),
+                name=n.name, label=labels.get(n, _side_label(n)), kind="depth" if depth else "side", shape=tuple(v.shape),
                 dtype=str(v.dtype).replace("torch.", ""), bytes_per_token=v.numel() * v.element_size() / tokens,
             ))
         seen = set()
@@ -582,7 +594,7 @@ def boundary_info(converted, example_inputs: tuple | None = None, example_kwargs
                     v = vals.get(n)
                     if isinstance(v, torch.Tensor):
                         seen.add(clone_of[n])
-                        rows.append(Crossing(name=n.name, label=clone_of[n], kind="recomputed", shape=tuple(v.shape),
+                        rows.append(Crossing(name=n.name, label=_side_label(n, clone_of[n]), kind="recomputed", shape=tuple(v.shape),
                                              dtype=str(v.dtype).replace("torch.", ""),
                                              bytes_per_token=v.numel() * v.element_size() / tokens))
         j = cuts[k] if k < len(cuts) else -1

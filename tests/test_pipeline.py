@@ -137,6 +137,24 @@ def test_depth_state_matches_formula():
     assert {t.label for t in b.tensors if t.kind == "recomputed"}  # RoPE cos/sin and the mask are listed, not sent
 
 
+def test_side_input_from_data_is_sent_and_reported():
+    torch.manual_seed(0)
+    x = torch.randint(0, 256, (2, 8))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[0, :3] = 0  # padding: the attention mask depends on input data, so stage 1 cannot rebuild it
+    conv = dr.convert(_llama(), "attnres", blocks=2, pipeline_stages=2,
+                      example_kwargs={"input_ids": x, "attention_mask": mask})
+    (b,) = conv.report().pipeline.boundaries
+    side = [t for t in b.tensors if t.kind == "side"]
+    assert len(side) == 1 and side[0].dtype == "bool" and side[0].bytes_per_token == 8  # [B, 1, T, T]: T bytes/token
+    assert b.sent_bytes_per_token == b.formula_bytes_per_token + 8
+    assert "side inputs that depend on input data" in str(conv.report())
+    mods = pp.stages(conv, 2, (), {"input_ids": x, "attention_mask": mask})
+    h = mods[0](x, mask)
+    assert len(h) == 3
+    torch.testing.assert_close(mods[1](*h), conv(input_ids=x, attention_mask=mask).logits, rtol=0, atol=0)
+
+
 def test_tracer_frontend_splits_without_hints():
     from torch.distributed.pipelining import pipeline
 
