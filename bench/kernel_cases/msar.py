@@ -12,7 +12,8 @@ bench/kernels.py records that as an error row.
 Counting (per token): the fused forward is compute-bound (msar.md §6): convs Σk_r·K·d MACs, per-stream key
 statistics 2·m·K·d, weighted sums m·K·d, mixer m²·d + 2·m·d → ``flops`` = 2 × that. ``bytes`` is the single-pass
 minimum (sources read once, h written once). fwd+bwd: ``flops_bwd`` = 3 × ``flops`` (the usual fwd + 2×fwd
-convention; the fused backward actually recomputes the views about 5 times), ``bytes_bwd`` = sources twice, dh
+convention; the fused backward actually recomputes the views about 7 times: 4 passes in its first kernel,
+2 on 1.5×-extended tiles in its second), ``bytes_bwd`` = sources twice, dh
 once, source grads written once.
 """
 
@@ -44,7 +45,9 @@ class _Inputs:
             g = torch.Generator(device=dev).manual_seed(0)
             f32 = dict(device=dev, dtype=torch.float32)
             self.t = dict(
-                sources=[torch.randn(B, T, d, generator=g, device=dev, dtype=dt).requires_grad_() for _ in range(K_SOURCES)],
+                sources=[
+                    torch.randn(B, T, d, generator=g, device=dev, dtype=dt).requires_grad_() for _ in range(K_SOURCES)
+                ],
                 query=(torch.randn(m, d, generator=g, **f32) * 0.1).requires_grad_(),
                 gain=(1 + 0.1 * torch.randn(m, d, generator=g, **f32)).requires_grad_(),
                 conv=[(torch.randn(d, k, generator=g, **f32) / k).requires_grad_() for k in KSIZES],
@@ -118,7 +121,7 @@ def cases(device: str, dtype: torch.dtype) -> list[Case]:
                     flops=2 * macs,
                     flops_bwd=6 * macs,
                     note="compute-bound (fp32 CUDA-core FMAs); the fused forward reads the sources 3 times (2 with the "
-                    "mean mixer) through L2, the backward about 5 times",
+                    "mean mixer), the backward about 7 times (plus its forward's 3)",
                 )
             )
     return out
