@@ -209,3 +209,25 @@ def test_opcheck_forward_and_backward_ops():
             (go, *(t.detach() for t in (q, k, v, m, Kd, Vd, w)), out, 0.5, True, 0.0, None, 2.0, True),
             test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"),
         )
+
+
+def test_compiled_graphs_show_one_opaque_node_each_way():
+    """AOT autograd (what torch.compile runs) sees one moda_attn in the forward graph, one moda_attn_backward in the
+    backward graph, and the compiled call matches eager."""
+    from functorch.compile import aot_function, make_boxed_func
+
+    graphs = []
+
+    def keep(gm, _):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    q, k, v, _, Kd, Vd, w = make(1, 4, 2, 6, 6, 2, 8, lam="mixed")
+    fn = lambda *a: moda_attn(*a[:3], None, *a[3:], 0.3, True, 0.0, None, 0.0)  # noqa: E731
+    with kernel_backend("triton"):
+        out = aot_function(fn, fw_compiler=keep, bw_compiler=keep)(q, k, v, Kd, Vd, w)
+        out.square().sum().backward()
+    fw, bw = graphs
+    count = lambda gm, name: sum(1 for n in gm.graph.nodes if n.op == "call_function" and name in str(n.target))  # noqa: E731
+    assert count(fw, "moda_attn.") == 1 and count(bw, "moda_attn_backward") == 1 and count(bw, "moda_attn.") == 0
+    torch.testing.assert_close(out, moda_attn_ref(q, k, v, None, Kd, Vd, w, 0.3, True, 0.0, None, 0.0), **TOL[torch.float32])
