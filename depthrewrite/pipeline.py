@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import operator
 from collections import defaultdict, deque
 from typing import Any, Sequence
 
@@ -329,8 +328,12 @@ def _drop_asserts(graph: fx.Graph) -> None:
     graph.eliminate_dead_code()
 
 
-def _place(gm: fx.GraphModule, graph: fx.Graph, report, cuts: Sequence[int]) -> dict[str, list[str]]:
-    """Reorder ``graph`` into stages and insert the pipe_split nodes. Returns {stage: [recomputed node names]}."""
+_CLONE_KEY = "depthrewrite_pipeline_recomputed"  # node.meta: the side value a per-stage copy recomputes
+
+
+def _place(gm: fx.GraphModule, graph: fx.Graph, report, cuts: Sequence[int]) -> None:
+    """Give every node a stage, copy side values built from shapes and buffers into each later stage that reads them,
+    reorder ``graph`` stage by stage and insert the pipe_split nodes between stages."""
     for n in [n for n in graph.nodes if n.op == "call_function" and n.target is PIPE_SPLIT]:
         graph.erase_node(n)  # re-splitting replaces earlier boundaries
     _drop_asserts(graph)
@@ -349,7 +352,6 @@ def _place(gm: fx.GraphModule, graph: fx.Graph, report, cuts: Sequence[int]) -> 
             stage[n] = min(stage[u] for u in n.users)
     free = _free_nodes(gm, graph)
     clones: dict[tuple[fx.Node, int], fx.Node] = {}
-    recomputed: dict[int, list[str]] = defaultdict(list)
 
     def clone(n: fx.Node, st: int) -> fx.Node:
         if stage[n] == st or n not in free:
@@ -360,10 +362,9 @@ def _place(gm: fx.GraphModule, graph: fx.Graph, report, cuts: Sequence[int]) -> 
             with graph.inserting_before(n):
                 c = graph.create_node(n.op, n.target, args[0], args[1], name=f"{n.name}_s{st}")
             c.meta = dict(n.meta)
+            c.meta[_CLONE_KEY] = n.meta.get(_CLONE_KEY, n.name)
             stage[c], idx[c] = st, idx[n]
             clones[key] = c
-            if n.op != "get_attr":
-                recomputed[st].append(n.name)
         return clones[key]
 
     for n in order:
@@ -384,7 +385,6 @@ def _place(gm: fx.GraphModule, graph: fx.Graph, report, cuts: Sequence[int]) -> 
                 graph.call_function(PIPE_SPLIT, ())
         out.prepend(n)
     graph.lint()
-    return {str(k): v for k, v in recomputed.items()}
 
 
 def split(converted, P: int, *, align_blocks: bool = True, example_inputs: tuple | None = None,
@@ -400,11 +400,8 @@ def split(converted, P: int, *, align_blocks: bool = True, example_inputs: tuple
     """
     report, L, S = _check(converted, P)
     cuts = plan(converted, P, align_blocks=align_blocks)
-    recomputed: dict[str, list[str]] = {}
-    for mode, graph in converted._dr_graphs.items():
-        r = _place(converted, graph, report, cuts)
-        if mode == converted.training:
-            recomputed = r
+    for graph in converted._dr_graphs.values():  # the same cuts in the training and the eval graph
+        _place(converted, graph, report, cuts)
     converted.recompile()
     converted._dr_pipeline_cuts = cuts
     if example_inputs is None and example_kwargs is None:
@@ -571,8 +568,7 @@ def boundary_info(converted, example_inputs: tuple | None = None, example_kwargs
     tokens = _tokens(vals, g)
     st, live = _crossings(g)
     # recomputed side values: the clones the split placed in later stages
-    clone_of = {n: n.name.rsplit("_s", 1)[0] for n in g.nodes if n.op == "call_function" and "_s" in n.name
-                and n.name.rsplit("_s", 1)[1].isdigit()}
+    clone_of = {n: n.meta[_CLONE_KEY] for n in g.nodes if n.op == "call_function" and _CLONE_KEY in n.meta}
     bounds = []
     for k, nodes in enumerate(live):
         rows = []
@@ -770,13 +766,21 @@ class CachedStage(nn.Module):
 
     ``wire_inputs`` / ``wire_outputs`` name what is received / sent; the rest of the full interface comes from (goes
     to) the :class:`RankCache` shared by the stages on one rank. ``sent_bytes`` and ``full_bytes`` count the forward
-    payload sent with and without the cache (the backward sends gradients of the same tensors).
+    payload sent with and without the cache over ``forwards`` calls (PipelineStage's shape inference is one of them);
+    the backward sends gradients of the same tensors. Parameters keep the converted model's names.
     """
 
     def __init__(self, module: fx.GraphModule, index: int, cache: RankCache, wire_in: list[int], cached_in: list[int],
                  wire_out: list[int], puts: list[tuple[int, int, list[int]]]):
         super().__init__()
-        self.module = module
+        # the stage's parameters keep the converted model's names (no "module." prefix): share its children
+        object.__setattr__(self, "module", module)
+        for name, child in module.named_children():
+            self.add_module(name, child)
+        for name, p in module._parameters.items():
+            self.register_parameter(name, p)
+        for name, b in module._buffers.items():
+            self.register_buffer(name, b)
         self.index = index
         self.cache = cache
         self._wire_in, self._cached_in, self._wire_out, self._puts = wire_in, cached_in, wire_out, puts
@@ -786,6 +790,7 @@ class CachedStage(nn.Module):
         self.wire_outputs = tuple(names_out[i] for i in wire_out) if names_out else ()
         self.sent_bytes = 0
         self.full_bytes = 0
+        self.forwards = 0
 
     def forward(self, *wire):
         names_in = self.module._dr_inputs
@@ -801,6 +806,7 @@ class CachedStage(nn.Module):
                 x.register_hook(lambda g, e=e: e.deposit(g))
             full[i] = x
         out = self.module(*full)
+        self.forwards += 1
         if not self.module._dr_outputs:  # last stage
             return out
         out = tuple(out)

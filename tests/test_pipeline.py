@@ -1,5 +1,6 @@
 """Pipeline stages of converted models: boundaries in both graphs, the tracer frontend, stage modules, what crosses, the
-cross-stage cache, and 2-process gloo runs (ScheduleGPipe, Schedule1F1B) against a single-process run.
+cross-stage cache, and 2-process gloo runs (ScheduleGPipe, Schedule1F1B; ScheduleLoopedBFS with the cache, 4 stages on
+2 ranks) against a single-process run. All 2-process runs share one spawn (about 50 s on 2 cores).
 
 Tolerance: the pipeline runs the same ops on the same micro-batches as the single-process reference, so loss and every
 gradient must agree to rtol=1e-5, atol=1e-6 (in practice they are bitwise equal on CPU).
@@ -226,6 +227,7 @@ def test_cross_stage_cache_two_ranks_four_stages(scheme, opts):
             torch.testing.assert_close(got[n], ref_grads[n], rtol=RTOL, atol=ATOL, msg=n)
         conv.zero_grad(set_to_none=True)
     assert all(len(m.cache) == 0 for m in cached[:-1])  # every cached summary was consumed
+    assert {n for m in cached for n, _ in m.named_parameters()} == {n for m in plain for n, _ in m.named_parameters()}
     full = sum(m.full_bytes for m in cached[:-1])
     sent = sum(m.sent_bytes for m in cached[:-1])
     tokens = 3 * xs[0].numel()
@@ -292,10 +294,41 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
                 results[(key, sched_cls.__name__)] = res
                 conv.zero_grad(set_to_none=True)
                 dist.barrier()
+        results["cached"] = _looped_bfs_cached(rank, world)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         schedules._batch_p2p = orig
         dist.destroy_process_group()
+
+
+def _looped_bfs_cached(rank: int, world: int) -> dict:
+    """4 stages on 2 ranks (stage s on rank s % 2), ScheduleLoopedBFS, with the cross-stage cache."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleLoopedBFS
+
+    torch.manual_seed(0)
+    conv = dr.convert(_llama(4), "attnres", blocks=4, pipeline_stages=4)  # L = 8, S = 2: cuts 2, 4, 6
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 256, (4, 8), generator=g)
+    y = torch.randint(0, 256, (4, 8), generator=g)
+    ref_losses, ref_grads = _reference(conv, x.chunk(2), y.chunk(2))
+    mods = pp.stages(conv, 4, (x.chunk(2)[0],), ranks=world)
+    mine = [mods[s] for s in range(rank, 4, world)]
+    stages = [PipelineStage(m, m.index, 4, torch.device("cpu")) for m in mine]
+    sched = ScheduleLoopedBFS(stages, n_microbatches=2, loss_fn=loss_fn, scale_grads=False)
+    losses: list[torch.Tensor] = []
+    if rank == 0:
+        sched.step(x)
+    else:
+        sched.step(target=y, losses=losses)
+    close = all(p.grad is not None and torch.allclose(p.grad, ref_grads[n], rtol=RTOL, atol=ATOL)
+                for m in mine for n, p in m.named_parameters())
+    res = dict(close=close, cuts=conv.report().pipeline.cuts,
+               per_token={m.index: (m.sent_bytes / m.forwards / x.chunk(2)[0].numel(),
+                                    m.full_bytes / m.forwards / x.chunk(2)[0].numel()) for m in mine if m.forwards})
+    if rank == world - 1:
+        res["loss_err"] = (torch.stack(losses) - torch.stack(ref_losses)).abs().max().item()
+    dist.barrier()
+    return res
 
 
 def _spawn(worker, args, nprocs: int = 2, timeout: float = 150.0) -> None:
@@ -329,6 +362,17 @@ def test_two_process_pipeline_matches_single_process(two_process_results, key, s
     assert sorted(r0["grads"] + r1["grads"]) == r0["ref"]
     assert not set(r0["params"]) & set(r1["params"])
     torch.testing.assert_close(torch.tensor(r1["loss"]), torch.tensor(r1["ref_loss"]), rtol=RTOL, atol=ATOL)
+
+
+def test_two_process_looped_bfs_with_cross_stage_cache(two_process_results):
+    r0, r1 = (r["cached"] for r in two_process_results)
+    assert r0["close"] and r1["close"] and r1["loss_err"] <= ATOL
+    assert r0["cuts"] == (2, 4, 6)
+    d, e = 32, 4
+    # (sent, without the cache) bytes per token of each stage's forward: stage 0 sends (emb, partial b1); stages 1
+    # and 2 only the open partial sum, because the receiving rank already holds emb and b1 (and b2)
+    assert r0["per_token"] == {0: (2 * d * e, 2 * d * e), 2: (1 * d * e, 4 * d * e)}
+    assert r1["per_token"][1] == (1 * d * e, 3 * d * e)
 
 
 @pytest.mark.parametrize("key", list(CASES))
