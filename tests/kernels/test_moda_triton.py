@@ -6,7 +6,7 @@ On CPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_IN
 CUDA machine the same file runs the compiled kernels and adds fp16/bf16 (the interpreter has no bf16).
 
 Tolerances (atol, rtol) per dtype are in TOL (output) and GRAD_TOL (gradients) below, in the style of Liger's tests
-(platform-notes §12); half-precision gradients must also pass fla's RMS-ratio check (< 0.005 of the reference's RMS).
+(platform-notes §12); half-precision gradients must also pass fla's RMS-ratio check (RMS_RATIO of the reference's RMS).
 fp32 runs use true fp32 dot products (``input_precision="ieee"``), so only summation order differs from the reference.
 """
 
@@ -32,7 +32,7 @@ GRAD_TOL = {
     torch.float16: dict(atol=5e-2, rtol=5e-2),
     torch.bfloat16: dict(atol=1e-1, rtol=1e-1),
 }
-RMS_RATIO = 0.005
+RMS_RATIO = {torch.float16: 0.005, torch.bfloat16: 0.01}  # fla uses 0.005; bf16 has 3 fewer mantissa bits
 HALF = [
     pytest.param(dt, marks=pytest.mark.skipif(DEVICE == "cpu", reason="half types are tested on CUDA only"))
     for dt in (torch.float16, torch.bfloat16)
@@ -103,7 +103,7 @@ def check(inputs, scale, causal, softcap, dtype=torch.float32):
         torch.testing.assert_close(a.float(), b, **GRAD_TOL[dtype], msg=lambda s, nm=nm: f"d{nm}: {s}")
         if dtype != torch.float32:
             rms = (a.float() - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-12)
-            assert rms < RMS_RATIO, (nm, rms.item())
+            assert rms < RMS_RATIO[dtype], (nm, rms.item())
 
 
 CASES = [
@@ -231,3 +231,59 @@ def test_compiled_graphs_show_one_opaque_node_each_way():
     count = lambda gm, name: sum(1 for n in gm.graph.nodes if n.op == "call_function" and name in str(n.target))  # noqa: E731
     assert count(fw, "moda_attn.") == 1 and count(bw, "moda_attn_backward") == 1 and count(bw, "moda_attn.") == 0
     torch.testing.assert_close(out, moda_attn_ref(q, k, v, None, Kd, Vd, w, 0.3, True, 0.0, None, 0.0), **TOL[torch.float32])
+
+
+_SM90_SCRIPT = r"""
+import os, re, subprocess, sys, tempfile
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from depthrewrite.kernels.moda import fused as F
+
+ONE = {"sqd", "skd", "svd", "sdd", "sed", "sod", "sgd", "sms"}  # unit strides: the JIT specialises them the same way
+CUOBJ = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+
+
+def build(fn, ptrs, consts, warps, stages):
+    consts = dict(consts, **{n: 1 for n in fn.arg_names if n in ONE})
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in ("scale", "softcap") else "i32")
+           for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n] not in ("constexpr", "fp32")}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps, "num_stages": stages})
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    out = subprocess.run([CUOBJ, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    return int(re.search(r"STACK:(\d+)", out).group(1))
+
+
+for dt, d, G, mk in [("bf16", 128, 4, 0), ("bf16", 64, 4, 1), ("fp16", 128, 3, 2)]:
+    c = F.block_config(G, d, getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[dt]))
+    P, mptr = "*" + dt, {0: "*" + dt, 1: "*u8", 2: "*" + dt}[mk]
+    com = dict(GP=c["GP"], BD=c["BD"], MASK_KIND=mk, CAUSAL=mk != 1, SOFTCAP=mk == 1, DOT_PREC="tf32")
+    io = dict(Q=P, K=P, V=P, KD=P, VD=P, LAM="*fp32", MASK=mptr, LSE="*fp32", DELTA="*fp32", DO=P, DQ=P, DKD=P,
+              DVD=P, DLAM="*fp32", DS="*fp32", DK=P, DV=P)
+    stacks = [
+        build(F._moda_fwd, dict(io, O=P), dict(com, BMT=c["fwd_BMT"], BN=c["fwd_BN"], HAS_LAM=True, STATS_ONLY=False),
+              c["fwd_warps"], c["fwd_stages"]),
+        build(F._moda_bwd_dq, io, dict(com, BMT=c["dq_BMT"], BN=c["dq_BN"], HAS_LAM=True, STORE_DS=mk == 2),
+              c["dq_warps"], c["dq_stages"]),
+        build(F._moda_bwd_dkdv, io, dict(com, BMT=c["kv_BMT"], BN=c["kv_BN"]), c["kv_warps"], c["kv_stages"]),
+    ]
+    assert stacks == [0, 0, 0], (dt, d, G, mk, stacks)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not __import__("os").environ.get("DEPTHREWRITE_SM90_COMPILE"),
+                    reason="opt-in (about a minute): DEPTHREWRITE_SM90_COMPILE=1")
+def test_kernels_compile_for_sm90_without_spills():
+    """Ahead-of-time compile of the three kernels for sm_90 (no GPU needed; ptxas ships with Triton): catches what the
+    interpreter cannot (type errors of loop-carried values, fp64 literals) and register spills of the bf16/fp16 tiles."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _SM90_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]

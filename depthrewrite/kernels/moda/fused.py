@@ -438,7 +438,7 @@ def block_config(G: int, d: int, dtype: torch.dtype) -> dict[str, int]:
     elif BD <= 64:
         c = dict(fwd=(128, 64, 8, 3), dq=(64, 64, 4, 2), kv=(64, 64, 4, 2))
     elif BD <= 128:
-        c = dict(fwd=(128, 64, 8, 2), dq=(64, 64, 8, 2), kv=(64, 32, 8, 2))
+        c = dict(fwd=(128, 64, 8, 2), dq=(32, 64, 8, 2), kv=(64, 32, 8, 2))
     else:
         c = dict(fwd=(64, 32, 8, 2), dq=(32, 32, 8, 2), kv=(32, 32, 8, 2))
     out = dict(GP=GP, BD=BD)
