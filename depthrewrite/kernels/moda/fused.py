@@ -335,7 +335,7 @@ def _moda_bwd_dq(
                     mask=row_ok[:, None] & n_ok[None, :],
                 )
             if SOFTCAP:
-                t_ = softcap * _tanh(s_raw / softcap) / softcap
+                t_ = _tanh(s_raw / softcap)
                 ds = ds * (1.0 - t_ * t_)
             dq += tl.dot(ds.to(kn.dtype), kn, input_precision=DOT_PREC)
 
@@ -393,7 +393,7 @@ def _moda_bwd_dkdv(
         lse = tl.load(LSE + row, mask=row_ok, other=0.0)
         delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
         s_raw = tl.dot(q, tl.trans(kn), input_precision=DOT_PREC) * scale
-        # causal check only where a key of this block can be later than a row's token
+        # the causal diagonal and the ragged tail are checked on every tile (elementwise; loops start at the diagonal)
         s = _seq_logits(s_raw, tok, head, row_ok, offs_n, b64, S, MASK, smb, smh, smt, sms, softcap,
                         SOFTCAP, MASK_KIND, CAUSAL, True)
         p = tl.where(row_ok[:, None], tl.exp(s - lse[:, None]), 0.0)
@@ -401,7 +401,7 @@ def _moda_bwd_dkdv(
         dp = tl.dot(do, tl.trans(vn), input_precision=DOT_PREC)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
-            t_ = softcap * _tanh(s_raw / softcap) / softcap
+            t_ = _tanh(s_raw / softcap)
             ds = ds * (1.0 - t_ * t_)
         dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PREC)
 
