@@ -40,6 +40,7 @@ from .passes.meta import META_KEY, NodeRole
 
 __all__ = [
     "PIPE_SPLIT",
+    "contiguous_grad",
     "Boundary",
     "Crossing",
     "PipelineInfo",
@@ -597,14 +598,17 @@ def boundary_info(converted, example_inputs: tuple | None = None, example_kwargs
         formula, fb = _formula(report, j)
         bounds.append(Boundary(index=k, before=j, tensors=tuple(rows), formula=formula, formula_bytes_per_token=fb))
     stage_params = [0] * (len(live) + 1)
-    seen_p: set[int] = set()
+    readers: dict[int, tuple[str, set[int]]] = {}
     for n in g.nodes:
         if n.op == "get_attr":
             p = _resolve(converted, n.target)
-            if isinstance(p, nn.Parameter) and id(p) not in seen_p:
-                seen_p.add(id(p))
-                stage_params[st[n]] += p.numel()
-    notes = []
+            if isinstance(p, nn.Parameter):
+                if id(p) not in readers:
+                    stage_params[st[n]] += p.numel()
+                readers.setdefault(id(p), (n.target, set()))[1].update(st[u] for u in n.users)
+    notes = [f"parameter {name} is read by stages {sorted(where)} (tied weights): each stage holds it and computes "
+             "part of its gradient; sum those gradients across the ranks before the optimiser step"
+             for name, where in readers.values() if len(where) > 1]
     if any(t.kind == "side" for b in bounds for t in b.tensors):
         notes.append("side inputs that depend on input data are sent to every stage that reads them")
     if any(t.kind == "recomputed" for b in bounds for t in b.tensors):

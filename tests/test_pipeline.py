@@ -156,6 +156,14 @@ def test_side_input_from_data_is_sent_and_reported():
     torch.testing.assert_close(mods[1](*h), conv(input_ids=x, attention_mask=mask).logits, rtol=0, atol=0)
 
 
+def test_tied_weights_across_stages_are_reported():
+    torch.manual_seed(0)
+    conv = dr.convert(hf_model("llama", layers=2, hidden=32, tie_word_embeddings=True), "mhc", streams=2,
+                      pipeline_stages=2)
+    notes = conv.report().pipeline.notes
+    assert any("read by stages [0, 1] (tied weights)" in n for n in notes)
+
+
 def test_tracer_frontend_splits_without_hints():
     from torch.distributed.pipelining import pipeline
 
