@@ -8,6 +8,7 @@ The public API::
     depthrewrite.convert(model, "attnres", blocks=4)   # -> a trainable converted GraphModule
     torch.compile(converted, backend="depthrewrite")   # fused kernels on CUDA, inductor for the rest
     depthrewrite.explain(compiled)     # -> Explanation: what the backend did to each graph
+    depthrewrite.convert(model, "attnres", blocks=4, pipeline_stages=2)   # + depthrewrite.pipeline.stages(...)
 """
 
 from . import backend  # noqa: F401  - registers the "depthrewrite" torch.compile backend
@@ -33,6 +34,15 @@ from .passes.rewrite.msar import MSARConfig
 from .report import ChainReport, ConvertReport
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # depthrewrite.pipeline loads torch.distributed.pipelining; import it on first use only
+    if name == "pipeline":
+        import importlib
+
+        return importlib.import_module(".pipeline", __name__)
+    raise AttributeError(f"module 'depthrewrite' has no attribute {name!r}")
 
 __all__ = [
     "capture",
