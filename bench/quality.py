@@ -58,6 +58,8 @@ def run(args: argparse.Namespace, after_seed=None) -> dict[str, list[RunResult]]
             t0 = time.perf_counter()
             r = train_variant(lambda s: tiny_llama(s, args.layers, args.hidden), v, corpus, cfg, seed=seed)
             results[v.name].append(r)
+            if args.save_runs is not None:  # a --jobs worker saves after every run: an interrupted job keeps its runs
+                args.save_runs.write_text(json.dumps(_to_json(results)))
             init = "" if r.init_error is None else f"  init Δ {r.init_error:.1e}"
             print(
                 f"seed {seed}  {v.name:<14} val {r.final_val:.4f}  train {r.final_train:.4f}  "
@@ -174,8 +176,8 @@ weights and the same batches. Losses are nats per byte.
 **Conditions of the step times.** {os.cpu_count()} CPU cores ({cpu}), torch {torch.__version__} with
 {torch.get_num_threads()} thread(s), niceness {os.nice(0) if hasattr(os, "nice") else "n/a"}, the PyTorch reference ops (no Triton kernels on CPU). Load average
 {load[0]:.1f} at the start and {load[1]:.1f} at the end; the machine was shared with other jobs, so step times are
-indicative and comparable only within this table. Seeds ran in {min(args.jobs, args.seeds)} parallel process(es); whole run:
-{wall / 60:.1f} minutes (wall clock).
+indicative and comparable only within this table. """ + (args.note or f"""Seeds ran in {min(args.jobs, args.seeds)} parallel process(es); whole run:
+{wall / 60:.1f} minutes (wall clock).""") + f"""
 
 ## Against the MSAR paper's 10B-token ablation
 
@@ -205,6 +207,8 @@ def _plot(results: dict[str, list[RunResult]], path: Path) -> None:
     ax1.set_ylabel("validation loss (nats/byte)")
     ax1.set_title("final validation loss, mean ± std over seeds")
     for k in names:
+        if any(len(r.train_losses) < 2 for r in results[k]):
+            continue  # merged from final numbers only: no curve
         curves = torch.tensor([r.train_losses for r in results[k]])
         mean = curves.mean(0)
         w = max(1, len(mean) // 40)
@@ -290,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch CPU threads (default 1: steadier step times on a shared machine)")
     ap.add_argument("--max-bytes", type=int, default=None, help="cap each corpus split (default: whole stdlib)")
     ap.add_argument("--jobs", type=int, default=1, help="seeds trained in parallel processes (default 1)")
+    ap.add_argument("--merge", type=Path, nargs="+", default=None, metavar="RUNS.json",
+                    help="write the report from runs saved earlier (results_runs.json or --save-runs files); no training")
+    ap.add_argument("--note", default="", help="a sentence added to the report's conditions (how the runs were made)")
     ap.add_argument("--seed-only", type=int, default=None, help=argparse.SUPPRESS)  # a --jobs worker: one seed
     ap.add_argument("--save-runs", type=Path, default=None, help=argparse.SUPPRESS)  # ... saved as JSON, no report
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -313,7 +320,10 @@ def main(argv: list[str] | None = None) -> int:
             write_report(results, args, time.perf_counter() - start, (load0, _load()), args.out)
             args.out.with_name(args.out.stem + "_runs.json").write_text(json.dumps(_to_json(results)))
 
-        if args.save_runs is not None:  # a --jobs worker
+        if args.merge:
+            rows = [row for f in args.merge for row in json.loads(f.read_text())]
+            report(_from_json(rows, [v.name for v in parse_variants(args.schemes)]))
+        elif args.save_runs is not None:  # a --jobs worker
             args.save_runs.write_text(json.dumps(_to_json(run(args))))
         elif args.jobs > 1:
             report(_run_parallel(args, argv))
