@@ -9,7 +9,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .capture import capture
-from .converted import ConvertedGraphModule, as_converted, graft_graph
+from .converted import ConvertedGraphModule, as_converted, drop_dead_code, graft_graph
 from .errors import ConfigError, DepthRewriteError
 from .passes.analyse.chain import detect_chain
 from .passes.rewrite import SchemeConfig, get_handler, scheme_config
@@ -100,6 +100,7 @@ def convert(
         if not mode:  # share the new parameters with the training graph
             graphs[False].add_submodule(PARAM_PREFIX, getattr(graphs[True], PARAM_PREFIX))
         results[mode] = handler(graphs[mode], chains[mode], config)
+        drop_dead_code(graphs[mode])
         if not results[mode].modified:
             raise DepthRewriteError(
                 f"{config.name}: the rewrite changed nothing on {type(model).__name__}; not returning an unconverted model"

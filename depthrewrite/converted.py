@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from .errors import ConfigError, DepthRewriteError
 
-__all__ = ["ConvertedGraphModule", "as_converted", "graft_graph"]
+__all__ = ["ConvertedGraphModule", "as_converted", "graft_graph", "drop_dead_code"]
 
 aten = torch.ops.aten
 
@@ -93,6 +93,24 @@ def _retarget_graph(graph: fx.Graph, old: tuple, new: tuple) -> None:
             continue
         n.args = tuple(swap(a) for a in n.args)
         n.kwargs = {k: swap(v) for k, v in n.kwargs.items()}
+
+
+def drop_dead_code(gm: fx.GraphModule) -> int:
+    """Remove what no output reads any more after a rewrite; returns the number of nodes removed.
+
+    Export's ``_assert_tensor_metadata`` checks are side-effecting nodes, so they keep the *original* residual chain
+    alive after the rewrite has redirected every reader (the old stream would still be computed at every step). They
+    only re-check dtypes the capture already fixed, so they are dropped (as ``.to()`` does), then dead code goes.
+    """
+    graph = gm.graph
+    before = len(graph.nodes)
+    for n in list(graph.nodes):
+        if n.op == "call_function" and n.target is aten._assert_tensor_metadata.default:
+            graph.erase_node(n)
+    graph.eliminate_dead_code()
+    graph.lint()
+    gm.recompile()
+    return before - len(graph.nodes)
 
 
 def _bind_inputs(module: nn.Module, args: tuple, kwargs: dict):
