@@ -20,7 +20,8 @@ Options (``torch.compile(m, backend="depthrewrite", options={...})``):
 
 * ``inner``: ``"inductor"`` (default), ``"aot_eager"`` (AOT autograd, graphs run eagerly: fast to compile, for
   debugging and tests) or ``"eager"`` (the Dynamo graph as is).
-* ``two_phase``: batch Block AttnRes sites (default True).
+* ``two_phase``: batch Block AttnRes sites where the cost model says it moves fewer bytes (``True``, default),
+  ``"always"``, or ``False``.
 * ``scheme``: assert the model was converted to this scheme (``"attnres"``, ``"msar"``, ``"mhc"``, ``"moda"``).
 * ``log_chain``: log the chain report of unconverted graphs (default True).
 
@@ -53,7 +54,7 @@ class BackendOptions:
     """The backend's options (see the module docstring)."""
 
     inner: str = "inductor"
-    two_phase: bool = True
+    two_phase: bool | str = True
     scheme: str | None = None
     log_chain: bool = True
 
@@ -69,6 +70,8 @@ class BackendOptions:
         opts = cls(**options)
         if opts.inner not in INNER:
             raise ConfigError(f"backend option inner={opts.inner!r} is not one of {INNER}")
+        if opts.two_phase not in (True, False, "always"):
+            raise ConfigError(f"backend option two_phase={opts.two_phase!r} is not one of True, False, 'always'")
         if opts.scheme is not None and opts.scheme not in SCHEMES:
             raise ConfigError(f"backend option scheme={opts.scheme!r} is not one of {SCHEMES}")
         return opts
@@ -94,7 +97,8 @@ class GraphRecord:
     device: str
     inner: str
     depth_ops: Counter = field(default_factory=Counter)
-    two_phase: list = field(default_factory=list)  # TwoPhaseGroup
+    two_phase: list = field(default_factory=list)  # TwoPhaseGroup, applied
+    two_phase_declined: list = field(default_factory=list)  # TwoPhaseGroup the cost model left as single passes
     two_phase_skipped: str = ""
     chain_report: Any = None  # ChainReport for unconverted graphs with a chain
     chain_error: str = ""
@@ -108,12 +112,19 @@ class GraphRecord:
 
 
 _RECORDS: list[GraphRecord] = []
+MAX_RECORDS = 256  # the oldest records are dropped beyond this
 
 
 def records_for(module: torch.nn.Module) -> list[GraphRecord]:
-    """The records of every graph compiled with this backend that read ``module``'s parameters, in compile order."""
+    """The records of every graph compiled with this backend that read ``module``'s parameters, in compile order.
+
+    A converted model shares its original's parameters, so a converted model gets only the graphs of converted
+    models, and any other module only the others."""
+    from .converted import ConvertedGraphModule
+
     params = list(module.parameters())
-    return [r for r in _RECORDS if r.reads(params)]
+    converted = isinstance(module, ConvertedGraphModule)
+    return [r for r in _RECORDS if (r.kind == "converted") == converted and r.reads(params)]
 
 
 def clear_records() -> None:
@@ -211,27 +222,36 @@ def depthrewrite_backend(gm: fx.GraphModule, example_inputs: list, *, options: d
                 f"to {'/'.join(sorted(schemes))}, not {opts.scheme}. Drop the option, or convert the original model "
                 f"with depthrewrite.convert(model, {opts.scheme!r})."
             )
-        if opts.two_phase:
-            from .passes.lower.two_phase import apply_two_phase, find_two_phase_groups, two_phase_ops_available
-
-            if two_phase_ops_available():
-                record.two_phase = find_two_phase_groups(gm.graph)
-                apply_two_phase(gm, record.two_phase)
-            else:
-                record.two_phase_skipped = "the phase-1/merge ops are not registered"
-        else:
-            record.two_phase_skipped = "two_phase=False"
+        _two_phase(gm, record, opts)
     else:
-        if opts.scheme is not None:
+        _detect(gm, record, opts)
+        if opts.scheme is not None and record.chain_report is not None:
+            # only a graph that holds an unconverted chain; other fragments (a loss, a graph break) compile as they are
             raise ConfigError(
                 f"torch.compile(backend='depthrewrite', options={{'scheme': {opts.scheme!r}}}) was given a model that is "
                 f"not converted. The backend does not add parameters (a compiled graph would own them, and your "
                 f"optimizer would never see them). Convert first: "
                 f"model = depthrewrite.convert(model, {opts.scheme!r}); then torch.compile(model, backend='depthrewrite')."
             )
-        _detect(gm, record, opts)
     _RECORDS.append(record)
+    del _RECORDS[:-MAX_RECORDS]
     return _compile(gm, example_inputs, opts, record, mode)
+
+
+def _two_phase(gm: fx.GraphModule, record: GraphRecord, opts: BackendOptions) -> None:
+    if opts.two_phase is False:
+        record.two_phase_skipped = "two_phase=False"
+        return
+    from .passes.lower.two_phase import apply_two_phase, find_two_phase_groups, two_phase_ops_available
+
+    if not two_phase_ops_available():
+        record.two_phase_skipped = "the phase-1/merge ops are not registered"
+        return
+    groups = find_two_phase_groups(gm.graph)
+    apply = [g for g in groups if opts.two_phase == "always" or g.worth_it]
+    record.two_phase = apply
+    record.two_phase_declined = [g for g in groups if g not in apply]
+    apply_two_phase(gm, apply)
 
 
 def _detect(gm: fx.GraphModule, record: GraphRecord, opts: BackendOptions) -> None:
@@ -250,7 +270,8 @@ def _detect(gm: fx.GraphModule, record: GraphRecord, opts: BackendOptions) -> No
         record.chain_error = f"detection failed: {type(e).__name__}: {e}"
         log.warning("depthrewrite backend: detection failed on graph %d (%s); compiling normally", record.index, e)
         return
-    record.chain_report = ChainReport(model_class=f"graph {record.index} (Dynamo)", chain=chain, graph=gm)
+    # keep the chain only: a report holding the graph would keep every compiled GraphModule alive
+    record.chain_report = ChainReport(model_class=f"graph {record.index} (Dynamo)", chain=chain)
     if opts.log_chain:
         log.info(
             "depthrewrite backend: graph %d holds a PreNorm chain; convert it with depthrewrite.convert(model, scheme)"

@@ -5,7 +5,8 @@
     print(depthrewrite.explain(compiled))       # per graph: depth ops -> kernels, two-phase groups, AOT graphs
 
     print(depthrewrite.explain(conv))           # not compiled yet: what the backend would do on this device
-    print(depthrewrite.explain(compiled, ids))  # runs the model once if needed, and asks Dynamo for graph breaks
+    print(depthrewrite.explain(compiled, ids))  # runs the model once if it has not run yet
+    depthrewrite.explain(compiled, ids, graph_breaks=True)   # + Dynamo's graph-break count (resets Dynamo's caches)
 """
 
 from __future__ import annotations
@@ -31,14 +32,18 @@ def implementation_of(op: str, device: str) -> str:
     mode = get_kernel_backend()
     if info is None:
         return "PyTorch reference (no fused kernel for this op)"
+    if info.forward.startswith("none"):
+        return f"PyTorch reference ({info.forward.removeprefix('none:').strip()})"
     kernel = info.backward if op.endswith("_backward") else info.forward
     fallback = f"; falls back to the reference when {info.falls_back}" if info.falls_back else ""
     if mode == "reference":
         return "PyTorch reference (DEPTHREWRITE_KERNELS=reference)"
     if device == "cuda" and triton_available():
         return f"Triton: {kernel}{fallback}"
-    if mode == "triton" and interpreting():
-        return f"Triton (interpreter): {kernel}{fallback}"
+    if mode == "triton":
+        if interpreting():
+            return f"Triton (interpreter): {kernel}{fallback}"
+        return f"raises KernelError: kernel backend 'triton' on {device} needs TRITON_INTERPRET=1 (or use 'auto')"
     return f"PyTorch reference on {device} (Triton: {kernel} on CUDA)"
 
 
@@ -82,6 +87,7 @@ class Explanation:
                     inner=g.inner,
                     depth_ops=dict(g.depth_ops),
                     two_phase=[str(t) for t in g.two_phase],
+                    two_phase_declined=[str(t) for t in g.two_phase_declined],
                     two_phase_skipped=g.two_phase_skipped,
                     chain=g.chain_report.to_dict() if g.chain_report is not None else None,
                     chain_error=g.chain_error,
@@ -108,7 +114,9 @@ class Explanation:
                 lines.append("  depth ops: " + ", ".join(f"{op} ×{n}" for op, n in sorted(g.depth_ops.items())))
             for t in g.two_phase:
                 lines.append(f"  two-phase: {t}")
-            if g.kind == "converted" and not g.two_phase:
+            for t in g.two_phase_declined:
+                lines.append(f"  two-phase declined (cost model; two_phase='always' forces it): {t}")
+            if g.kind == "converted" and not g.two_phase and not g.two_phase_declined:
                 lines.append(f"  two-phase: not applied ({g.two_phase_skipped or 'no sites share a block prefix'})")
             if g.chain_report is not None:
                 c = g.chain_report.chain
@@ -121,10 +129,13 @@ class Explanation:
             for a in g.aot:
                 ops = ", ".join(f"{op} ×{n}" for op, n in sorted(a.depth_ops.items())) or "no depth ops"
                 lines.append(f"  AOT {a.stage} graph: {a.n_nodes} nodes; {ops}")
+            if g.inner == "inductor" and not g.aot:
+                lines.append("  AOT graphs: served from inductor's compile cache (not traced again), so not listed")
         if self.static_ops:
             lines.append("depth ops in the converted graph: " + ", ".join(f"{o} ×{n}" for o, n in sorted(self.static_ops.items())))
             for t in self.static_two_phase:
-                lines.append(f"  two-phase would batch: {t}")
+                verdict = "would batch" if t.worth_it else "would leave as single passes (cost model)"
+                lines.append(f"  two-phase {verdict}: {t}")
         kernels = self.kernels()
         if kernels:
             lines.append("kernels:")
@@ -146,14 +157,17 @@ def _device_of_module(module: nn.Module) -> str:
     return p.device.type if p is not None else "cpu"
 
 
-def explain(model: nn.Module, *args: Any, **kwargs: Any) -> Explanation:
+def explain(model: nn.Module, *args: Any, graph_breaks: bool = False, **kwargs: Any) -> Explanation:
     """Explain what the ``depthrewrite`` compile backend did to ``model``'s graphs.
 
     Args:
         model: a ``torch.compile``-d module (backend ``"depthrewrite"``), a converted model (not compiled: shows what
             the backend would do), or any module that was compiled with the backend.
-        *args, **kwargs: optional example inputs. With them, a compiled model that has not run yet is run once (Dynamo
-            compiles lazily), and Dynamo's own ``torch._dynamo.explain`` reports graph breaks and their reasons.
+        *args, **kwargs: optional example inputs; a compiled model that has not run yet is run once with them (Dynamo
+            compiles lazily).
+        graph_breaks (bool): also run Dynamo's own ``torch._dynamo.explain`` on the inputs for the number of graph
+            breaks and their reasons. It traces the model again and **resets Dynamo's caches** (every compiled
+            function in the process recompiles on its next call), so it is off by default.
 
     Returns:
         An :class:`Explanation`; ``print()`` it.
@@ -161,7 +175,13 @@ def explain(model: nn.Module, *args: Any, **kwargs: Any) -> Explanation:
     from torch._dynamo.eval_frame import OptimizedModule
 
     from .converted import ConvertedGraphModule
+    from .errors import ConfigError
 
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"depthrewrite.explain() takes a module (a converted model, or torch.compile of a module), not "
+            f"{type(model).__name__}; for a compiled function, explain the module it calls"
+        )
     compiled = isinstance(model, OptimizedModule)
     module = model._orig_mod if compiled else model
     name = repr(module) if isinstance(module, ConvertedGraphModule) else type(module).__name__
@@ -172,7 +192,9 @@ def explain(model: nn.Module, *args: Any, **kwargs: Any) -> Explanation:
             model(*args, **kwargs)
         graphs = records_for(module)
     exp = Explanation(model=name, compiled=compiled or bool(graphs), device=device, graphs=graphs)
-    if args or kwargs:
+    if graph_breaks:
+        if not (args or kwargs):
+            raise ConfigError("explain(..., graph_breaks=True) needs example inputs to trace the model with")
         from torch._dynamo import explain as dynamo_explain
 
         out = dynamo_explain(module)(*args, **kwargs)

@@ -56,3 +56,9 @@ def test_case_modules_import(op):
             pytest.fail(f"bench/kernel_cases/{op}.py is missing")
         raise
     assert callable(mod.cases)
+
+
+def test_whole_model_step_runs_every_scheme_on_cpu():
+    rows = kernels.model_step_rows("cpu", torch.float32, rep=1, layers=2, hidden=64, tokens=32)
+    assert [r["model"] for r in rows][0] == "vanilla" and len(rows) == 6
+    assert all("error" not in r and r["ms"] > 0 for r in rows), rows

@@ -9,9 +9,15 @@ Inside one block, every mixing site reads the same completed block summaries and
   by log-sum-exp.
 
 The result equals the single-pass ``depth_attn`` exactly in real arithmetic (floating-point rounding differs at the
-1e-7 level in fp32), forward and backward, so the pass is a pure lowering: no parameter changes, no new state.
-It applies to any group of at least ``min_group`` ``depth_attn`` nodes that share every source but the last — which
-is what Block AttnRes produces; Full AttnRes sites all have different prefixes and are left alone.
+1e-7 level in fp32), forward and backward: no parameter changes, no new state. Candidates are groups of at least
+``min_group`` ``depth_attn`` nodes that share every source but the last — what Block AttnRes produces; Full AttnRes
+sites all have different prefixes.
+
+It is not free: phase 1 writes the partial mix in fp32 (4·D bytes per token per site) and every merge reads it back
+and keeps it for backward. Per token and block of S sites over n completed sources of e bytes per element, the
+forward moves ``D·(n·e·(S−1) − 8·S)`` fewer bytes than S single passes, so it pays only from
+``n > 8·S / (e·(S−1))`` sources (bf16, S = 8: n ≥ 5). :attr:`TwoPhaseGroup.worth_it` applies that cost model; the
+backend uses it unless told ``two_phase="always"``.
 """
 
 from __future__ import annotations
@@ -43,22 +49,39 @@ def two_phase_ops_available() -> bool:
 
 @dataclass(frozen=True)
 class TwoPhaseGroup:
-    """Sites of one block: ``sites`` (depth_attn node names, graph order) share the sources ``prefix``."""
+    """Sites of one block: ``sites`` (depth_attn node names, graph order) share the sources ``prefix``.
+
+    ``elem_bytes`` and ``hidden`` describe the sources (0 when the graph carries no fake values)."""
 
     prefix: tuple[str, ...]
     sites: tuple[str, ...]
     eps: float
+    elem_bytes: int = 0
+    hidden: int = 0
 
     @property
-    def reads_saved(self) -> int:
-        """Full-width source reads per token saved: each prefix source is read once instead of once per site."""
-        return (len(self.sites) - 1) * len(self.prefix)
+    def bytes_saved(self) -> int:
+        """Forward bytes per token saved against S single passes (negative: two-phase moves more)."""
+        n, S, e = len(self.prefix), len(self.sites), self.elem_bytes or 4
+        return self.hidden * (n * e * (S - 1) - 8 * S)
+
+    @property
+    def extra_saved_for_backward(self) -> int:
+        """Bytes per token the merges keep for backward beyond the single passes (the fp32 partial mix and LSE)."""
+        return len(self.sites) * (4 * self.hidden + 4)
+
+    @property
+    def worth_it(self) -> bool:
+        """Whether two-phase moves fewer forward bytes than S single passes (the backend's default cost model)."""
+        return self.bytes_saved > 0
 
     def __str__(self) -> str:
+        saved = self.bytes_saved
+        verdict = f"saves {saved:,} B/token" if saved > 0 else f"would move {-saved:,} B/token more"
         return (
             f"{len(self.sites)} sites ({self.sites[0]} … {self.sites[-1]}) share {len(self.prefix)} completed "
-            f"source(s) [{', '.join(self.prefix)}]: one phase-1 pass + {len(self.sites)} merges, "
-            f"{self.reads_saved} fewer source reads per token"
+            f"source(s): one phase-1 pass + {len(self.sites)} merges; forward {verdict}, keeps "
+            f"{self.extra_saved_for_backward:,} B/token more for backward"
         )
 
 
@@ -82,11 +105,14 @@ def find_two_phase_groups(graph: fx.Graph, min_group: int = 2) -> list[TwoPhaseG
         if len(sources) < 2 or not all(isinstance(s, fx.Node) for s in sources):
             continue
         groups.setdefault((tuple(sources[:-1]), eps), []).append(n)
-    return [
-        TwoPhaseGroup(prefix=tuple(s.name for s in key[0]), sites=tuple(n.name for n in nodes), eps=key[1])
-        for key, nodes in groups.items()
-        if len(nodes) >= min_group
-    ]
+    out = []
+    for (prefix, eps), nodes in groups.items():
+        if len(nodes) < min_group:
+            continue
+        v = _fake_val(prefix[0])
+        e, d = (v.element_size(), v.shape[-1]) if isinstance(v, torch.Tensor) else (0, 0)
+        out.append(TwoPhaseGroup(tuple(p.name for p in prefix), tuple(n.name for n in nodes), eps, e, int(d)))
+    return out
 
 
 def _fake_val(node: fx.Node):
