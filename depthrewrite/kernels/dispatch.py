@@ -3,10 +3,18 @@
 Every op in ``depthrewrite/kernels/<op>/op.py`` asks :func:`use_triton` with its input tensors. The answer depends on
 the kernel backend:
 
-- ``"auto"`` (default): Triton when every tensor is on CUDA and Triton imports; the reference otherwise.
-- ``"triton"``: always Triton. On CPU this needs ``TRITON_INTERPRET=1`` in the environment *before* the kernel
-  modules are imported (the tests set it in ``tests/conftest.py``); otherwise a :class:`KernelError` says so.
+- ``"auto"`` (default): Triton when every tensor is on CUDA, Triton imports and every device the tensors are on is
+  one the kernels were written for (:func:`triton_supported_device`): an NVIDIA GPU (``torch.version.hip is None``;
+  ROCm was never tested) of compute capability 8.0 or newer (the mHC kernels use TF32 ``tl.dot`` and MoDA uses
+  bf16/fp16 ``tl.dot``, which need sm_80+). The reference otherwise, including on older or AMD GPUs.
+- ``"triton"``: always Triton (on any GPU: no capability check). On CPU this needs ``TRITON_INTERPRET=1`` in the
+  environment *before* the kernel modules are imported (the tests set it in ``tests/conftest.py``); otherwise a
+  :class:`KernelError` says so.
 - ``"reference"``: always the PyTorch reference (useful to bisect a numerical difference).
+
+:func:`decide` names the outcome for one call (``"triton"``, ``"triton-interpreter"`` or ``"reference"``); an op
+runs its Triton kernel only if the call is also one the kernel covers, which includes :func:`kernel_dtypes_ok`
+(fp32/bf16/fp16, and no bf16 on CPU: Triton's interpreter has no bf16) plus each op's own shape conditions.
 
 Set it with ``DEPTHREWRITE_KERNELS=auto|triton|reference``, :func:`set_kernel_backend`, or the
 :func:`kernel_backend` context manager. Kernel modules also describe themselves with :func:`register_kernel_info`,
@@ -32,6 +40,10 @@ __all__ = [
     "set_kernel_backend",
     "kernel_backend",
     "use_triton",
+    "decide",
+    "triton_supported_device",
+    "KERNEL_DTYPES",
+    "kernel_dtypes_ok",
     "triton_available",
     "interpreting",
     "register_kernel_info",
@@ -85,23 +97,71 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def use_triton(*tensors: torch.Tensor | None, op: str = "depth op") -> bool:
-    """Whether the op named ``op`` should run its Triton kernel on these tensors (``None`` entries are ignored)."""
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    """Compute capability of CUDA device ``index`` (cached per device index)."""
+    major, minor = torch.cuda.get_device_capability(index)
+    return int(major), int(minor)
+
+
+def triton_supported_device(device: torch.Tensor | torch.device | str | int) -> bool:
+    """Whether the ``"auto"`` backend runs the Triton kernels on this device (a tensor's device, a device or a CUDA
+    device index): an NVIDIA GPU (not ROCm) of compute capability >= 8.0. CPU and other devices: ``False``."""
+    if isinstance(device, torch.Tensor):
+        device = device.device
+    if isinstance(device, int):
+        index = device
+    else:
+        device = torch.device(device)
+        if device.type != "cuda":
+            return False
+        index = device.index if device.index is not None else torch.cuda.current_device()
+    if torch.version.hip is not None:
+        return False
+    return _capability(index) >= (8, 0)
+
+
+def decide(op: str, *tensors: torch.Tensor | None) -> str:
+    """What the op named ``op`` runs on these tensors (``None`` entries are ignored), under the current backend:
+    ``"triton"`` (compiled kernels), ``"triton-interpreter"`` (kernels in Triton's CPU interpreter, forced
+    ``"triton"`` backend only) or ``"reference"``. Raises :class:`KernelError` when the ``"triton"`` backend is
+    forced and cannot run (no Triton; CPU tensors without ``TRITON_INTERPRET=1``)."""
     mode = get_kernel_backend()
     if mode == "reference":
-        return False
+        return "reference"
     ts = [t for t in tensors if t is not None]
     on_cuda = bool(ts) and all(t.is_cuda for t in ts)
     if mode == "auto":
-        return on_cuda and triton_available()
+        if on_cuda and triton_available() and all(triton_supported_device(d) for d in {t.device for t in ts}):
+            return "triton"
+        return "reference"
     if not triton_available():
         raise KernelError(f"{op}: kernel backend 'triton' was requested, but triton does not import here")
-    if not on_cuda and not interpreting():
+    if on_cuda:
+        return "triton"
+    if not interpreting():
         raise KernelError(
             f"{op}: kernel backend 'triton' was requested for CPU tensors; set TRITON_INTERPRET=1 before importing "
             "depthrewrite to run the kernels in Triton's interpreter, or use the 'auto' backend"
         )
-    return True
+    return "triton-interpreter"
+
+
+def use_triton(*tensors: torch.Tensor | None, op: str = "depth op") -> bool:
+    """Whether the op named ``op`` should run its Triton kernel on these tensors (``None`` entries are ignored):
+    :func:`decide` says ``"triton"`` or ``"triton-interpreter"``."""
+    return decide(op, *tensors) != "reference"
+
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def kernel_dtypes_ok(*tensors: torch.Tensor | None) -> bool:
+    """Whether every tensor (``None`` entries are ignored) has a dtype the kernels take: fp32, bf16 or fp16, and bf16
+    only on CUDA (Triton's CPU interpreter has no bf16). fp64 and the rest run the reference (e.g. for gradcheck)."""
+    return all(
+        t.dtype in KERNEL_DTYPES and (t.dtype != torch.bfloat16 or t.is_cuda) for t in tensors if t is not None
+    )
 
 
 @dataclass(frozen=True)

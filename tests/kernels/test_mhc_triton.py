@@ -28,6 +28,8 @@ from depthrewrite.kernels.mhc import (
     mhc_pre_ref,
 )
 
+from ._helpers import close as _close, spy_calls
+
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {
     torch.float32: dict(fwd=(1e-5, 1e-5), grad=(1e-4, 1e-4)),
@@ -58,28 +60,13 @@ def _grads(fn, inputs, seed: int = 1):
     return outs, torch.autograd.grad(outs, leaves, cot)
 
 
-def _close(got, want, tol):
-    atol, rtol = tol
-    for a, b in zip(got, want, strict=True):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        torch.testing.assert_close(a.float(), b.float(), atol=atol * max(1.0, b.abs().max().item()), rtol=rtol)
-
-
 @pytest.fixture
 def calls(monkeypatch):
     """Counts the fused launcher calls (to tell the kernel path from the fallback)."""
     from depthrewrite.kernels.mhc import fused
 
-    seen: list[str] = []
-    for name in ("coeffs_forward", "coeffs_backward", "pre_forward", "pre_backward", "post_forward", "post_backward"):
-        orig = getattr(fused, name)
-
-        def spy(*a, _orig=orig, _name=name, **k):
-            seen.append(_name)
-            return _orig(*a, **k)
-
-        monkeypatch.setattr(fused, name, spy)
-    return seen
+    names = ("coeffs_forward", "coeffs_backward", "pre_forward", "pre_backward", "post_forward", "post_backward")
+    return spy_calls(monkeypatch, fused, names)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

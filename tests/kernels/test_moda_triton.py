@@ -211,6 +211,34 @@ def test_opcheck_forward_and_backward_ops():
         )
 
 
+def test_backward_op_returns_the_kernel_grads_without_a_copy(monkeypatch):
+    """The backward op returns the launcher's gradients as they are when they already have the dtype, shape and
+    strides of the fake's ``empty_like(input)``, and copies into that layout otherwise (transposed q, k, v here)."""
+    seen = []
+    bwd = fused.moda_attn_bwd
+
+    def spy(*a, **kw):
+        seen.append(bwd(*a, **kw))
+        return seen[-1]
+
+    monkeypatch.setattr(fused, "moda_attn_bwd", spy)
+    q, k, v, m, Kd, Vd, w = (None if t is None else t.detach() for t in make(1, 4, 2, 5, 5, 2, 4, lam="mixed"))
+    with kernel_backend("triton"):
+        out = moda_attn(q, k, v, m, Kd, Vd, w, 0.5, True, 0.0, None, 0.0)
+        go = torch.randn_like(out)
+        res = moda_attn_backward(go, q, k, v, m, Kd, Vd, w, out, 0.5, True, 0.0, None, 0.0, False)
+        kern = seen[-1]
+        for i in (0, 1, 2, 4, 5):  # dq, dk, dv, dKd, dVd
+            assert res[i] is kern[i]
+        qt, kt, vt = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+        res = moda_attn_backward(go, qt, kt, vt, m, Kd, Vd, w, out, 0.5, True, 0.0, None, 0.0, False)
+        kern = seen[-1]
+    for i, x in zip((0, 1, 2), (qt, kt, vt)):
+        assert res[i] is not kern[i] and res[i].stride() == x.stride()
+        torch.testing.assert_close(res[i], kern[i], rtol=0, atol=0)
+    assert res[4] is kern[4] and res[5] is kern[5]
+
+
 def test_compiled_graphs_show_one_opaque_node_each_way():
     """AOT autograd (what torch.compile runs) sees one moda_attn in the forward graph, one moda_attn_backward in the
     backward graph, and the compiled call matches eager."""

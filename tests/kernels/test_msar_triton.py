@@ -21,6 +21,8 @@ from depthrewrite.kernels.dispatch import kernel_backend, kernel_info
 from depthrewrite.kernels.msar import msar_mix, msar_mix_ref
 from depthrewrite.kernels.msar.op import msar_mix_backward
 
+from ._helpers import close as _close, spy_calls
+
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {
     torch.float32: dict(fwd=(1e-5, 1e-5), grad=(1e-4, 1e-4)),
@@ -57,28 +59,12 @@ def _run(fn, src, query, gain, conv, mix, seed=1):
     return out, torch.autograd.grad(out, leaves, cot)
 
 
-def _close(got, want, tol):
-    atol, rtol = tol
-    for a, b in zip(got, want, strict=True):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        torch.testing.assert_close(a.float(), b.float(), atol=atol * max(1.0, b.abs().max().item()), rtol=rtol)
-
-
 @pytest.fixture
 def calls(monkeypatch):
     """Counts the fused launcher calls (to tell the kernel path from the fallback)."""
     from depthrewrite.kernels.msar import fused
 
-    seen: list[str] = []
-    for name in ("msar_fwd", "msar_bwd"):
-        orig = getattr(fused, name)
-
-        def spy(*a, _orig=orig, _name=name, **k):
-            seen.append(_name)
-            return _orig(*a, **k)
-
-        monkeypatch.setattr(fused, name, spy)
-    return seen
+    return spy_calls(monkeypatch, fused, ("msar_fwd", "msar_bwd"))
 
 
 CASES = [  # K, lead, T, D, kernel sizes, sigmoid mixer, conv values

@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._triton_utils import pow2
+
 __all__ = [
     "MAX_SOURCES",
     "MAX_ROW",
@@ -413,10 +415,6 @@ def _merge_bwd_kernel(
 # ---- launch configuration -----------------------------------------------------------------------------------------
 
 
-def _pow2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
-
-
 def _warps(elems: int) -> int:
     return 4 if elems <= 2048 else 8 if elems <= 8192 else 16
 
@@ -433,7 +431,7 @@ def _programs(device: torch.device, n_tiles: int, per_sm: int = 4) -> int:
 
 def _row_config(device: torch.device, D: int) -> tuple[int, int, int]:
     """(BT, BD, num_warps) of the whole-row kernels."""
-    bd = _pow2(D)
+    bd = pow2(D)
     bt = max(1, min(16, 2048 // bd)) if device.type == "cuda" else 2
     return bt, bd, _warps(bt * bd)
 
@@ -444,13 +442,13 @@ def _chunk_config(device: torch.device, S: int, K: int, D: int, T: int, elt: int
     ``BT`` keeps one program's token block (``BT·K·D·elt`` bytes, read twice) small enough to stay in L2 between the
     two passes; ``BDC`` keeps the ``[SP, BT, BDC]`` fp32 tiles at about 4096 elements.
     """
-    sp, kp = _pow2(S), _pow2(K)
+    sp, kp = pow2(S), pow2(K)
     if device.type != "cuda":  # the interpreter: tiny blocks, so that small tests exercise every loop and mask
         return sp, kp, 2, 16, 4
     bt = 1
-    while bt < 16 and bt * 2 * K * D * elt <= 128 * 1024 and bt * 2 <= _pow2(T):
+    while bt < 16 and bt * 2 * K * D * elt <= 128 * 1024 and bt * 2 <= pow2(T):
         bt *= 2
-    bdc = max(16, min(_pow2(D), 4096 // (sp * bt), 1024))
+    bdc = max(16, min(pow2(D), 4096 // (sp * bt), 1024))
     return sp, kp, bt, bdc, _warps(sp * bt * bdc)
 
 
@@ -532,7 +530,7 @@ def _split_stats(
         _stats_kernel[(triton.cdiv(T, bt),)](
             *_ptrs(chunk), queries, gains, go if go is not None else dot, float(gscale), ss, dot,
             gv if gv is not None else dot, S, T, D, K, j0,
-            NSRC=len(chunk), HAS_GO=go is not None, SP=sp, KP=_pow2(len(chunk)), BT=bt, BDC=bdc, num_warps=nw,
+            NSRC=len(chunk), HAS_GO=go is not None, SP=sp, KP=pow2(len(chunk)), BT=bt, BDC=bdc, num_warps=nw,
         )  # fmt: skip
     r = torch.rsqrt(ss / D + eps)
     return r, dot * r, gv
@@ -583,7 +581,7 @@ def _multi_bwd(
         _multi_bwd_kernel[(nprog,)](
             *_ptrs(chunk), *_ptrs(dvs[j0 : j0 + len(chunk)]), queries, gains, go, glse_arg, du, p, cu, cv,
             S, T, D, float(eps), float(gscale), n_tiles, K, j0,
-            NSRC=len(chunk), FUSED=False, HAS_GLSE=glse is not None, SP=sp, KP=_pow2(len(chunk)), BT=bt, BDC=bdc,
+            NSRC=len(chunk), FUSED=False, HAS_GLSE=glse is not None, SP=sp, KP=pow2(len(chunk)), BT=bt, BDC=bdc,
             num_warps=nw,
         )  # fmt: skip
     return dvs, du.sum(0)[:S]
@@ -664,7 +662,7 @@ def depth_attn_partial_fwd(
     for j0, chunk in _chunks(vs):
         _multi_fwd_kernel[grid](
             *_ptrs(chunk), qs, gs, o, lse, p, S, T, D, float(eps), K, j0,
-            NSRC=len(chunk), FUSED=False, ACCUM=j0 > 0, SP=sp, KP=_pow2(len(chunk)), BT=bt, BDC=bdc, num_warps=nw,
+            NSRC=len(chunk), FUSED=False, ACCUM=j0 > 0, SP=sp, KP=pow2(len(chunk)), BT=bt, BDC=bdc, num_warps=nw,
         )  # fmt: skip
     return o.view(S, *lead, D), lse.view(S, *lead)
 

@@ -13,23 +13,23 @@ from __future__ import annotations
 
 import torch
 
-from ..dispatch import KernelInfo, register_kernel_info, use_triton
+from ..dispatch import KernelInfo, kernel_dtypes_ok, register_kernel_info, use_triton
 from .reference import depth_attn_merge_ref, depth_attn_partial_ref, depth_attn_ref
 
 __all__ = ["depth_attn", "depth_attn_partial", "depth_attn_merge", "MAX_SOURCES", "MAX_ROW"]
 
 MAX_SOURCES = 16  # sources per kernel launch (separate pointer arguments); must equal fused.MAX_SOURCES
 MAX_ROW = 16384  # largest D of the whole-row kernels (depth_attn forward, merge); must equal fused.MAX_ROW
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _dtypes_ok(tensors: list[torch.Tensor]) -> bool:
-    """The kernels take fp32/bf16/fp16 sources of one dtype (fp64 runs the reference, e.g. for gradcheck)."""
-    return tensors[0].dtype in _KERNEL_DTYPES and all(t.dtype == tensors[0].dtype for t in tensors)
+    """The kernels take fp32/bf16/fp16 sources of one dtype (fp64 runs the reference, e.g. for gradcheck; bf16 only
+    on CUDA: :func:`~depthrewrite.kernels.dispatch.kernel_dtypes_ok`)."""
+    return kernel_dtypes_ok(tensors[0]) and all(t.dtype == tensors[0].dtype for t in tensors)
 
 
 def _params_ok(*params: torch.Tensor) -> bool:
-    return all(p.dtype in _KERNEL_DTYPES for p in params)
+    return kernel_dtypes_ok(*params)
 
 
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
@@ -256,7 +256,7 @@ depth_attn_partial.register_autograd(_partial_backward, setup_context=_partial_s
 
 def _merge_kernel_ok(o, lse, last, query, gain) -> bool:
     return (
-        last.dtype in _KERNEL_DTYPES
+        kernel_dtypes_ok(last)
         and o.dtype == torch.float32
         and lse.dtype == torch.float32
         and _params_ok(query, gain)
@@ -303,7 +303,7 @@ def depth_attn_merge_backward(
     if (
         use_triton(grad, o, lse, last, query, gain, op="depthrewrite::depth_attn_merge_backward")
         and _merge_kernel_ok(o, lse, last, query, gain)
-        and grad.dtype in _KERNEL_DTYPES
+        and kernel_dtypes_ok(grad)
     ):
         from . import fused
 

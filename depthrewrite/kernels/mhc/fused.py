@@ -34,6 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .._triton_utils import pow2
+from ..dispatch import kernel_dtypes_ok
+
 __all__ = [
     "MAX_STREAMS",
     "supported",
@@ -46,20 +49,13 @@ __all__ = [
 ]
 
 MAX_STREAMS = 8  # the coefficient kernels keep [BT, NP, NP] Sinkhorn tiles in registers; n > 8 falls back
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SEG = 4  # Sinkhorn backward: pairs of normalisations per recomputation segment
 
 
 def supported(*tensors: torch.Tensor, n: int) -> bool:
     """Whether the fused kernels cover these inputs: fp32/bf16/fp16 tensors, ``1 <= n <= 8``, no empty tensor (and,
     in Triton's CPU interpreter, which has no bf16, no bf16 CPU tensor)."""
-    return 1 <= n <= MAX_STREAMS and all(
-        t.dtype in _DTYPES and t.numel() > 0 and (t.is_cuda or t.dtype != torch.bfloat16) for t in tensors
-    )
-
-
-def _pow2(x: int) -> int:
-    return triton.next_power_of_2(max(int(x), 1))
+    return 1 <= n <= MAX_STREAMS and all(t.numel() > 0 for t in tensors) and kernel_dtypes_ok(*tensors)
 
 
 def _precision() -> str:
@@ -75,7 +71,7 @@ def _num_sms(device: torch.device) -> int:
 
 def _coeff_layout(n: int) -> tuple[int, int]:
     """(PP, NP): padded pre/post width and padded Sinkhorn side of the coefficient kernels."""
-    return max(16, _pow2(2 * n)), max(4, _pow2(n))
+    return max(16, pow2(2 * n)), max(4, pow2(n))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -586,9 +582,9 @@ def _post_bwd_kernel(X, RES, POST, Y, GO, GX, GRES, GPOST, GY, T, D, N: tl.const
 
 def _apply_blocks(T: int, D: int, n: int) -> tuple[int, int, int]:
     """(NP, BT, BD) for the apply kernels: tiles of about 4096 elements of X ([BT, NP, BD])."""
-    NP = _pow2(n)
-    BD = min(_pow2(D), max(64, 4096 // NP))
-    BT = max(1, min(_pow2(T), 4096 // (NP * BD)))
+    NP = pow2(n)
+    BD = min(pow2(D), max(64, 4096 // NP))
+    BT = max(1, min(pow2(T), 4096 // (NP * BD)))
     return NP, BT, BD
 
 

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._triton_utils import pow2
 from ..dispatch import interpreting
 
 __all__ = ["moda_attn_fwd", "moda_attn_bwd", "block_config"]
@@ -424,8 +425,8 @@ def block_config(G: int, d: int, dtype: torch.dtype) -> dict[str, int]:
     (strides of 1 specialised, as the JIT does) shows no register spills for bf16/fp16 at d <= 128; fp32 (no tensor
     cores with ``input_precision="ieee"``) still spills a little at d = 128 and is the correctness path, not the fast one.
     """
-    GP = triton.next_power_of_2(G)
-    BD = max(16, triton.next_power_of_2(d))
+    GP = pow2(G)
+    BD = max(16, pow2(d))
     if interpreting():
         c = dict(fwd=(16, 16, 4, 1), dq=(16, 16, 4, 1), kv=(16, 16, 4, 1))
     elif dtype == torch.float32:

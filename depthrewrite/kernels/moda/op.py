@@ -15,12 +15,11 @@ import math
 
 import torch
 
-from ..dispatch import KernelInfo, register_kernel_info, use_triton
+from ..dispatch import KernelInfo, kernel_dtypes_ok, register_kernel_info, use_triton
 from .reference import moda_attn_ref, moda_slots_ref
 
 __all__ = ["moda_attn", "moda_attn_backward", "moda_slots", "kernel_covers"]
 
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_HEAD_DIM = 256
 
 
@@ -36,9 +35,7 @@ def kernel_covers(q, k, v, attn_mask, depth_k, depth_v, depth_weight, dropout_p)
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or depth_k.dim() != 5 or depth_v.dim() != 5:
         return False
     dt = q.dtype
-    if dt not in _KERNEL_DTYPES or any(t.dtype != dt for t in (k, v, depth_k, depth_v)):
-        return False
-    if dt == torch.bfloat16 and not q.is_cuda:
+    if not kernel_dtypes_ok(q) or any(t.dtype != dt for t in (k, v, depth_k, depth_v)):
         return False
     B, Hq, T, d = q.shape
     Hk, S = k.shape[1], k.shape[2]
@@ -205,18 +202,34 @@ def moda_attn_backward(
         args = [q, k, v, attn_mask, depth_k, depth_v, depth_weight, scale, is_causal, dropout_p, seed, softcap]
         got = _reference_grads(grad, args, mask_grad)
     like = (q, k, v, attn_mask if mask_grad else None, depth_k, depth_v, depth_weight)
+    inputs = (grad, q, k, v, attn_mask, depth_k, depth_v, depth_weight, out, seed)
+    taken = {t.untyped_storage().data_ptr() for t in inputs if t is not None and t.numel() > 0}
     res = []
     for g, x in zip(got, like):
         if x is None:
             res.append(q.new_empty(0))
-            continue
-        r = torch.empty_like(x)  # the fake's layout, whatever the producer's strides
-        if g is None:
-            r.zero_()
+        elif g is None:
+            res.append(torch.zeros_like(x))
+        elif _as_fake_promises(g, x, taken):
+            taken.add(g.untyped_storage().data_ptr())
+            res.append(g)
         else:
-            r.copy_(g)
-        res.append(r)
+            res.append(torch.empty_like(x).copy_(g))  # the fake's layout, whatever the producer's strides
     return tuple(res)
+
+
+def _as_fake_promises(g: torch.Tensor, x: torch.Tensor, taken: set[int]) -> bool:
+    """Whether ``g`` can be returned as the gradient of ``x`` as is: the dtype, shape and strides of
+    ``torch.empty_like(x)`` (the fake's output; strides computed on the meta device, nothing allocated), on x's
+    device, and a storage that no input and no earlier output uses (a custom op's outputs may not alias)."""
+    return (
+        g.dtype == x.dtype
+        and g.device == x.device
+        and g.shape == x.shape
+        and g.numel() > 0
+        and g.stride() == torch.empty_like(x, device="meta").stride()
+        and g.untyped_storage().data_ptr() not in taken
+    )
 
 
 @moda_attn_backward.register_fake

@@ -41,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._triton_utils import pow2
+
 __all__ = ["MAX_SOURCES", "MAX_STREAMS", "MAX_KERNEL", "msar_fwd", "msar_bwd"]
 
 MAX_SOURCES = 16  # pointer arguments of the kernels; more sources fall back to the reference (op._kernel_covers)
@@ -702,10 +704,6 @@ def _dphi_add(dphiT_ptr, Zr, dp0, dp1, dp2, dp3, own, cols, cm, D, r: tl.constex
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
 class _Prep:
     """Contiguous inputs, packed fp32 parameters and the compile-time configuration shared by fwd and bwd."""
 
@@ -721,7 +719,7 @@ class _Prep:
         self.ks = [int(w.shape[-1]) for w in conv]
         self.KMAX = max([1, *self.ks])
         self.KS = (self.ks + [0, 0, 0])[:3]
-        self.KP = max(2, _pow2(self.K))
+        self.KP = max(2, pow2(self.K))
         dev = s0.device
         f32 = torch.float32
         self.u = torch.zeros(4, self.D, device=dev, dtype=f32)  # [4, D], zero rows for absent streams
@@ -854,7 +852,7 @@ def msar_bwd(
     halo = p.KMAX - 1
     ET = ext_t or 32  # 32 rows own 21 with the default k_max = 12; 64 spills registers on sm_90 (ptxas -v)
     if ET <= halo:
-        ET = _pow2(halo + 1)
+        ET = pow2(halo + 1)
     BD2 = block_d2
     BTO = ET - halo
     n_prog = p.N * triton.cdiv(p.T, BTO)
@@ -866,7 +864,7 @@ def msar_bwd(
     _msar_bwd_grad_kernel[(n_prog,)](
         *p.ptrs, *dx, *[dx[0]] * (MAX_SOURCES - p.K), gh, p.u, p.wp, p.phiT, st, tk, du, dw, dphiT, scratch,
         p.T, p.D, BTO,
-        KMAXP=_pow2(p.KMAX), ET=ET, BD=BD2, num_warps=num_warps, **consts,
+        KMAXP=pow2(p.KMAX), ET=ET, BD=BD2, num_warps=num_warps, **consts,
     )  # fmt: skip
     du = du[: p.M]
     out = list(dx)

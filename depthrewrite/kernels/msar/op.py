@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..dispatch import KernelInfo, register_kernel_info, use_triton
+from ..dispatch import KernelInfo, kernel_dtypes_ok, register_kernel_info, use_triton
 from .reference import causal_depthwise_conv, msar_mix_ref
 
 __all__ = ["msar_mix", "msar_mix_backward"]
@@ -27,16 +27,16 @@ def _kernel_covers(sources: list[torch.Tensor], query: torch.Tensor, conv: list[
     if len(conv) != query.shape[0] - 1 or any(not 1 <= w.shape[-1] <= _MAX_KERNEL for w in conv):
         return False
     s0 = sources[0]
-    if s0.dim() < 2 or s0.dtype not in (torch.float32, torch.bfloat16, torch.float16) or s0.numel() == 0:
-        return False
-    if s0.dtype == torch.bfloat16 and not s0.is_cuda:  # Triton's interpreter has no bf16
+    if s0.dim() < 2 or not kernel_dtypes_ok(s0) or s0.numel() == 0:  # fp32/bf16/fp16; bf16 only on CUDA
         return False
     return all(s.shape == s0.shape and s.dtype == s0.dtype and s.device == s0.device for s in sources)
 
 
-def _fused(sources, query, gain, conv, phi, bias, alpha) -> bool:
-    return _kernel_covers(sources, query, conv) and use_triton(
-        *sources, query, gain, *conv, phi, bias, alpha, op="depthrewrite::msar_mix"
+def _fused(sources, query, gain, conv, phi, bias, alpha, grad=None, op: str = "depthrewrite::msar_mix") -> bool:
+    """Whether to run the Triton kernels: :func:`use_triton` first (so a forced ``triton`` backend on CPU without
+    the interpreter raises, as in the other ops), then the coverage checks."""
+    return use_triton(grad, *sources, query, gain, *conv, phi, bias, alpha, op=op) and _kernel_covers(
+        sources, query, conv
     )
 
 
@@ -166,7 +166,7 @@ def msar_mix_backward(
         not None (zeros where the input does not influence the output, e.g. φ with the mean mixer).
     """
     args = (grad, sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_values, sigmoid_mixer)
-    if _fused(sources, query, gain, conv, phi, bias, alpha) and use_triton(grad, op="depthrewrite::msar_mix_backward"):
+    if _fused(sources, query, gain, conv, phi, bias, alpha, grad, op="depthrewrite::msar_mix_backward"):
         from .fused import msar_bwd
 
         return msar_bwd(*args)
