@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .backend import GraphRecord, records_for
-from .kernels.dispatch import get_kernel_backend, interpreting, kernel_info, triton_available
+from .kernels.dispatch import get_kernel_backend, interpreting, kernel_info, triton_available, triton_supported_device
 
 __all__ = ["explain", "Explanation", "implementation_of"]
 
@@ -39,7 +39,9 @@ def implementation_of(op: str, device: str) -> str:
     if mode == "reference":
         return "PyTorch reference (DEPTHREWRITE_KERNELS=reference)"
     if device == "cuda" and triton_available():
-        return f"Triton: {kernel}{fallback}"
+        if mode == "triton" or triton_supported_device(device):
+            return f"Triton: {kernel}{fallback}"
+        return "PyTorch reference (the fused kernels need an NVIDIA GPU of compute capability 8.0 or newer)"
     if mode == "triton":
         if interpreting():
             return f"Triton (interpreter): {kernel}{fallback}"
