@@ -135,7 +135,9 @@ def _caveat(summary: dict[str, tuple[float, float]], results: dict[str, list[Run
     return text
 
 
-def write_report(results: dict[str, list[RunResult]], args: argparse.Namespace, wall: float, load: tuple, out: Path) -> None:
+def write_report(results: dict[str, list[RunResult]], args: argparse.Namespace, wall: float, load: tuple | None,
+                 out: Path) -> None:
+    """Write the Markdown report; ``load`` is the load average at the start and the end of the runs (None: unknown)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     plot = out.with_name(out.stem + "_quality.png")
     summary = {k: _mean_std([r.final_val for r in rs]) for k, rs in results.items()}
@@ -174,9 +176,7 @@ weights and the same batches. Losses are nats per byte.
 ![validation loss and training curves]({plot.name})
 
 **Conditions of the step times.** {os.cpu_count()} CPU cores ({cpu}), torch {torch.__version__} with
-{torch.get_num_threads()} thread(s), niceness {os.nice(0) if hasattr(os, "nice") else "n/a"}, the PyTorch reference ops (no Triton kernels on CPU). Load average
-{load[0]:.1f} at the start and {load[1]:.1f} at the end; the machine was shared with other jobs, so step times are
-indicative and comparable only within this table. """ + (args.note or f"""Seeds ran in {min(args.jobs, args.seeds)} parallel process(es); whole run:
+{torch.get_num_threads()} thread(s), niceness {os.nice(0) if hasattr(os, "nice") else "n/a"}, the PyTorch reference ops (no Triton kernels on CPU). """ + _load_text(load) + " " + (args.note or f"""Seeds ran in {min(args.jobs, args.seeds)} parallel process(es); whole run:
 {wall / 60:.1f} minutes (wall clock).""") + f"""
 
 ## Against the MSAR paper's 10B-token ablation
@@ -250,10 +250,10 @@ def _from_json(rows: list[dict], order: list[str]) -> dict[str, list[RunResult]]
 def _run_parallel(args: argparse.Namespace, argv: list[str]) -> dict[str, list[RunResult]]:
     """One subprocess per seed (at most --jobs at a time), each saving its runs as JSON; merged here."""
     import json
+    import shutil
     import subprocess
     import tempfile
 
-    tmp = Path(tempfile.mkdtemp(prefix="bench-quality-"))
     base = [a for a in argv if a != "--jobs" and not a.startswith("--jobs=")]
     if "--jobs" in argv:  # drop the value that followed --jobs
         i = argv.index("--jobs")
@@ -261,24 +261,62 @@ def _run_parallel(args: argparse.Namespace, argv: list[str]) -> dict[str, list[R
     pending = list(range(args.seeds))
     running: list[subprocess.Popen] = []
     failed = []
-    while pending or running:
-        while pending and len(running) < args.jobs:
-            seed = pending.pop(0)
-            cmd = [sys.executable, "-m", "bench.quality", *base, "--seed-only", str(seed), "--save-runs", str(tmp / f"seed{seed}.json")]
-            running.append(subprocess.Popen(cmd))
-        time.sleep(1.0)
-        for p in [p for p in running if p.poll() is not None]:
-            running.remove(p)
-            if p.returncode != 0:
-                failed.append(p.args)
-    if failed:
-        raise DepthRewriteError(f"{len(failed)} seed job(s) failed: {failed}")
-    rows = [row for f in sorted(tmp.glob("seed*.json")) for row in json.loads(f.read_text())]
+    tmp = Path(tempfile.mkdtemp(prefix="bench-quality-"))
+    done = False
+    try:
+        while pending or running:
+            while pending and len(running) < args.jobs:
+                seed = pending.pop(0)
+                cmd = [sys.executable, "-m", "bench.quality", *base, "--seed-only", str(seed),
+                       "--save-runs", str(tmp / f"seed{seed}.json")]
+                running.append(subprocess.Popen(cmd))
+            time.sleep(1.0)
+            for p in [p for p in running if p.poll() is not None]:
+                running.remove(p)
+                if p.returncode != 0:
+                    failed.append(p.args)
+        if failed:
+            raise DepthRewriteError(f"{len(failed)} seed job(s) failed: {failed}")
+        rows = [row for f in sorted(tmp.glob("seed*.json")) for row in json.loads(f.read_text())]
+        done = True
+    finally:
+        # Ctrl-C or an error: stop the workers still running, then keep what they saved (a worker saves after every
+        # run) for --merge, or remove the folder
+        for p in running:
+            p.terminate()
+        for p in running:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        saved = [] if done else sorted(tmp.glob("seed*.json"))
+        if saved:
+            print(f"bench.quality: the runs finished so far are kept in {tmp}; write a report from them with "
+                  f"--merge {' '.join(map(str, saved))}", file=sys.stderr)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
     return _from_json(rows, [v.name for v in parse_variants(args.schemes)])
 
 
 def _load() -> float:
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+
+
+def _load_text(load: tuple | None) -> str:
+    """The measured 1-minute load average at the start and the end of the run, against the core count."""
+    import math
+
+    if load is None:
+        return "The load average was not measured (report merged from runs saved earlier)."
+    if not all(math.isfinite(x) for x in load):
+        return "The load average could not be read on this platform."
+    cores = os.cpu_count() or 1
+    text = (f"Load average (1 minute, this run's own processes included) {load[0]:.1f} at the start and "
+            f"{load[1]:.1f} at the end, on {cores} core(s)")
+    if max(load) > cores:
+        return text + ": more runnable processes than cores, so step times are inflated and comparable only within this table."
+    return text + ": step times are indicative and comparable only within this table."
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -316,13 +354,14 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         load0 = _load()
 
-        def report(results):  # rewritten after every seed: an interrupted run still leaves its complete seeds
-            write_report(results, args, time.perf_counter() - start, (load0, _load()), args.out)
+        def report(results, measured=True):  # rewritten after every seed: an interrupted run still leaves its complete seeds
+            load = (load0, _load()) if measured else None  # merged runs: their load was not measured here
+            write_report(results, args, time.perf_counter() - start, load, args.out)
             args.out.with_name(args.out.stem + "_runs.json").write_text(json.dumps(_to_json(results)))
 
         if args.merge:
             rows = [row for f in args.merge for row in json.loads(f.read_text())]
-            report(_from_json(rows, [v.name for v in parse_variants(args.schemes)]))
+            report(_from_json(rows, [v.name for v in parse_variants(args.schemes)]), measured=False)
         elif args.save_runs is not None:  # a --jobs worker
             args.save_runs.write_text(json.dumps(_to_json(run(args))))
         elif args.jobs > 1:

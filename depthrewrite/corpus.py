@@ -123,9 +123,10 @@ class Corpus:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``batch`` random windows of ``seq + 1`` bytes: inputs ``x [batch, seq]`` and next-byte targets ``y``."""
         data = self._data(split)
-        if len(data) <= seq + 1:
+        if len(data) < seq + 1:
             raise ConfigError(f"the {split} split has {len(data)} bytes, fewer than a window of {seq + 1}")
-        starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=generator)
+        # a window starts at 0 .. len - (seq + 1), both included (randint's high is exclusive)
+        starts = torch.randint(0, len(data) - seq, (batch,), generator=generator)
         idx = starts[:, None] + torch.arange(seq + 1)
         win = data[idx].long()
         return win[:, :-1], win[:, 1:]

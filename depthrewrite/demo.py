@@ -163,9 +163,11 @@ def run_demo(cfg: DemoConfig, say: Callable[[str], None] = print) -> list[RunRes
     say(f"== training {len(variants)} variants for {cfg.steps} steps of {cfg.batch} x {cfg.seq} bytes each "
         f"(same init, same batches) ==")
 
+    # only the variant whose rewritten graph is drawn keeps its trained model (until it is drawn)
+    draw = next((name for name in _DRAW_PREFERENCE for v in variants if v.name == name), None)
     results: list[RunResult] = []
     for v in variants:
-        r = train_variant(build, v, corpus, train_cfg, seed=cfg.seed, progress=cfg.progress, keep_model=True)
+        r = train_variant(build, v, corpus, train_cfg, seed=cfg.seed, progress=cfg.progress, keep_model=v.name == draw)
         results.append(r)
         what = "original model" if v.scheme is None else f"{v.label}: {r.new_params:,} new parameters, {_init_check(r)}"
         say(f"  {v.name:<14} {what}; val loss {r.final_val:.3f}")
@@ -174,21 +176,23 @@ def run_demo(cfg: DemoConfig, say: Callable[[str], None] = print) -> list[RunRes
     table = results_table(results)
     say(table)
     md = results_table(results, fmt="github")
+    plot = out / "loss_curves.png"
+    plot.unlink(missing_ok=True)  # a plot left by an earlier run would be linked below as if it were this run's
+    try:
+        written.append(_plot_losses(results, plot))
+    except ImportError:
+        say("(matplotlib is not installed: no loss_curves.png; `pip install 'depthrewrite[viz]'`)")
+    picture = f"\n\n![loss curves]({plot.name})" if plot.exists() else ""
     (out / "results.md").write_text(
         f"# depthrewrite demo\n\nTiny Llama ({cfg.layers} blocks, hidden {cfg.hidden}), {corpus}; {cfg.steps} steps of "
         f"{cfg.batch} x {cfg.seq} bytes per variant, seed {cfg.seed}. Losses in nats per byte; step time on this "
-        f"machine.\n\n{md}\n\n![loss curves](loss_curves.png)\n"
+        f"machine.\n\n{md}{picture}\n"
     )
     written.append(out / "results.md")
-    try:
-        written.append(_plot_losses(results, out / "loss_curves.png"))
-    except ImportError:
-        say("(matplotlib is not installed: no loss_curves.png; `pip install 'depthrewrite[viz]'`)")
-    drawn = next((r for name in _DRAW_PREFERENCE for r in results if r.variant.name == name), None)
+    drawn = next((r for r in results if r.variant.name == draw), None)
     if drawn is not None:
         written += _save_rewritten(drawn.model, drawn.variant.name, out, say)
-    for r in results:
-        r.model = None  # do not keep the models alive past the demo
+        drawn.model = None  # do not keep the model alive past the demo
     say("")
     say(f"wrote {', '.join(str(p) for p in written)}")
     say(f"demo finished in {time.perf_counter() - start:.0f} s")

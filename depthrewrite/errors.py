@@ -14,6 +14,8 @@ __all__ = [
     "ConfigError",
     "AttentionPatternError",
     "KernelError",
+    "PipelineError",
+    "TrainingError",
 ]
 
 
@@ -54,3 +56,23 @@ class ConfigError(DepthRewriteError, ValueError):
 
 class KernelError(DepthRewriteError, RuntimeError):
     """A fused kernel cannot run these inputs (capacity, device or dtype)."""
+
+
+class PipelineError(DepthRewriteError, RuntimeError):
+    """A pipeline stage failed while running (cross-stage cache out of step, nothing to carry cached gradients).
+
+    ``stage`` is the stage index. In a distributed run the peers of the failing rank stay blocked in send/recv until
+    the process group's timeout: set one (``init_process_group(..., timeout=...)``).
+    """
+
+    def __init__(self, message: str, stage: int | None = None):
+        super().__init__(message)
+        self.stage = stage
+
+
+class TrainingError(DepthRewriteError, FloatingPointError):
+    """Training diverged (the loss became NaN or infinite); ``variant`` and ``step`` say where."""
+
+    def __init__(self, message: str, variant: str | None = None, step: int | None = None):
+        super().__init__(message)
+        self.variant, self.step = variant, step

@@ -35,7 +35,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from .errors import ConfigError
+from .errors import ConfigError, PipelineError
 from .passes.meta import META_KEY, NodeRole
 
 __all__ = [
@@ -322,13 +322,6 @@ def _fold_buffer_casts(gm: fx.GraphModule, graph: fx.Graph) -> None:
                 graph.erase_node(n)
 
 
-def _drop_asserts(graph: fx.Graph) -> None:
-    for n in list(graph.nodes):
-        if n.op == "call_function" and n.target in (aten._assert_tensor_metadata.default,):
-            graph.erase_node(n)
-    graph.eliminate_dead_code()
-
-
 _CLONE_KEY = "depthrewrite_pipeline_recomputed"  # node.meta: the side value a per-stage copy recomputes
 
 
@@ -337,7 +330,7 @@ def _place(gm: fx.GraphModule, graph: fx.Graph, report, cuts: Sequence[int]) -> 
     reorder ``graph`` stage by stage and insert the pipe_split nodes between stages."""
     for n in [n for n in graph.nodes if n.op == "call_function" and n.target is PIPE_SPLIT]:
         graph.erase_node(n)  # re-splitting replaces earlier boundaries
-    _drop_asserts(graph)
+    # convert() already dropped export's dtype asserts and the dead code they kept alive (converted.drop_dead_code)
     _fold_buffer_casts(gm, graph)
     anchors = {_anchor(graph, report, j): k + 1 for k, j in enumerate(cuts)}
     order = list(graph.nodes)
@@ -416,14 +409,23 @@ def split(converted, P: int, *, align_blocks: bool = True, example_inputs: tuple
 # stage modules
 
 
+def _meta_like(v: Any) -> Any:
+    """What the stage planning needs of a value: Python scalars as they are, tensors as meta tensors (shape and dtype,
+    no storage)."""
+    return pytree.tree_map_only(torch.Tensor, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), v)
+
+
 class _Record(fx.Interpreter):
+    """Runs the graph once with garbage collection on (intermediates, attention probabilities included, are freed as
+    in a normal forward) and keeps only each node's shape and dtype (:func:`_meta_like`) and its scalar values."""
+
     def __init__(self, gm, graph):
-        super().__init__(gm, graph=graph, garbage_collect_values=False)
+        super().__init__(gm, graph=graph, garbage_collect_values=True)
         self.values: dict[fx.Node, Any] = {}
 
     def run_node(self, n):
         v = super().run_node(n)
-        self.values[n] = v
+        self.values[n] = _meta_like(v)
         return v
 
 
@@ -452,7 +454,8 @@ def _stage_of(graph: fx.Graph) -> dict[fx.Node, int]:
 
 
 def _specialise(converted, graph: fx.Graph, flat: list) -> tuple[fx.Graph, dict[fx.Node, Any]]:
-    """A copy of ``graph`` with every shape value fixed to the example's (static shapes), and the example's values."""
+    """A copy of ``graph`` with every shape value fixed to the example's (static shapes), and per node the example's
+    value: Python scalars as computed, tensors as meta tensors of the example's shape and dtype."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     out = g.graph_copy(graph, env)
@@ -469,7 +472,7 @@ def _specialise(converted, graph: fx.Graph, flat: list) -> tuple[fx.Graph, dict[
                 u.args = pytree.tree_map_only(fx.Node, lambda a: vals[n] if a is n else a, u.args)
                 u.kwargs = pytree.tree_map_only(fx.Node, lambda a: vals[n] if a is n else a, u.kwargs)
             g.erase_node(n)
-    _drop_asserts(g)
+    g.eliminate_dead_code()
     return g, vals
 
 
@@ -694,6 +697,8 @@ def stages(converted, P: int | None = None, example_inputs: tuple | None = None,
         exactly the tuple stage s-1 returns, the last returns the model's output tensor(s). Parameters keep their
         names in ``converted`` and are the same objects (their gradients land in ``converted``).
     """
+    if ranks is not None and (not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1):
+        raise ConfigError(f"ranks must be an integer >= 1 (the number of pipeline ranks), got {ranks!r}")
     cuts = getattr(converted, "_dr_pipeline_cuts", None)
     if P is None:
         P = len(cuts) + 1 if cuts is not None else 1
@@ -711,8 +716,6 @@ def stages(converted, P: int | None = None, example_inputs: tuple | None = None,
         m.train(converted.training)
     if ranks is None or ranks >= P:
         return mods
-    if not isinstance(ranks, int) or ranks < 1:
-        raise ConfigError(f"ranks must be an integer >= 1, got {ranks!r}")
     return _cached(mods, g, st, live, vals, ranks)
 
 
@@ -743,8 +746,11 @@ class RankCache:
     def take(self, name: str, consumer: int) -> _Entry:
         q = self._q.get((name, consumer))
         if not q:
-            raise RuntimeError(f"cross-stage cache: stage {consumer} found no cached `{name}` (schedules must run each "
-                               "stage's micro-batches in order)")
+            raise PipelineError(
+                f"cross-stage cache: stage {consumer} found no cached `{name}` for its next micro-batch (the earlier "
+                "stage on its rank has not run that micro-batch's forward yet). Use a schedule that runs each stage's "
+                "micro-batches in order with stage s on rank s % R (ScheduleLoopedBFS; not ZBV's V-shaped placement), "
+                "and build fresh stages with pp.stages(..., ranks=R) after an interrupted step", stage=consumer)
         return q.popleft()
 
     def __len__(self) -> int:
@@ -828,7 +834,11 @@ class CachedStage(nn.Module):
         if entries and grad:
             k = next((k for k, t in enumerate(sent) if t.is_floating_point() and t.requires_grad), None)
             if k is None:
-                raise RuntimeError(f"cross-stage cache: stage {self.index} sends no tensor to carry cached gradients")
+                raise PipelineError(
+                    f"cross-stage cache: stage {self.index} sends no floating tensor that requires grad, so the gradients "
+                    "of the depth summaries cached on its rank have nothing to travel back with. Run this stage with "
+                    "parameters that require grad, or build the stages without the cache (pp.stages(..., ranks=None))",
+                    stage=self.index)
             sent[k] = _Deposit.apply(sent[k], entries, *values)
         return tuple(sent)
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .errors import ConfigError
+from .errors import ConfigError, TrainingError
 
 __all__ = ["tiny_llama", "Variant", "VARIANTS", "parse_variants", "TrainConfig", "RunResult", "train_variant", "logits_of", "evaluate"]
 
@@ -224,7 +224,12 @@ def train_variant(
             times.append(time.perf_counter() - t)
             losses.append(loss.item())
             if not math.isfinite(losses[-1]):
-                raise FloatingPointError(f"{variant.name}: loss became {losses[-1]} at step {step}")
+                raise TrainingError(
+                    f"training {variant.name} (seed {seed}) diverged: the loss became {losses[-1]} at step {step + 1} of "
+                    f"{cfg.steps} (learning rate {cfg.lr_at(step):.2g}, peak {cfg.lr:g}). Try a lower learning rate "
+                    "(TrainConfig.lr; bench.quality --lr), a longer warmup, or fewer steps",
+                    variant=variant.name, step=step + 1,
+                )
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
                 val_points.append((step + 1, evaluate(model, eval_set)))
             if bar is not None:

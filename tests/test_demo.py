@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
 import depthrewrite as dr
+from depthrewrite import demo as demo_mod
 from depthrewrite.cli import main
 from depthrewrite.corpus import Corpus, split_of
 from depthrewrite.draw import rewritten_networkx, rewritten_text, save_rewritten
@@ -63,6 +65,72 @@ def test_stdlib_corpus_split_by_file_and_batches():
     assert torch.equal(x[:, 1:], y[:, :-1]) and int(x.max()) < 256
     a, b = c.eval_batches(2, 2, 8), c.eval_batches(2, 2, 8)
     assert a is b and torch.equal(a[0][0], Corpus.stdlib(max_bytes=300_000).eval_batches(2, 2, 8)[0][0])
+
+
+def test_corpus_batch_samples_every_window():
+    """A window is seq + 1 bytes: a split of exactly that size gives its one window, and the last window is drawn."""
+    def corpus(n):
+        data = torch.arange(n, dtype=torch.uint8)
+        return Corpus(root=Path("."), train=data, val=data, train_files=1, val_files=1)
+
+    x, y = corpus(5).batch("train", 4, 4, torch.Generator().manual_seed(0))
+    assert x.tolist() == [[0, 1, 2, 3]] * 4 and y.tolist() == [[1, 2, 3, 4]] * 4
+    x, _ = corpus(7).batch("val", 200, 4, torch.Generator().manual_seed(0))
+    assert set(x[:, 0].tolist()) == {0, 1, 2}  # starts 0 .. len - (seq + 1)
+    with pytest.raises(dr.ConfigError, match="fewer than a window of 5"):
+        corpus(4).batch("train", 1, 4)
+
+
+def _small_corpus(folder: Path) -> Path:
+    folder.mkdir()
+    for i in range(40):
+        (folder / f"f{i}.py").write_text(f"def f{i}(x):\n    return x + {i}\n" * 20)
+    return folder
+
+
+def test_demo_without_matplotlib_links_no_plot_and_keeps_one_model(tmp_path, monkeypatch):
+    """results.md links only pictures that were written; only the drawn variant's model is kept, until it is drawn."""
+    kept = {}
+    train = demo_mod.train_variant
+
+    def recording(build, v, *args, keep_model=False, **kwargs):
+        kept[v.name] = keep_model
+        return train(build, v, *args, keep_model=keep_model, **kwargs)
+
+    def no_matplotlib(*args, **kwargs):
+        raise ImportError("no matplotlib")
+
+    monkeypatch.setattr(demo_mod, "train_variant", recording)
+    monkeypatch.setattr(demo_mod, "_plot_losses", no_matplotlib)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "loss_curves.png").write_bytes(b"old")  # left by an earlier run: must not be linked as this run's
+    lines = []
+    cfg = demo_mod.DemoConfig(out=out, steps=1, schemes="vanilla,block-attnres", batch=2, seq=16, layers=2,
+                              hidden=32, eval_every=0, eval_batches=1, progress=False,
+                              corpus_dir=_small_corpus(tmp_path / "corpus"))
+    results = demo_mod.run_demo(cfg, say=lines.append)
+    assert kept == {"vanilla": False, "block-attnres": True}
+    assert all(r.model is None for r in results)
+    assert not (out / "loss_curves.png").exists() and out / "loss_curves.png" not in cfg.written
+    md = (out / "results.md").read_text()
+    assert "| block-attnres" in md and "loss_curves" not in md
+    assert any("matplotlib is not installed" in line for line in lines)
+    assert (out / "rewritten_block-attnres.txt").exists()
+
+
+def test_demo_divergence_is_a_training_error(tmp_path, monkeypatch, capsys):
+    """A loss that becomes NaN ends the demo with exit code 2 and a message, not a traceback."""
+    import depthrewrite.train as train_mod
+
+    monkeypatch.setattr(train_mod, "_loss", lambda model, x, y: torch.tensor(float("nan"), requires_grad=True))
+    corpus = _small_corpus(tmp_path / "corpus")
+    assert main(["demo", "--steps", "2", "--schemes", "vanilla", "--out", str(tmp_path / "out"),
+                 "--corpus", str(corpus)]) == 2
+    err = capsys.readouterr().err
+    assert "TrainingError" in err and "training vanilla (seed 0) diverged" in err and "at step 1 of 2" in err
+    assert "lower learning rate" in err and "Traceback" not in err
+    assert issubclass(dr.errors.TrainingError, FloatingPointError)
 
 
 def test_corpus_from_dir_keeps_files_apart(tmp_path):

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import depthrewrite as dr
 from depthrewrite import pipeline as pp
-from depthrewrite.errors import ConfigError
+from depthrewrite.errors import ConfigError, DepthRewriteError, PipelineError
 from depthrewrite.zoo import hf_model
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -248,6 +248,49 @@ def test_cross_stage_cache_two_ranks_four_stages(scheme, opts):
         # outputs of the stage in between (the receiving rank holds every source up to its previous stage's end)
         assert full / tokens == sum(c + 1 for c in cuts) * d * e
         assert sent / tokens == ((cuts[0] + 1) + (cuts[1] - cuts[0]) + (cuts[2] - cuts[1])) * d * e
+
+
+@pytest.mark.parametrize("bad", ["2", 0, True, 1.5])
+def test_stages_rejects_bad_ranks(bad):
+    conv = _converted("attnres", (("blocks", 2),))
+    with pytest.raises(ConfigError, match="ranks must be an integer >= 1"):
+        pp.stages(conv, 2, ranks=bad)
+
+
+def test_cross_stage_cache_errors_are_pipeline_errors():
+    with pytest.raises(PipelineError, match="stage 3 found no cached `b1`") as e:
+        pp.RankCache().take("b1", 3)
+    assert isinstance(e.value, DepthRewriteError) and isinstance(e.value, RuntimeError) and e.value.stage == 3
+    conv = _conv4()
+    x = torch.randint(0, 256, (2, 8))
+    cached = pp.stages(conv, 4, (x,), ranks=2)
+    assert cached[2].cached_inputs  # stage 2 (rank 0) reads what stage 0 put in the rank's cache
+    with pytest.raises(PipelineError, match="stage 2 found no cached") as e:
+        cached[2]()  # stage 0 has not run this micro-batch
+    assert e.value.stage == 2
+    params = [p for p in conv.parameters() if p.requires_grad]
+    try:  # nothing stage 0 sends requires grad: the cached values' gradients have nothing to travel with
+        for p in params:
+            p.requires_grad_(False)
+        with pytest.raises(PipelineError, match="stage 0 sends no floating tensor that requires grad"):
+            cached[0](x)
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+
+
+def test_specialise_keeps_shapes_not_activations():
+    """The example run keeps scalars and each tensor's shape and dtype (meta tensors), not the activations; the
+    converted graphs carry no export dtype asserts (convert() dropped them)."""
+    conv = _converted("attnres", (("blocks", 2),))
+    for graph in conv._dr_graphs.values():
+        assert not any(n.target is torch.ops.aten._assert_tensor_metadata.default for n in graph.nodes)
+    x = torch.randint(0, 256, (3, 8))
+    g, vals = pp._specialise(conv, conv.graph, pp._flat_inputs(conv, (x,), {}))
+    tensors = [v for v in vals.values() if isinstance(v, torch.Tensor)]
+    assert tensors and all(v.device.type == "meta" for v in tensors)
+    assert pp._tokens(vals, g) == 3 * 8
+    assert not any(n.op == "call_function" and isinstance(vals.get(n), int) for n in g.nodes)  # sizes are constants
 
 
 # -- two processes, gloo ----------------------------------------------------------------------------------------------
