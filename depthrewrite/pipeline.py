@@ -35,6 +35,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from .converted import _resolve
 from .errors import ConfigError, PipelineError
 from .passes.meta import META_KEY, NodeRole
 
@@ -209,15 +210,6 @@ def _segment_params(gm: fx.GraphModule, graph: fx.Graph, anchors: list[fx.Node])
         k = sum(1 for s in starts if s <= first)
         seg[k] += p.numel()
     return seg
-
-
-def _resolve(mod: nn.Module, target: str):
-    obj = mod
-    for part in target.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj
 
 
 def _check(converted, P) -> tuple[Any, int, int]:
