@@ -16,7 +16,6 @@ groups when a dataflow path runs between them through glue only.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import networkx as nx
@@ -25,6 +24,7 @@ import torch.fx as fx
 
 from .errors import ConfigError
 from .passes.analyse.graph import module_path_of
+from .report import write_dot
 
 __all__ = ["rewritten_networkx", "rewritten_dot", "rewritten_text", "save_rewritten"]
 
@@ -172,7 +172,7 @@ def rewritten_dot(converted: fx.GraphModule) -> str:
     g = rewritten_networkx(converted)
     title = f"{g.graph['model']} -> {g.graph['scheme']}".replace('"', '\\"')
     lines = [
-        f'digraph "rewritten" {{',
+        'digraph "rewritten" {',
         "  rankdir=TB;",
         f'  labelloc=t; label="{title}"; fontname="Helvetica";',
         '  node [shape=box, style="rounded,filled", fontname="Helvetica", fontsize=10];',
@@ -207,18 +207,11 @@ def save_rewritten(converted: fx.GraphModule, path: str | Path) -> Path:
     if path.suffix == ".txt":
         path.write_text(rewritten_text(converted))
         return path
-    dot = rewritten_dot(converted)
-    if path.suffix == ".dot":
-        path.write_text(dot)
-        return path
-    if path.suffix not in (".svg", ".png"):
-        raise ConfigError(f"cannot save a rewritten graph as {path.suffix!r}: use .svg, .png, .dot or .txt")
-    try:
-        import pydot
-    except ImportError as e:
-        raise ConfigError(f"saving {path.name} needs pydot: `pip install 'depthrewrite[viz]'`; .dot and .txt work without it") from e
-    if shutil.which("dot") is None:
-        raise ConfigError(f"saving {path.name} needs Graphviz's `dot` program (e.g. `apt-get install graphviz`); .dot and .txt work without it")
-    (graph,) = pydot.graph_from_dot_data(dot)
-    getattr(graph, f"write_{path.suffix[1:]}")(str(path))
-    return path
+    return write_dot(
+        rewritten_dot(converted),
+        path,
+        what="a rewritten graph",
+        formats=".svg, .png, .dot or .txt",
+        no_pydot="; .dot and .txt work without it",
+        no_graphviz="; .dot and .txt work without it",
+    )

@@ -15,7 +15,28 @@ from tabulate import tabulate
 from .errors import ConfigError
 from .passes.analyse.chain import Chain
 
-__all__ = ["ChainReport", "ConvertReport", "SiteInfo"]
+__all__ = ["ChainReport", "ConvertReport", "SiteInfo", "write_dot"]
+
+
+def write_dot(dot: str, path: Path, *, what: str, formats: str, no_pydot: str, no_graphviz: str) -> Path:
+    """Write DOT text to ``path``: ``.dot`` as is; ``.svg`` / ``.png`` rendered through pydot and Graphviz's ``dot``.
+
+    ``what`` and ``formats`` name the picture and the suffixes the caller accepts; ``no_pydot`` / ``no_graphviz``
+    end the error messages with what works without them. Raises :class:`ConfigError` for anything else."""
+    if path.suffix == ".dot":
+        path.write_text(dot)
+        return path
+    if path.suffix not in (".svg", ".png"):
+        raise ConfigError(f"cannot save {what} as {path.suffix!r}: use {formats}")
+    try:
+        import pydot
+    except ImportError as e:
+        raise ConfigError(f"saving {path.name} needs pydot: `pip install 'depthrewrite[viz]'`{no_pydot}") from e
+    if shutil.which("dot") is None:
+        raise ConfigError(f"saving {path.name} needs Graphviz's `dot` program (e.g. `apt-get install graphviz`){no_graphviz}")
+    (graph,) = pydot.graph_from_dot_data(dot)
+    getattr(graph, f"write_{path.suffix[1:]}")(str(path))
+    return path
 
 
 @dataclass(frozen=True)
@@ -139,28 +160,15 @@ class ChainReport:
 
     def save(self, path: str | Path) -> Path:
         """Write the diagram: ``.dot`` always works; ``.svg`` / ``.png`` need the ``viz`` extra (pydot) and Graphviz."""
-        path = Path(path)
-        dot = self.to_dot()
-        if path.suffix == ".dot":
-            path.write_text(dot)
-            return path
-        if path.suffix not in (".svg", ".png"):
-            raise ConfigError(f"cannot save a chain diagram as {path.suffix!r}: use .svg, .png or .dot")
-        try:
-            import pydot
-        except ImportError as e:
-            raise ConfigError(
-                f"saving {path.name} needs pydot: `pip install 'depthrewrite[viz]'` (and Graphviz's `dot`, e.g. "
-                "`apt-get install graphviz`). report.to_dot() and report.save('chain.dot') work without them."
-            ) from e
-        if shutil.which("dot") is None:
-            raise ConfigError(
-                f"saving {path.name} needs Graphviz's `dot` program (e.g. `apt-get install graphviz`); "
-                "report.save('chain.dot') works without it."
-            )
-        (graph,) = pydot.graph_from_dot_data(dot)
-        getattr(graph, f"write_{path.suffix[1:]}")(str(path))
-        return path
+        return write_dot(
+            self.to_dot(),
+            Path(path),
+            what="a chain diagram",
+            formats=".svg, .png or .dot",
+            no_pydot=" (and Graphviz's `dot`, e.g. `apt-get install graphviz`). report.to_dot() and "
+            "report.save('chain.dot') work without them.",
+            no_graphviz="; report.save('chain.dot') works without it.",
+        )
 
     def graph_text(self, only_chain: bool = False) -> str:
         """The captured graph as one line per op, with the chain's nodes marked (``<< source``, ``<< pre-norm 3``...)."""
