@@ -91,6 +91,22 @@ def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, An
     return {k: torch.utils._pytree.tree_map(spec, v) if isinstance(v, (dict, list, tuple)) else spec(v) for k, v in bound.items()}
 
 
+def _cache_configs(model: nn.Module) -> list[Any]:
+    """The configs with ``use_cache`` on: the model's, its submodules', and their sub-configs (``text_config``...)."""
+    out: list[Any] = []
+    seen: set[int] = set()
+    todo = [getattr(m, "config", None) for m in model.modules()]
+    while todo:
+        c = todo.pop()
+        if c is None or id(c) in seen or not hasattr(c, "to_dict"):
+            continue
+        seen.add(id(c))
+        if getattr(c, "use_cache", None) is True:
+            out.append(c)
+        todo += [v for v in vars(c).values() if hasattr(v, "to_dict") and hasattr(v, "model_type")]
+    return out
+
+
 def capture(
     model: nn.Module,
     example_inputs: tuple | None = None,
@@ -128,11 +144,12 @@ def capture(
             "example_kwargs the way you would call the model."
         ) from e
     log.info("capturing %s with torch.export (non-strict)", type(model).__name__)
-    # A KV cache object is not a tensor output export can return: capture with the config's cache off.
-    cache = getattr(getattr(model, "config", None), "use_cache", None) if _is_hf(model) else None
+    # A KV cache object is not a tensor output export can return: capture with the cache off in every config that
+    # turns it on (a multimodal wrapper keeps it in its text_config), and restore them afterwards.
+    cache = _cache_configs(model) if _is_hf(model) else []
     try:
-        if cache:
-            model.config.use_cache = False
+        for c in cache:
+            c.use_cache = False
         ep = torch.export.export(model, args, kwargs, dynamic_shapes=dyn, strict=False)
     except Exception as e:  # torch.export raises many types; all of them mean the same to our user
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -143,8 +160,8 @@ def capture(
             "data-dependent Python control flow from forward(); or capture without dynamic shapes (dynamic=False)."
         ) from e
     finally:
-        if cache:
-            model.config.use_cache = cache
+        for c in cache:
+            c.use_cache = True
     gm = ep.module()
     gm.meta["depthrewrite_inputs"] = (args, kwargs)
     gm.meta["depthrewrite_model_class"] = type(model).__name__

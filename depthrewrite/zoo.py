@@ -44,7 +44,32 @@ def _small_kwargs(layers: int, hidden: int) -> dict[str, Any]:
         bos_token_id=1,
         eos_token_id=2,
         rotary_dim=8,  # GPT-J, CodeGen: within the small head_dim
+        swa_num_attention_heads=heads,  # Inkling: sliding-window layers have their own head counts
+        swa_num_key_value_heads=max(1, heads // 2),
+        swa_head_dim=hidden // heads,
+        unpadded_vocab_size=256,  # Inkling: the head's row count
+        text_hidden_size=hidden,  # a vision tower's projection into the text model (multimodal wrappers)
     )
+
+
+def _small_config(cfg_cls: type, kwargs: dict[str, Any], layers: int, hidden: int) -> Any:
+    """The config, with each sub-config (``text_config``, ``vision_config``, ... of a multimodal wrapper such as
+    Gemma3ForConditionalGeneration) built small too: the text model gets ``kwargs``, any other tower one layer."""
+    subs = getattr(cfg_cls, "sub_configs", None) or {}
+    if subs:
+        default = cfg_cls()
+        kwargs = dict(kwargs)
+        for key in subs:
+            sub = getattr(default, key, None)
+            if sub is None or not hasattr(sub, "to_dict"):
+                continue
+            sub_kwargs = kwargs if key == "text_config" else _small_kwargs(1, hidden)
+            kwargs[key] = _small_config(type(sub), sub_kwargs, layers, hidden)
+    try:
+        return cfg_cls(**kwargs)
+    except (AttributeError, TypeError):  # a derived field (e.g. a read-only head_dim property)
+        kwargs = {k: v for k, v in kwargs.items() if k != "head_dim"}
+        return cfg_cls(**kwargs)
 
 
 def hf_model(model_type: str, layers: int = 4, hidden: int = 64, **overrides: Any) -> nn.Module:
@@ -62,11 +87,7 @@ def hf_model(model_type: str, layers: int = 4, hidden: int = 64, **overrides: An
     kwargs.update(overrides)
     attn = kwargs.pop("attn_implementation", None)
     seed = kwargs.pop("seed", 0)
-    try:
-        cfg = cfg_cls(**kwargs)
-    except (AttributeError, TypeError):  # a derived field (e.g. a read-only head_dim property)
-        kwargs.pop("head_dim")
-        cfg = cfg_cls(**kwargs)
+    cfg = _small_config(cfg_cls, kwargs, layers, hidden)
     if attn is not None:
         cfg._attn_implementation = attn
     torch.manual_seed(seed)

@@ -67,6 +67,8 @@ _TABLE: dict[str, tuple[tuple, tuple, tuple]] = {
         ("new_zeros", "new_ones", "new_empty", "new_full"),
     ),
     "sym": ((aten.sym_size, aten.sym_numel, aten.sym_stride), (), ("size", "dim")),
+    # read the data of their first argument and only the shape of the second (bias.expand_as(h))
+    "shape_as": ((aten.expand_as, aten.view_as, aten.reshape_as), (), ("expand_as", "view_as", "reshape_as")),
 }
 
 _BY_PACKET: dict[Any, str] = {}
@@ -129,8 +131,8 @@ def is_float_tensor(node: Any) -> bool:
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     """The input nodes of ``node`` whose tensor data it reads, in argument order (lists flattened).
 
-    A cast reads only its first argument (``type_as(x, y)`` takes y's dtype, not its data); ``zeros_like`` and
-    ``new_ones`` read no data at all."""
+    A cast reads only its first argument (``type_as(x, y)`` takes y's dtype, not its data), and so does
+    ``x.expand_as(y)`` (y's shape); ``zeros_like`` and ``new_ones`` read no data at all."""
     op = op_of(node)
     if op == "like":
         return []
@@ -152,7 +154,7 @@ def tensor_inputs(node: fx.Node) -> list[fx.Node]:
             for x in a.values():
                 visit(x)
 
-    if op == "cast":
+    if op in ("cast", "shape_as"):
         visit(node.args[:1])
         return out
     visit(node.args)
