@@ -18,7 +18,9 @@ How it is found (no class or module names are consulted, except module *structur
    the stream source;
 4. each step is then checked forward: every path from ``h`` to a branch term must pass through a norm of ``h`` (a
    vertex cut, checked with networkx on the dataflow graph). A branch that reads ``h`` raw is accepted only when its
-   own output is normalised (OLMo2's "reordered norm", reported as such); otherwise :class:`NotPreNormError`.
+   own output is normalised (OLMo2's "reordered norm", reported as such), or when it is the first sublayer and the
+   stream source is itself a norm's output (an embedding that ends in a norm, ModernBERT-decoder: that norm is the
+   first branch's pre-norm in effect, reported as "source norm"); otherwise :class:`NotPreNormError`.
 
 A branch is an *attention* branch if it holds an attention op (SDPA / flash) or a matmul of two activations
 (the eager form); an *MLP* branch if it multiplies an activation by a parameter; *other* otherwise. Activations are
@@ -35,7 +37,7 @@ import torch.fx as fx
 from ...errors import NoResidualChainError, NotPreNormError
 from .graph import Dataflow, module_path_of
 from .norms import NormSite, find_norms
-from .ops import is_param, op_of, tensor_inputs, tensor_val, val
+from .ops import is_float_tensor, is_param, op_of, tensor_inputs, tensor_val, val  # noqa: F401
 
 __all__ = ["Branch", "Sublayer", "Chain", "detect_chain"]
 
@@ -134,7 +136,11 @@ def detect_chain(gm: fx.GraphModule) -> Chain:
         raise AssertionError("unreachable")  # _diagnose always raises
 
     try:
-        sublayers = [_check_step(df, i, h, add, tree, terms, by_input, by_output) for i, (h, add, tree, terms) in enumerate(steps)]
+        src_norm = _source_norm(df, source, by_output)
+        sublayers = [
+            _check_step(df, i, h, add, tree, terms, by_input, by_output, src_norm if i == 0 else None)
+            for i, (h, add, tree, terms) in enumerate(steps)
+        ]
         _check_readers(df, source, steps, sublayers, final, norms)
     except NotPreNormError as e:
         # Report the first offending add in graph order, not the one the backward walk met first.
@@ -151,6 +157,7 @@ def detect_chain(gm: fx.GraphModule) -> Chain:
             "reordered norm (OLMo2): branches read the raw stream and normalise their output, h + Norm(f(h)); "
             "rewrites keep this reading and stay exact at init only with mix_scale='count'"
         )
+    notes += _source_norm_notes(df, source, sublayers, src_norm)
     return Chain(
         source=source.name,
         sublayers=tuple(sublayers),
@@ -166,8 +173,9 @@ def detect_chain(gm: fx.GraphModule) -> Chain:
 # backward walk
 
 
-def _add_tree(df: Dataflow, root: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
-    """The adds of one residual step rooted at ``root`` and their leaves (canonical nodes, graph order)."""
+def _add_tree(df: Dataflow, root: fx.Node, stop: set[fx.Node] = frozenset()) -> tuple[list[fx.Node], list[fx.Node]]:
+    """The adds of one residual step rooted at ``root`` and their leaves (canonical nodes, graph order); the adds in
+    ``stop`` are leaves (a residual add nested inside a branch)."""
     tree = [root]
     leaves: list[fx.Node] = []
     root_mod = module_path_of(root)
@@ -178,6 +186,7 @@ def _add_tree(df: Dataflow, root: fx.Node) -> tuple[list[fx.Node], list[fx.Node]
             a = df.canon(a)
             if (
                 op_of(a, df.gm) == "add"
+                and a not in stop
                 and len(df.users(a)) == 1
                 and _same_shape(a, root)
                 and (root_mod is None or module_path_of(a) in (None, root_mod))
@@ -212,6 +221,10 @@ def _walk_back(df: Dataflow, end: fx.Node):
     while op_of(cur, df.gm) == "add":
         tree, leaves = _add_tree(df, cur)
         skip = _skip_leaf(df, leaves)
+        nested = _nested_adds(df, cur, tree, skip)
+        if nested:  # a branch's own skip connection (a + g(a)) is one branch term, not a second branch
+            tree, leaves = _add_tree(df, cur, stop=nested)
+            skip = _skip_leaf(df, leaves)
         if skip is None or not all(_same_shape(skip, x) for x in tree):
             break
         steps.append((skip, cur, tree, [x for x in leaves if x is not skip]))
@@ -220,17 +233,38 @@ def _walk_back(df: Dataflow, end: fx.Node):
     return steps, cur
 
 
+def _nested_adds(df: Dataflow, root: fx.Node, tree: list[fx.Node], skip: fx.Node | None) -> set[fx.Node]:
+    """The adds of ``tree`` (``root`` excluded) that are a branch's own residual connection: one operand is computed
+    from the other, and that operand is not the stream ``skip`` but a value computed from it (``a + g(a)`` with
+    ``a = f(Norm(h))``). Such an add belongs to the branch; expanding it would split one branch in two."""
+    if skip is None:
+        return set()
+    out = set()
+    for a in tree:
+        ins = [df.canon(x) for x in tensor_inputs(a)]
+        if a is root or len(ins) != 2 or skip in ins:
+            continue
+        p, q = ins
+        if (nx.has_path(df.nx, p, q) and nx.has_path(df.nx, skip, p)) or (
+            nx.has_path(df.nx, q, p) and nx.has_path(df.nx, skip, q)
+        ):
+            out.add(a)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # forward checks
 
 
-def _check_step(df, index, h, add, tree, terms, by_input, by_output) -> Sublayer:
+def _check_step(df, index, h, add, tree, terms, by_input, by_output, source_norm=None) -> Sublayer:
     norms_h = by_input.get(h.name, [])
     branches = []
     for y in terms:
-        branches.append(_check_branch(df, h, y, add, norms_h, by_output))
+        branches.append(_check_branch(df, h, y, add, norms_h, by_output, source_norm))
     if len(branches) > 1:
         reading = "parallel"
+    elif branches[0].pre_norm is None and branches[0].post_norm is None:
+        reading = "source norm"
     elif branches[0].post_norm is not None and branches[0].pre_norm is not None:
         reading = "sandwich"
     elif branches[0].pre_norm is None:
@@ -248,7 +282,7 @@ def _check_step(df, index, h, add, tree, terms, by_input, by_output) -> Sublayer
     )
 
 
-def _check_branch(df: Dataflow, h: fx.Node, y: fx.Node, add: fx.Node, norms_h, by_output) -> Branch:
+def _check_branch(df: Dataflow, h: fx.Node, y: fx.Node, add: fx.Node, norms_h, by_output, source_norm=None) -> Branch:
     span = df.between(h, y)
     if not span:
         raise NotPreNormError(
@@ -264,9 +298,9 @@ def _check_branch(df: Dataflow, h: fx.Node, y: fx.Node, add: fx.Node, norms_h, b
         post = None
     raw = _raw_reader(df, h, y, span, cut)
     if raw is not None:
-        if post is None:
+        if post is None and source_norm is None:
             raise NotPreNormError(_raw_message(df, add, h, raw), node=add.name)
-        pre = []  # reordered norm: the branch reads h raw and normalises its output
+        pre = []  # reordered norm (the branch reads h raw and normalises its output), or h is a norm's output
     entry_nodes = {df.by_name[n.output] for n in pre} or {h}
     post_nodes = {df.by_name[s] for s in post.nodes} if post is not None else set()
     body: set[fx.Node] = set()
@@ -378,6 +412,49 @@ def _only_readers(df: Dataflow, h: fx.Node, allowed: set[str]) -> None:
         )
 
 
+def _source_norm(df: Dataflow, source: fx.Node, by_output: dict[str, NormSite]) -> NormSite | None:
+    """The norm whose output the stream source is, through dropout and casts only, when that norm normalises an
+    embedding (no residual add above it): the embedding's own norm (ModernBERT-decoder), which the first sublayer may
+    read as its pre-norm. None otherwise (a PostNorm layer's output norm reads a residual sum: not accepted)."""
+    cur = df.canon(source)
+    while cur.name not in by_output:
+        op = op_of(cur, df.gm)
+        if op == "getitem" and isinstance(cur.args[0], fx.Node) and op_of(cur.args[0], df.gm) == "dropout":
+            cur = cur.args[0]  # native_dropout -> (out, mask)
+            op = "dropout"
+        if op not in ("dropout", "cast") or not cur.args or not isinstance(cur.args[0], fx.Node):
+            return None
+        cur = df.canon(cur.args[0])
+    norm = by_output[cur.name]
+    x = df.by_name[norm.input]
+    above = nx.ancestors(df.nx, x) | {x}
+    if any(op_of(a, df.gm) == "add" and _is_residual_add(df, a) for a in above):
+        return None
+    return norm
+
+
+def _is_residual_add(df: Dataflow, n: fx.Node) -> bool:
+    """An add of two same-shaped floating values, one computed from the other."""
+    ins = [df.canon(a) for a in tensor_inputs(n)]
+    if len(ins) != 2 or not all(_same_shape(a, n) for a in ins) or not all(is_float_tensor(a) for a in ins):
+        return False
+    return nx.has_path(df.nx, ins[0], ins[1]) or nx.has_path(df.nx, ins[1], ins[0])
+
+
+def _source_norm_notes(df: Dataflow, source: fx.Node, sublayers, norm: NormSite | None) -> list[str]:
+    if norm is None or not sublayers or sublayers[0].reading != "source norm":
+        return []
+    first = sublayers[0]
+    where = f" ({first.branch_module})" if first.branch_module else ""
+    return [
+        f"source norm: sublayer 0{where} has no pre-norm of its own and reads the stream source `{source.name}` "
+        f"directly; that source is already normalised (`{norm.output}`"
+        + (f" in {norm.module}" if norm.module else "")
+        + "), so it is PreNorm in effect. Every scheme gives sublayer 0 the stream source as it is (AttnRes/MSAR: a "
+        "single source; mHC: its input mix, exact at init with alpha_init=0), so the rewrite stays exact at init"
+    ]
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # diagnosis of graphs without a valid chain
 
@@ -399,10 +476,27 @@ def _residual_adds(df: Dataflow) -> list[tuple[fx.Node, fx.Node, fx.Node]]:
             out.append((n, a, b))
         elif nx.has_path(g, b, a):
             out.append((n, b, a))
+    return _stream_adds(df, out)
+
+
+def _stream_adds(df: Dataflow, adds: list[tuple[fx.Node, fx.Node, fx.Node]]) -> list[tuple[fx.Node, fx.Node, fx.Node]]:
+    """Drop the adds that cannot be steps of a residual stream: a skip operand broadcast to the sum's shape (an
+    attention mask added to the scores), and an add nested inside another add's branch (its skip operand is computed
+    from that add's stream inside the branch: a short convolution's own skip in ``k_proj``)."""
+    g = df.nx
+    full = [(n, h, y) for n, h, y in adds if tuple(tensor_val(h).shape) == tuple(tensor_val(n).shape)]
+    out = []
+    for n, h, y in full:
+        nested = any(
+            n is not n2 and h is not h2 and nx.has_path(g, h2, h) and nx.has_path(g, n, y2) for n2, h2, y2 in full
+        )
+        if not nested:
+            out.append((n, h, y))
     return out
 
 
 def _diagnose(df: Dataflow, by_input, by_output, norms) -> None:
+    _diagnose_depth_mix(df, norms)
     adds = _residual_adds(df)
     if not adds:
         raise NoResidualChainError(
@@ -420,6 +514,55 @@ def _diagnose(df: Dataflow, by_input, by_output, norms) -> None:
         "final norm before the output head.",
         node=add.name,
     )
+
+
+def _diagnose_depth_mix(df: Dataflow, norms: list[NormSite]) -> None:
+    """Raise when the last norm reads an attention over stacked hidden states instead of a residual sum: the model
+    already mixes depth (Inkling2's block attention residuals), and has no residual chain to rewrite."""
+    if not norms:
+        return
+    final = norms[-1]
+    x = df.by_name[final.input]
+    mix = _depth_attention(df, x)
+    if mix is None:
+        return
+    weights, stack = mix
+    raise NotPreNormError(
+        f"no residual chain to rewrite: the final norm {_where(df.by_name[final.output])} reads {_where(x)}, which is "
+        f"not a residual sum h + f(Norm(h)) but an attention over a stack of earlier hidden states ({_where(stack)}, "
+        f"weighted by {_where(weights)}). This model already mixes depth with learned attention over layer outputs "
+        "(attention residuals, as AttnRes does), so its layers do not add to one residual stream. depthrewrite "
+        "converts models whose layers do, h = h + f(Norm(h)).",
+        node=x.name,
+    )
+
+
+def _depth_attention(df: Dataflow, x: fx.Node, limit: int = 12) -> tuple[fx.Node, fx.Node] | None:
+    """(softmax, cat) when ``x`` is read off ``softmax(..) @ V`` (or an SDPA) through shape ops only, and V comes from
+    a concatenation of values of x's hidden size along a new axis: attention over depth, not over the sequence."""
+    cur, width = x, tensor_val(x).shape[-1] if tensor_val(x) is not None else None
+    for _ in range(limit):
+        if op_of(cur, df.gm) in ("matmul", "sdpa"):
+            break
+        ins = tensor_inputs(cur)
+        if len(ins) != 1:
+            return None
+        cur = df.canon(ins[0])
+    else:
+        return None
+    up = nx.ancestors(df.nx, cur)
+    near = [n for n in up if df.order[cur] - df.order[n] <= 60]  # the attention's own inputs, not the whole model
+    weights = next((n for n in sorted(near, key=df.order.__getitem__, reverse=True) if op_of(n, df.gm) == "softmax"), None)
+    if weights is None and op_of(cur, df.gm) == "sdpa":
+        weights = cur
+    stacks = [
+        n for n in near
+        if op_of(n, df.gm) == "cat"
+        and sum(1 for a in tensor_inputs(n) if tensor_val(a) is not None and tensor_val(a).shape[-1] == width) >= 2
+    ]
+    if weights is None or not stacks:
+        return None
+    return weights, max(stacks, key=df.order.__getitem__)
 
 
 def _first_raw_add(df: Dataflow, by_input, by_output, adds=None) -> NotPreNormError | None:
@@ -441,7 +584,18 @@ def _raw_message(df: Dataflow, add: fx.Node, h: fx.Node, raw: fx.Node) -> str:
     )
     readers = [u for u in df.users(add) if u.op != "output"]
     norms_of_sum = [u for u in readers if op_of(u, df.gm) in ("layer_norm", "rms_norm", "pow", "mul", "cast")]
-    if readers and len(norms_of_sum) == len(readers):
+    sub = _interpolation(df, add, h)
+    if sub is not None:
+        msg += (
+            f", and the term it adds subtracts the stream again ({_where(sub)}): the step is an interpolation "
+            "h + r·(f(h) − h) = (1 − r)·h + r·f(h) towards the branch output, not a residual add h + f(Norm(h))"
+        )
+        if readers and len(norms_of_sum) == len(readers):
+            msg += (
+                f"; the sum is renormalised right after ({_where(readers[0])}), so every step reads a normalised "
+                "stream: the nGPT (normalised Transformer) layout h = Norm(h + r·(f(h) − h)), PostNorm in effect"
+            )
+    elif readers and len(norms_of_sum) == len(readers):
         msg += (
             f", and the sum is normalised right after ({_where(readers[0])}): this is the PostNorm layout "
             "h = Norm(h + f(h)) (BERT, the original Transformer)"
@@ -450,6 +604,15 @@ def _raw_message(df: Dataflow, add: fx.Node, h: fx.Node, raw: fx.Node) -> str:
         ". depthrewrite rewrites PreNorm chains h = h + f(Norm(h)) only, where every branch reads the stream "
         "through its own norm; convert a PreNorm model instead."
     )
+
+
+def _interpolation(df: Dataflow, add: fx.Node, h: fx.Node) -> fx.Node | None:
+    """A ``sub(x, h)`` whose result the residual add adds: the step interpolates h + r·(x − h) (nGPT)."""
+    for u in df.users(h):
+        if op_of(u, df.gm) == "sub" and len(u.args) > 1 and isinstance(u.args[1], fx.Node):
+            if df.canon(u.args[1]) is df.canon(h) and nx.has_path(df.nx, u, add):
+                return u
+    return None
 
 
 def _where(node: fx.Node) -> str:

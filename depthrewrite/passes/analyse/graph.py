@@ -18,7 +18,7 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from .ops import is_alias, is_float_tensor, is_param, strip_alias, tensor_inputs, tensor_val, val
+from .ops import is_alias, is_float_tensor, is_param, op_of, strip_alias, tensor_inputs, tensor_val, val
 
 __all__ = ["Dataflow", "module_path_of", "normalise_module_path"]
 
@@ -107,6 +107,9 @@ class Dataflow:
         for n in self.nodes:
             if n.op in ("get_attr",) or (n.op == "placeholder" and is_param(n)):
                 out.add(n)
+            elif op_of(n) == "shape_as":  # bias.expand_as(h): h gives only the shape
+                if isinstance(n.args[0], fx.Node) and n.args[0] in out:
+                    out.add(n)
             elif n.op in ("call_function", "call_method", "call_module"):
                 ins = [a for a in n.all_input_nodes]
                 if ins and all(a in out for a in ins):

@@ -60,6 +60,7 @@ _TABLE: dict[str, tuple[tuple, tuple, tuple]] = {
     "embedding": ((aten.embedding,), (F.embedding,), ()),
     "dropout": ((aten.dropout, aten.native_dropout), (F.dropout,), ()),
     "getitem": ((), (operator.getitem,), ()),
+    "cat": ((aten.cat, aten.stack), (torch.cat, torch.stack), ()),
     # read only the shape / dtype / device of their tensor argument: no dataflow
     "like": (
         (aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like, aten.new_zeros, aten.new_ones, aten.new_empty, aten.new_full),
