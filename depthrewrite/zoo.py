@@ -61,8 +61,8 @@ def _small_config(cfg_cls: type, kwargs: dict[str, Any], layers: int, hidden: in
         kwargs = dict(kwargs)
         for key in subs:
             sub = getattr(default, key, None)
-            if sub is None or not hasattr(sub, "to_dict"):
-                continue
+            if sub is None or not hasattr(sub, "to_dict") or not hasattr(sub, "hidden_size"):
+                continue  # not a tower (MPT's attn_config): keep the default
             sub_kwargs = kwargs if key == "text_config" else _small_kwargs(1, hidden)
             kwargs[key] = _small_config(type(sub), sub_kwargs, layers, hidden)
     try:
