@@ -52,6 +52,13 @@ def _small_kwargs(layers: int, hidden: int) -> dict[str, Any]:
     )
 
 
+def _small_tower_kwargs(hidden: int) -> dict[str, Any]:
+    """A non-text tower (vision, audio) at one layer; some name their width and heads differently (Qwen2-VL)."""
+    kw = _small_kwargs(1, hidden)
+    kw.update(embed_dim=hidden, num_heads=kw["num_attention_heads"], depth=1)
+    return kw
+
+
 def _small_config(cfg_cls: type, kwargs: dict[str, Any], layers: int, hidden: int) -> Any:
     """The config, with each sub-config (``text_config``, ``vision_config``, ... of a multimodal wrapper such as
     Gemma3ForConditionalGeneration) built small too: the text model gets ``kwargs``, any other tower one layer."""
@@ -63,7 +70,7 @@ def _small_config(cfg_cls: type, kwargs: dict[str, Any], layers: int, hidden: in
             sub = getattr(default, key, None)
             if sub is None or not hasattr(sub, "to_dict") or not hasattr(sub, "hidden_size"):
                 continue  # not a tower (MPT's attn_config): keep the default
-            sub_kwargs = kwargs if key == "text_config" else _small_kwargs(1, hidden)
+            sub_kwargs = kwargs if key == "text_config" else _small_tower_kwargs(hidden)
             kwargs[key] = _small_config(type(sub), sub_kwargs, layers, hidden)
     try:
         return cfg_cls(**kwargs)
