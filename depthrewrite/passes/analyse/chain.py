@@ -37,7 +37,7 @@ import torch.fx as fx
 from ...errors import NoResidualChainError, NotPreNormError
 from .graph import Dataflow, module_path_of
 from .norms import NormSite, find_norms
-from .ops import is_float_tensor, is_param, op_of, tensor_inputs, tensor_val, val  # noqa: F401
+from .ops import is_float_tensor, is_param, op_of, tensor_inputs, tensor_val, val
 
 __all__ = ["Branch", "Sublayer", "Chain", "detect_chain"]
 
