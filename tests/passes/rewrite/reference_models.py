@@ -65,12 +65,12 @@ class Mix(nn.Module):
 class Decoder(nn.Module):
     """L_b blocks = 2·L_b sublayers (attention, MLP, ...). ``block_size`` S in sublayers; S=1 is Full AttnRes."""
 
-    def __init__(self, vocab=64, d=32, layers=3, heads=4, use_attnres=False, block_size=1, count=True):
+    def __init__(self, vocab=64, d=32, layers=3, heads=4, use_attnres=False, block_size=1, count=True, norm_eps=1e-6):
         super().__init__()
         self.emb = nn.Embedding(vocab, d)
-        self.norms = nn.ModuleList([RMSNorm(d) for _ in range(2 * layers)])
+        self.norms = nn.ModuleList([RMSNorm(d, norm_eps) for _ in range(2 * layers)])
         self.fns = nn.ModuleList([Attention(d, heads) if j % 2 == 0 else MLP(d) for j in range(2 * layers)])
-        self.final = RMSNorm(d)
+        self.final = RMSNorm(d, norm_eps)
         self.head = nn.Linear(d, vocab, bias=False)
         self.use_attnres, self.S, self.count = use_attnres, block_size, count
         if use_attnres:
@@ -110,6 +110,10 @@ def causal_conv_taps(x, w):
 
 
 class MSARMix(nn.Module):
+    """``eps``: the key norms' ε (the model's); the mixer's RMS ε is 1e-6 whatever the model's (msar.md §5)."""
+
+    EPS_MIX = 1e-6
+
     def __init__(self, d: int, kernels=(4, 8, 12), eps: float = 1e-6):
         super().__init__()
         m = len(kernels) + 1
@@ -131,7 +135,7 @@ class MSARMix(nn.Module):
             Z.append((a[..., None] * Xr).sum(2))
         Zs = torch.stack(Z, 2)  # [B, T, m, d]
         z = Zs.flatten(-2)
-        z = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + self.eps)
+        z = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + self.EPS_MIX)
         g = torch.sigmoid(self.alpha * (z @ self.phi) + self.bias)
         h = (g[..., None] * Zs).sum(2)
         return (h * len(sources) if count else h).to(sources[0].dtype)
@@ -140,10 +144,11 @@ class MSARMix(nn.Module):
 class MSARDecoder(Decoder):
     """Decoder with (Block) MSAR: the K3 loop of the AttnRes decoder with the MSAR mix."""
 
-    def __init__(self, vocab=64, d=32, layers=3, heads=4, block_size=1, kernels=(2, 3, 5)):
-        super().__init__(vocab, d, layers, heads, use_attnres=False)
+    def __init__(self, vocab=64, d=32, layers=3, heads=4, block_size=1, kernels=(2, 3, 5), norm_eps=1e-6):
+        super().__init__(vocab, d, layers, heads, use_attnres=False, norm_eps=norm_eps)
         self.use_attnres, self.S, self.count = True, block_size, True
-        self.mixes = nn.ModuleDict({str(j): MSARMix(d, kernels) for j in range(1, 2 * layers)} | {"output": MSARMix(d, kernels)})
+        sites = [str(j) for j in range(1, 2 * layers)] + ["output"]
+        self.mixes = nn.ModuleDict({j: MSARMix(d, kernels, eps=norm_eps) for j in sites})
 
 
 # ------------------------------------------------------------------------------------------- mHC (mhc.md §3, §8)

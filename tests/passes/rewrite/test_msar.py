@@ -60,6 +60,49 @@ def test_independent_reference(S):
     assert_matches_reference(ref, conv, idx, lambda n: "depthrewrite.mix_" + n[len("mixes."):] if n.startswith("mixes.") else n)
 
 
+def _randomise_like_reference(ref, conv, scale=0.5):
+    g = torch.Generator().manual_seed(1)
+    for j, mix in ref.mixes.items():
+        site = getattr(conv.depthrewrite, f"mix_{j}")
+        for (name, p_ref), (name2, p_conv) in zip(mix.named_parameters(), site.named_parameters()):
+            assert name == name2
+            v = torch.randn(p_ref.shape, generator=g) * scale
+            p_ref.data.copy_(v)
+            p_conv.data.copy_(v)
+
+
+def test_mixer_eps_is_fixed_not_the_models():
+    """msar.md §5: the mixer's RMS uses eps_mix = 1e-6 whatever the model's norm ε (here 1e-5, which the key norms
+    keep). Activations are scaled down so that |Z|²/(mD) is comparable to ε and the two readings differ clearly."""
+    torch.manual_seed(0)
+    kernels = (2, 3, 5)
+    vanilla = Decoder(layers=2, norm_eps=1e-5)
+    with torch.no_grad():
+        for name, p in vanilla.named_parameters():
+            if name.startswith("emb") or name.endswith(("proj.weight", "down.weight")):
+                p.mul_(2e-3)
+    ref = MSARDecoder(layers=2, kernels=kernels, norm_eps=1e-5)
+    ref.load_state_dict(vanilla.state_dict(), strict=False)
+    idx = torch.randint(0, 64, (2, 7))
+    conv = dr.convert(vanilla, "msar", kernel_sizes=kernels, example_inputs=(idx,))
+    mixes = [n for n in conv.graph.nodes if n.target is torch.ops.depthrewrite.msar_mix.default]
+    assert mixes and all(n.args[7] == 1e-5 and n.args[11] == 1e-6 for n in mixes)  # key ε = model's, mixer ε fixed
+    _randomise_like_reference(ref, conv)
+    assert_matches_reference(ref, conv, idx, lambda n: "depthrewrite.mix_" + n[len("mixes."):] if n.startswith("mixes.") else n)
+    # the option is honoured, and the reference then no longer matches
+    other = dr.convert(vanilla, "msar", kernel_sizes=kernels, eps_mix=1e-5, example_inputs=(idx,))
+    _randomise_like_reference(ref, other)
+    assert all(n.args[11] == 1e-5 for n in other.graph.nodes if n.target is torch.ops.depthrewrite.msar_mix.default)
+    with torch.no_grad():
+        assert rel_err(other(idx), ref(idx)) > 1e-4
+
+
+@pytest.mark.parametrize("bad", [0.0, -1e-6, float("inf"), float("nan"), True, "1e-6"])
+def test_eps_mix_is_validated(bad):
+    with pytest.raises(ConfigError, match="eps_mix"):
+        dr.MSARConfig(eps_mix=bad)
+
+
 def test_block_msar_stores_single_stream_summaries():
     model = nanogpt(n_layer=4)  # L = 8
     rep = dr.convert(model, "msar", blocks=2).report()  # S = 4, N_eff = 2
