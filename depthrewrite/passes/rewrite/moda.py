@@ -33,6 +33,7 @@ from .registry import SchemeConfig, register_scheme
 __all__ = ["MoDAConfig", "AttentionOp", "find_attention"]
 
 aten = torch.ops.aten
+FFN_KEYS = ("block", "next", "raw")
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
@@ -45,10 +46,16 @@ class MoDAConfig(SchemeConfig):
             initialised at 0, so the converted model equals the original at init. Default: False (λ ≡ 1, the paper).
         ffn_kv (bool): MLP sublayers write a slot through a new ``kv_proj`` (the paper's default variant). False:
             attention slots only. Default: True.
+        ffn_keys (str): the key path FFN-slot keys go through, so that they live in the attention keys' space
+            (moda.md §8 Q1/Q2): ``"block"`` (default, the spec's choice) replays the key pipeline of the same block's
+            attention — every op between its k projection and the attention op's key input (k-norm, RoPE at the
+            token's own position, layout) — on the ``kv_proj`` keys; ``"next"`` replays the pipeline of the next
+            attention (the slot's first reader); ``"raw"`` stores the ``kv_proj`` keys as they are.
     """
 
     preserve_init: bool = False
     ffn_kv: bool = True
+    ffn_keys: str = "block"
 
     name = "moda"
 
@@ -56,6 +63,8 @@ class MoDAConfig(SchemeConfig):
         for f in ("preserve_init", "ffn_kv"):
             if not isinstance(getattr(self, f), bool):
                 raise ConfigError(f"MoDAConfig.{f} must be True or False, got {getattr(self, f)!r}")
+        if self.ffn_keys not in FFN_KEYS:
+            raise ConfigError(f"MoDAConfig.ffn_keys must be one of {', '.join(map(repr, FFN_KEYS))}, got {self.ffn_keys!r}")
 
     def describe(self, block_size: int | None = None) -> str:
         slots = "attention + FFN kv_proj slots" if self.ffn_kv else "attention slots only"
@@ -219,13 +228,162 @@ def find_attention(ed: ChainEditor, branch: Branch) -> AttentionOp:
     return found
 
 
-class _KVProj(nn.Module):
-    """The FFN depth-KV projection D -> 2·Hk·d (no bias)."""
+# ops that only move or select elements: the key projection's output reaches the first real op of the key path
+# (k-norm or RoPE) through these
+_LAYOUT = {
+    "view", "reshape", "_unsafe_view", "transpose", "permute", "unsqueeze", "squeeze", "select", "slice", "split",
+    "split_with_sizes", "unbind", "alias", "contiguous", "clone", "t", "unflatten", "flatten", "expand",
+}
 
-    def __init__(self, D: int, hk: int, d: int, dtype, device):
+
+def _is_layout(n: fx.Node) -> bool:
+    return op_of(n) == "getitem" or _aten_name(n) in _LAYOUT or (n.op == "call_method" and n.target in _LAYOUT)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyPath:
+    """The ops an attention applies to its keys after the k projection, to be replayed on FFN-slot keys.
+
+    ``start`` is the first tensor that holds the keys alone, just before the first non-layout op; ``layout`` its
+    layout: ``"flat"`` [B, T, Hk·d], ``"bthd"`` [B, T, Hk, d] or ``"bhtd"`` [B, Hk, T, d]. ``nodes`` (graph order) map
+    ``start`` to the attention op's key input; their other inputs (k-norm weights, RoPE cos/sin, sizes) are reused.
+    """
+
+    proj: fx.Node  # the k projection (aten.linear / addmm / mm)
+    start: fx.Node
+    layout: str
+    nodes: tuple[fx.Node, ...]
+    end: fx.Node  # the attention op's key input (before any GQA repeat)
+    externals: tuple[fx.Node, ...]
+
+    def describe(self) -> str:
+        kinds = sorted({_aten_name(n) or str(n.target) for n in self.nodes if not _is_layout(n)} - {"_to_copy", "to"})
+        return f"{len(self.nodes)} ops: {', '.join(kinds)}"
+
+
+def _has_bias(proj: fx.Node) -> bool:
+    name = _aten_name(proj) or getattr(proj.target, "__name__", "")
+    if name == "addmm":
+        return True
+    if name == "linear":
+        b = proj.args[2] if len(proj.args) > 2 else proj.kwargs.get("bias")
+        return b is not None
+    return False
+
+
+def _reaches_projection(n: fx.Node, limit: int = 4000) -> bool:
+    """Whether ``n`` depends on a linear layer (hidden-state data), walking inputs up to ``limit`` nodes."""
+    stack, seen = [n], {n}
+    while stack and len(seen) < limit:
+        x = stack.pop()
+        if x.op == "call_function" and op_of(x) == "linear":
+            return True
+        for i in x.all_input_nodes:
+            if i not in seen:
+                seen.add(i)
+                stack.append(i)
+    return False
+
+
+def key_path(ed: ChainEditor, a: AttentionOp) -> tuple[KeyPath | None, str]:
+    """The key pipeline of attention ``a`` read from the graph's dataflow (k projection -> [layout] -> k-norm /
+    RoPE / ... -> attention key input), or (None, why). A path of layout ops only is returned with no ``nodes``."""
+    end = a.k
+    # 1. the ancestors of the key input down to the projections (linear layers end the walk)
+    seen, stack, projs = {end}, [end], []
+    while stack:
+        n = stack.pop()
+        for i in n.all_input_nodes:
+            if i in seen:
+                continue
+            seen.add(i)
+            if i.op != "call_function":
+                continue
+            op = op_of(i)
+            if op == "linear":
+                projs.append(i)
+            elif op not in ("matmul", "sdpa", "softmax", "embedding"):
+                stack.append(i)
+    projs = [p for p in projs if len(_shape(p)) in (2, 3)]
+    if not projs:
+        return None, "no k projection (linear layer) found before the attention's key input"
+    proj = max(projs, key=ed.order.__getitem__)
+    # 2. the nodes on a path proj -> end
+    path, stack = {proj}, [proj]
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u in seen and u not in path:
+                path.add(u)
+                stack.append(u)
+    if end not in path:
+        return None, f"the key input `{end.name}` does not come from the k projection `{proj.name}`"
+    # 3. skip the layout prefix (split of a fused qkv, head reshape, transpose) up to the first real op
+    start = proj
+    while start is not end:
+        nxt = [u for u in start.users if u in path]
+        if len(nxt) == 1 and _is_layout(nxt[0]):
+            start = nxt[0]
+        else:
+            break
+    if start is end:
+        return KeyPath(proj, end, "bhtd", (), end, ()), ""
+    below, stack = {start}, [start]
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u in path and u not in below:
+                below.add(u)
+                stack.append(u)
+    nodes = tuple(sorted(below - {start}, key=ed.order.__getitem__))
+    # 4. where the keys are alone at ``start``: flat, token-major or head-major
+    B, hk, T, d = (str(x) for x in _shape(end))
+    sh = tuple(str(x) for x in _shape(start))
+    flat = (B, T, str(_static_int(hk) * _static_int(d))) if _static_int(hk) > 0 and _static_int(d) > 0 else None
+    turns = any(_aten_name(n) in ("transpose", "permute") for n in nodes)
+    if sh == flat:
+        layout = "flat"
+    elif sh == (B, T, hk, d) and (turns or sh != (B, hk, T, d)):
+        layout = "bthd"
+    elif sh == (B, hk, T, d):
+        layout = "bhtd"
+    else:
+        return None, (f"the key path starts at `{start.name}` of shape {tuple(_shape(start))}, not the keys alone as "
+                      f"[B, T, Hk·d], [B, T, Hk, d] or [B, Hk, T, d]")
+    # 5. the other inputs must not carry hidden-state data (e.g. a norm over concatenated q and k)
+    externals = []
+    for n in nodes:
+        for i in n.all_input_nodes:
+            if i in below or i in externals:
+                continue
+            if tensor_val(i) is None and not isinstance(i.meta.get("val", i.meta.get("example_value")), torch.Tensor):
+                externals.append(i)  # sizes and other non-tensors (SymInts): the FFN keys have the same B, T
+                continue
+            if i in path or _reaches_projection(i):
+                return None, f"`{n.name}` in the key path also reads `{i.name}`, which depends on the hidden states"
+            externals.append(i)
+    return KeyPath(proj, start, layout, nodes, end, tuple(externals)), ""
+
+
+class _KVProj(nn.Module):
+    """The FFN depth-KV projection D -> 2·Hk·d, with a bias iff the model's k projection has one."""
+
+    def __init__(self, D: int, hk: int, d: int, bias: bool, dtype, device):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(2 * hk * d, D, dtype=dtype, device=device))
         nn.init.normal_(self.weight, std=D ** -0.5)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(2 * hk * d, dtype=dtype, device=device))
+
+
+def _key_site(k: int, attn_sites: list[int], mode: str) -> int:
+    """The attention whose key path the FFN slot of sublayer k replays: the same block's (the nearest attention at or
+    before k; the next one if there is none) or, with ``"next"``, the first attention after k (the first reader)."""
+    before = [j for j in attn_sites if j <= k]
+    after = [j for j in attn_sites if j > k]
+    if mode == "next" or not before:
+        return after[0]
+    return before[-1]
 
 
 class _Lambda(nn.Module):
@@ -252,6 +410,16 @@ def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassR
     slots_v: list[fx.Node] = []
     labels: list[str] = []
     changes: list[Change] = []
+    raw_sites: list[str] = []
+    # the key pipelines, read before anything is rewritten (moda.md §8 Q1: FFN keys go through one of them)
+    key_paths: dict[int, tuple[KeyPath | None, str]] = {}
+    kps_proj: dict[int, fx.Node] = {}
+    for j, a in attn.items():
+        kp, why = key_path(ed, a)
+        if kp is not None:
+            kps_proj[j] = kp.proj
+        if config.ffn_keys != "raw":
+            key_paths[j] = (kp, why)
     for k, s in enumerate(chain.sublayers):
         a = attn.get(k)
         if a is not None and slots_k:
@@ -289,23 +457,65 @@ def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassR
         if config.ffn_kv and mlp:
             b = mlp[0]
             src = ed.nodes[b.pre_norm.output] if b.pre_norm is not None else strip_alias(ed.stream(k))
+            j = _key_site(k, sorted(attn), config.ffn_keys)
+            kp, why = key_paths.get(j, (None, "ffn_keys='raw'"))
+            anchor = src
+            if kp is not None and kp.nodes:
+                if any(e not in ed.order for e in kp.externals):
+                    kp, why = None, "an input of the key path was created by this rewrite"
+                else:
+                    anchor = max([src, *kp.externals], key=ed.order.__getitem__)
+            if kp is not None and not kp.nodes:
+                kp, why = None, "the key path has layout ops only"
+                keypath_note = None
+            else:
+                keypath_note = why
+            bias = _has_bias(kps_proj[j]) if j in kps_proj else False
             name = f"kv_proj_{k}"
-            ed.site_module(name, lambda: _KVProj(D, hk, d, ed.dtype, ed.device))
-            with graph.inserting_before(src.next):  # right after the normed input, in creation order
+            ed.site_module(name, lambda: _KVProj(D, hk, d, bias, ed.dtype, ed.device))
+            with graph.inserting_before(anchor.next):  # after the normed input (and the key path's inputs)
                 w = ed.get_attr(f"{name}.weight")
-                kv = graph.call_function(aten.linear.default, (src, w))
+                lin_args = (src, w, ed.get_attr(f"{name}.bias")) if bias else (src, w)
+                kv = graph.call_function(aten.linear.default, lin_args)
                 kv5 = graph.call_function(aten.unflatten.int, (kv, -1, [2, hk, d]))  # [B, T, 2, Hk, d]
-                kf = graph.call_function(aten.transpose.int, (graph.call_function(aten.select.int, (kv5, -3, 0)), 1, 2))
+                k_tok = graph.call_function(aten.select.int, (kv5, -3, 0))  # [B, T, Hk, d]
                 vf = graph.call_function(aten.transpose.int, (graph.call_function(aten.select.int, (kv5, -3, 1)), 1, 2))
-            for node in (kv, kf, vf):
+                made = [kv, kv5, k_tok, vf]
+                if kp is None:
+                    kf = graph.call_function(aten.transpose.int, (k_tok, 1, 2))
+                    made.append(kf)
+                else:
+                    if kp.layout == "flat":
+                        k0 = graph.call_function(aten.slice.Tensor, (kv, -1, 0, hk * d))
+                        k0 = graph.call_function(aten.clone.default, (k0,), {"memory_format": torch.contiguous_format})
+                    elif kp.layout == "bhtd":
+                        k0 = graph.call_function(aten.transpose.int, (k_tok, 1, 2))
+                    else:
+                        k0 = k_tok
+                    made.append(k0)
+                    env = {kp.start: k0}
+                    for n in kp.nodes:  # the attention's own key ops (k-norm, RoPE, ...) on the FFN keys
+                        c = graph.node_copy(n, lambda x: env.get(x, x))
+                        inherit_meta(c, src, NodeRole("kv_proj", k, config.name), val_from=n)
+                        env[n] = c
+                    kf = env[kp.end]
+            for node in made:
                 inherit_meta(node, src, NodeRole("kv_proj", k, config.name))
                 node.meta.pop("val", None)
             slots_k.append(kf)
             slots_v.append(vf)
             labels.append(f"ffn{k}")
+            if kp is not None:
+                keys = f"keys through attn{j}'s key path ({kp.describe()})"
+            else:
+                keys = f"raw keys ({keypath_note})" if keypath_note else "keys need no key ops (the attention applies none)"
+                if keypath_note and config.ffn_keys != "raw":
+                    raw_sites.append(f"ffn{k}: {keypath_note}")
             changes.append(Change(
                 site=k, module=b.module or module_path_of(src), created=(kv.name, kf.name, vf.name), replaced=None,
-                sources=(), params=name, detail=f"writes slot ffn{k}: kv_proj {D} -> 2·{hk}·{d}; +{2 * D * 2 * hk * d:,} FLOPs/token",
+                sources=(), params=name,
+                detail=f"writes slot ffn{k}: kv_proj {D} -> 2·{hk}·{d}{' + bias' if bias else ''}; {keys}; "
+                f"+{2 * D * 2 * hk * d:,} FLOPs/token",
             ))
     result = ed.finish(changes)
     n_max = len(slots_k)
@@ -317,4 +527,7 @@ def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassR
         f"depth slots are token-major [B, T, n, Hk={hk}, d={d}] and transient (same-token only): the persistent KV "
         "cache is unchanged",
     )
+    if raw_sites:
+        notes += ("FFN-slot keys stored raw (no k-norm/RoPE: depth scores of these slots depend on position): "
+                  + "; ".join(raw_sites),)
     return PassResult(result.graph_module, result.changes, notes, state=(n_max * 2 * hk * d, "transient depth KV"))

@@ -137,32 +137,136 @@ def test_lambda_gets_a_gradient_at_init():
     assert all(torch.equal(p, torch.zeros_like(p)) for p in lam)
 
 
-def test_independent_reference():
-    torch.manual_seed(0)
-    vanilla = Decoder(layers=3)
-    ref = MoDADecoder(layers=3)
+def _reference_pair(attn="plain", kv_heads=None, preserve_init=True, layers=3, seed=0):
+    """A vanilla reference decoder converted by depthrewrite, and its hand-written MoDA twin with the same weights
+    (random kv_proj weights/biases and λ copied into both)."""
+    torch.manual_seed(seed)
+    vanilla = Decoder(layers=layers, attn=attn, kv_heads=kv_heads)
+    ref = MoDADecoder(layers=layers, attn=attn, kv_heads=kv_heads, lam=preserve_init)
     ref.load_state_dict(vanilla.state_dict(), strict=False)
     idx = torch.randint(0, 64, (2, 7))
-    conv = dr.convert(vanilla, "moda", preserve_init=True, example_inputs=(idx,))
+    conv = dr.convert(vanilla, "moda", preserve_init=preserve_init, example_inputs=(idx,))
     g = torch.Generator().manual_seed(1)
     box = conv.depthrewrite
-    assert sorted(n for n, _ in box.named_children()) == ["kv_proj_1", "kv_proj_3", "moda_2", "moda_4"]
     for j, p in ref.kv_proj.items():
         v = torch.randn(p.shape, generator=g) * 0.2
         p.data.copy_(v)
         getattr(box, f"kv_proj_{j}").weight.data.copy_(v)
-    for j, p in ref.lam.items():
+    for j, p in (ref.kv_bias or {}).items():
+        v = torch.randn(p.shape, generator=g) * 0.2
+        p.data.copy_(v)
+        getattr(box, f"kv_proj_{j}").bias.data.copy_(v)
+    for j, p in (ref.lam or {}).items():
         v = torch.rand(p.shape, generator=g) + 0.5
         p.data.copy_(v)
         getattr(box, f"moda_{j}").depth_weight.data.copy_(v)
-    def conv_name(name: str) -> str:
-        if name.startswith("kv_proj."):
-            return f"depthrewrite.kv_proj_{name.split('.')[1]}.weight"
-        if name.startswith("lam."):
-            return f"depthrewrite.moda_{name.split('.')[1]}.depth_weight"
-        return name
+    return vanilla, ref, conv, idx
 
-    assert_matches_reference(ref, conv, idx, conv_name)
+
+def _conv_name(name: str) -> str:
+    if name.startswith("kv_proj."):
+        return f"depthrewrite.kv_proj_{name.split('.')[1]}.weight"
+    if name.startswith("kv_bias."):
+        return f"depthrewrite.kv_proj_{name.split('.')[1]}.bias"
+    if name.startswith("lam."):
+        return f"depthrewrite.moda_{name.split('.')[1]}.depth_weight"
+    return name
+
+
+def test_independent_reference():
+    _, ref, conv, idx = _reference_pair()
+    box = conv.depthrewrite
+    assert sorted(n for n, _ in box.named_children()) == ["kv_proj_1", "kv_proj_3", "moda_2", "moda_4"]
+    assert_matches_reference(ref, conv, idx, _conv_name)
+
+
+@pytest.mark.parametrize("preserve_init", [False, True], ids=["lambda1", "lambda-random"])
+@pytest.mark.parametrize("attn, kv_heads", [("llama", 2), ("qwen3", 2), ("qwen2", 2), ("llama", 4)],
+                         ids=["llama-gqa", "qwen3-knorm", "qwen2-bias", "llama-mha"])
+def test_independent_reference_ffn_keys_rotated(attn, kv_heads, preserve_init):
+    """moda.md §2, §8 Q1/Q2: FFN-slot keys go through the block attention's k-norm and RoPE; with λ ≡ 1 (the paper)
+    and with random λ, outputs and every gradient match the hand-written reference."""
+    _, ref, conv, idx = _reference_pair(attn, kv_heads, preserve_init)
+    assert_matches_reference(ref, conv, idx, _conv_name)
+    writers = [s for s in conv.report().sites if not s.sources]
+    assert writers and all("keys through attn" in s.detail for s in writers)
+
+
+def test_preserve_init_with_rotated_ffn_keys():
+    vanilla, _, conv, idx = _reference_pair("qwen3", 2, preserve_init=True)
+    for p in conv.depthrewrite.parameters():  # λ back to 0, random kv_proj stays
+        if p.dim() == 1 and p.shape[0] == 4:
+            p.data.zero_()
+    with torch.no_grad():
+        assert rel_err(conv(idx), vanilla(idx)) <= INIT_RTOL
+
+
+def _moda_inputs(conv, *args):
+    """(q, Kd) of every moda_attn node of a converted model, recorded while it runs."""
+    seen = []
+
+    class Rec(torch.fx.Interpreter):
+        def call_function(self, target, a, kw):
+            if target is torch.ops.depthrewrite.moda_attn.default:
+                seen.append((a[0], a[4]))
+            return super().call_function(target, a, kw)
+
+    gm = conv.graph_module if hasattr(conv, "graph_module") else conv
+    with torch.no_grad():
+        Rec(gm).run(*args)
+    return seen
+
+
+@pytest.mark.parametrize("name", ["hf:llama", "hf:qwen3", "hf:qwen2", "hf:olmo2"])
+def test_ffn_slot_depth_scores_are_position_free(name):
+    """With one token repeated, everything before the first MoDA site is the same at every position up to RoPE, so
+    q·k of a slot written with the reading attention's rotation (moda.md §8 Q1) is the same at every position.
+    Raw FFN keys (no RoPE, no k-norm) give (R_t q)·k, which varies with t."""
+    model = build_zoo_model(name).eval()
+    conv = dr.convert(model, "moda").eval()
+    ids = torch.full((1, 12), 5, dtype=torch.long)
+    q, Kd = _moda_inputs(conv, ids)[0]  # the first reading site: slots attn0, ffn1
+    G = q.shape[1] // Kd.shape[3]
+    s = torch.einsum("bhtd,bthd->bht", q, Kd[:, :, 1].repeat_interleave(G, 2))  # the FFN slot's depth score
+    s_attn = torch.einsum("bhtd,bthd->bht", q, Kd[:, :, 0].repeat_interleave(G, 2))
+    torch.testing.assert_close(s_attn, s_attn[..., :1].expand_as(s_attn), rtol=1e-4, atol=1e-5)  # the control
+    assert s.abs().max() > 1e-3
+    torch.testing.assert_close(s, s[..., :1].expand_as(s), rtol=1e-4, atol=1e-5)
+
+
+def test_ffn_key_rotation_equals_the_attention_key_rotation():
+    """Feed the attention's own raw keys through kv_proj (kv_proj := [k_proj; v_proj]): the FFN slot then equals the
+    attention slot of the same block exactly — same k-norm, same rotation at the same position."""
+    model = build_zoo_model("hf:qwen3").eval()
+    conv = dr.convert(model, "moda", preserve_init=True).eval()
+    attn = model.model.layers[0].self_attn
+    with torch.no_grad():
+        conv.depthrewrite.kv_proj_1.weight.copy_(torch.cat([attn.k_proj.weight, attn.v_proj.weight]))
+    # the FFN slot reads the MLP's normed input, the attention slot the attention's: make both norms read the same
+    # stream by zeroing the attention output (o_proj = 0) and giving both norms the same weight
+    lay = model.model.layers[0]
+    with torch.no_grad():
+        conv.get_parameter("model.layers.0.self_attn.o_proj.weight").zero_()
+        conv.get_parameter("model.layers.0.post_attention_layernorm.weight").copy_(lay.input_layernorm.weight)
+    ids = torch.randint(0, 64, (2, 9))
+    _, Kd = _moda_inputs(conv, ids)[0]
+    torch.testing.assert_close(Kd[:, :, 1], Kd[:, :, 0], rtol=1e-5, atol=1e-6)
+
+
+def test_ffn_keys_option():
+    m = build_zoo_model("hf:qwen3")
+    raw = dr.convert(m, "moda", ffn_keys="raw").report()
+    w = next(s for s in raw.sites if not s.sources)
+    assert "raw keys (ffn_keys='raw')" in w.detail
+    nxt = dr.convert(m, "moda", ffn_keys="next").report()
+    assert "keys through attn2's key path" in next(s for s in nxt.sites if not s.sources).detail
+    with pytest.raises(ConfigError, match="ffn_keys"):
+        dr.MoDAConfig(ffn_keys="rope")
+
+
+def test_kv_proj_bias_follows_the_qkv_projections():
+    assert dr.convert(build_zoo_model("hf:qwen2"), "moda").depthrewrite.kv_proj_1.bias.shape == (2 * 2 * 16,)
+    assert not hasattr(dr.convert(build_zoo_model("hf:llama"), "moda").depthrewrite.kv_proj_1, "bias")
 
 
 @pytest.mark.parametrize("name", ["hf:llama", "hf:qwen3", "hf:gpt2", "hf:phi", "hf:mixtral", "hf:olmo2", "nanogpt"])
