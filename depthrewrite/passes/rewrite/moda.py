@@ -89,6 +89,7 @@ class AttentionOp:
     hk: int
     d: int
     form: str  # "sdpa" | "eager"
+    fill: fx.Node | None = None  # a masked_fill mask (True = masked) to negate into the sequence mask
 
 
 def _unrepeat(x: fx.Node) -> fx.Node:
@@ -138,57 +139,119 @@ def _from_sdpa(n: fx.Node) -> AttentionOp:
     )
 
 
-def _from_eager(sm: fx.Node) -> AttentionOp | None:
-    """softmax(matmul(q, kᵀ) · s [soft-cap] [+ mask]) [-> cast -> dropout] -> matmul(·, v)."""
-    scale, mask, softcap, cur = 1.0, None, 0.0, sm.args[0]
+_EAGER_FORM = (
+    "aten.scaled_dot_product_attention, or the eager form matmul(q, kᵀ) [· or / a constant] [c·tanh(·/c) soft-cap] "
+    "[+ an additive mask | .masked_fill(mask, -inf)] -> softmax(dim=-1) [-> dropout] -> matmul(·, v)"
+)
+
+
+class _Mismatch(Exception):
+    """The eager attention walk met ``node``, which does not fit; ``why`` says what was expected there."""
+
+    def __init__(self, node: fx.Node, why: str):
+        super().__init__(why)
+        self.node, self.why = node, why
+
+
+def _attr_value(gm: fx.GraphModule, n: fx.Node) -> torch.Tensor | None:
+    if n.op != "get_attr":
+        return None
+    obj = gm
+    for part in str(n.target).split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj if isinstance(obj, torch.Tensor) else None
+
+
+def _is_causal_buffer_mask(gm: fx.GraphModule, fill: fx.Node) -> bool:
+    """``buf[..., :T, :T] == 0`` with ``buf`` a lower-triangular 0/1 buffer (minGPT / nanoGPT's registered ``bias``):
+    True exactly above the diagonal, i.e. masked_fill(·, fill, -inf) is the causal mask."""
+    if _aten_name(fill) != "eq" or fill.args[1] != 0 or not isinstance(fill.args[0], fx.Node):
+        return False
+    x = fill.args[0]
+    while isinstance(x, fx.Node) and _aten_name(x) == "slice":
+        start = x.args[2] if len(x.args) > 2 else 0
+        if start not in (None, 0):
+            return False
+        x = x.args[0]
+    buf = _attr_value(gm, x) if isinstance(x, fx.Node) else None
+    if buf is None or buf.dim() < 2 or buf.shape[-1] != buf.shape[-2]:
+        return False
+    b = buf.reshape(-1, *buf.shape[-2:])
+    return bool((b == torch.ones_like(b[0]).tril()).all())
+
+
+def _from_eager(sm: fx.Node, gm: fx.GraphModule) -> AttentionOp:
+    """softmax(matmul(q, kᵀ) · s [soft-cap] [+ mask | masked_fill]) [-> cast -> dropout] -> matmul(·, v), or
+    _Mismatch naming the first node that does not fit."""
+    dim = sm.args[1] if len(sm.args) > 1 else sm.kwargs.get("dim")
+    nd = len(_shape(sm))
+    if dim not in (-1, nd - 1):
+        raise _Mismatch(sm, f"a softmax over the last dimension (the keys); this one is over dim={dim}")
+    scale, mask, fill, softcap, cur = 1.0, None, None, 0.0, sm.args[0]
     while isinstance(cur, fx.Node) and op_of(cur) != "matmul":
-        op = op_of(cur)
+        op, name = op_of(cur), _aten_name(cur)
         if op == "cast":
             cur = cur.args[0]
         elif op in ("mul", "div") and not isinstance(cur.args[1], fx.Node):
             scale = scale * float(cur.args[1]) if op == "mul" else scale / float(cur.args[1])
             cur = cur.args[0]
-        elif op == "add" and mask is None:
+        elif op == "add" and mask is None and fill is None:
             x, y = cur.args[0], cur.args[1]
             cur, mask = (x, y) if isinstance(x, fx.Node) and any(op_of(p) == "matmul" for p in _chain_up(x)) else (y, x)
-        elif _aten_name(cur) == "tanh" and softcap == 0.0:
+        elif name == "masked_fill" and mask is None and fill is None:
+            value = cur.args[2] if len(cur.args) > 2 else cur.kwargs.get("value")
+            if isinstance(value, fx.Node) or not float(value) <= -1e4:
+                raise _Mismatch(cur, f"masked_fill with -inf (a mask); this one fills {value}")
+            if not isinstance(cur.args[1], fx.Node) or tensor_val(cur.args[1]) is not None and tensor_val(cur.args[1]).dtype != torch.bool:
+                raise _Mismatch(cur, "masked_fill with a boolean mask tensor")
+            fill, cur = cur.args[1], cur.args[0]
+        elif name == "tanh" and softcap == 0.0:
             # c·tanh(x/c): the scale collected so far is c; the division below it is 1/c
             inner = cur.args[0]
             if op_of(inner) != "div" or isinstance(inner.args[1], fx.Node):
-                return None
+                raise _Mismatch(cur, "soft-capping as c·tanh(scores / c) with a constant c")
             softcap = float(inner.args[1])
             if abs(scale - softcap) > 1e-6 * softcap:
-                return None
+                raise _Mismatch(cur, "soft-capping as c·tanh(scores / c) with the same constant c on both sides")
             scale, cur = 1.0, inner.args[0]
+        elif op in ("add",) or name == "masked_fill":
+            raise _Mismatch(cur, "at most one mask (an additive mask or one masked_fill) between the scores and the softmax")
         else:
-            return None
+            raise _Mismatch(cur, "only a constant scale, tanh soft-capping, an additive mask or masked_fill(mask, -inf) "
+                                 "between the scores matmul(q, kᵀ) and the softmax")
     if not isinstance(cur, fx.Node):
-        return None
+        raise _Mismatch(sm, "scores computed as matmul(q, kᵀ) before the softmax")
     m1 = cur
+    if _aten_name(m1) != "matmul" or len(m1.args) < 2:
+        raise _Mismatch(m1, "the scores as matmul(q, kᵀ) (torch.matmul / @)")
     q, kt = m1.args[0], m1.args[1]
-    if _aten_name(kt) != "transpose":
-        return None
+    if not isinstance(kt, fx.Node) or _aten_name(kt) != "transpose":
+        raise _Mismatch(m1, "the scores as q @ k.transpose(-2, -1): the second operand is not a transpose of k")
     k = _unrepeat(kt.args[0])
     p, dropout = sm, 0.0
     while True:
-        users = [u for u in p.users if tensor_val(u) is not None]
+        users = [u for u in p.users if tensor_val(u) is not None or op_of(u) in ("dropout", "matmul", "cast")]
         if len(users) != 1:
-            return None
+            raise _Mismatch(p, f"one reader of the attention probabilities; `{p.name}` has {len(users)}")
         u = users[0]
         if op_of(u) == "cast":
             p = u
         elif op_of(u) == "dropout":
             dropout = float(u.args[1]) if len(u.args) > 2 and u.args[2] else 0.0
             p = u
-        elif op_of(u) == "matmul" and u.args[0] is p:
+        elif _aten_name(u) == "matmul" and u.args[0] is p:
             m2 = u
             break
         else:
-            return None
+            raise _Mismatch(u, "dropout or matmul(probabilities, v) after the softmax")
     v = _unrepeat(m2.args[1])
+    causal = fill is not None and _is_causal_buffer_mask(gm, fill)
     hq, d, hk = _static_int(_shape(q)[1]), _static_int(_shape(q)[-1]), _static_int(_shape(k)[1])
     return AttentionOp(node=m2, q=q, k=k, v=v, mask=mask if isinstance(mask, fx.Node) else None, scale=scale,
-                       is_causal=False, dropout_p=dropout, softcap=softcap, hq=hq, hk=hk, d=d, form="eager")
+                       is_causal=causal, dropout_p=dropout, softcap=softcap, hq=hq, hk=hk, d=d, form="eager",
+                       fill=None if causal else fill)
 
 
 def _chain_up(n: fx.Node, limit: int = 6):
@@ -201,24 +264,47 @@ def _chain_up(n: fx.Node, limit: int = 6):
     return out
 
 
+def _is_hf(nodes) -> bool:
+    """Whether the branch comes from a Hugging Face transformers module (its nn_module_stack names the classes)."""
+    for n in nodes:
+        for entry in (n.meta.get("nn_module_stack") or {}).values():
+            t = entry[1] if isinstance(entry, tuple) and len(entry) > 1 else entry
+            name = f"{getattr(t, '__module__', '')}.{getattr(t, '__qualname__', '')}" if isinstance(t, type) else str(t)
+            if name.startswith("transformers.") or ".transformers." in name:
+                return True
+    return False
+
+
 def find_attention(ed: ChainEditor, branch: Branch) -> AttentionOp:
-    """The one attention operator of an attention branch, or AttentionPatternError naming what was found."""
-    body = {ed.nodes[n] for n in branch.nodes}
+    """The one attention operator of an attention branch, or AttentionPatternError naming the node that does not fit
+    and the form expected."""
+    body = sorted((ed.nodes[n] for n in branch.nodes), key=ed.order.__getitem__)
     sdpa = [n for n in body if op_of(n) == "sdpa"]
+    softmaxes = [n for n in body if op_of(n) == "softmax"]
+    bad, why = None, ""
     if len(sdpa) == 1 and sdpa[0].target is aten.scaled_dot_product_attention.default:
         found = _from_sdpa(sdpa[0])
+    elif sdpa:
+        bad = sdpa[0] if len(sdpa) == 1 or sdpa[0].target is not aten.scaled_dot_product_attention.default else sdpa[1]
+        why = (f"found {len(sdpa)} attention operators; expected exactly one" if len(sdpa) > 1
+               else f"found {bad.target}, a backend-specific attention kernel; expected the generic one")
+    elif len(softmaxes) == 1:
+        try:
+            found = _from_eager(softmaxes[0], ed.gm)
+        except _Mismatch as e:
+            bad, why = e.node, f"expected {e.why}"
+    elif softmaxes:
+        bad, why = softmaxes[1], f"found {len(softmaxes)} softmax nodes ({', '.join(f'`{n.name}`' for n in softmaxes)}); expected one"
     else:
-        softmaxes = sorted((n for n in body if op_of(n) == "softmax"), key=ed.order.__getitem__)
-        found = _from_eager(softmaxes[0]) if len(softmaxes) == 1 and not sdpa else None
-        if found is None:
-            what = sdpa or softmaxes or [ed.nodes[branch.output]]
-            where = f"`{what[0].name}` ({what[0].target})" if (sdpa or softmaxes) else f"no softmax or SDPA before `{what[0].name}`"
-            raise AttentionPatternError(
-                f"the attention branch in {branch.module} cannot be rewritten by MoDA: found {where}; expected one "
-                "aten.scaled_dot_product_attention or the eager form matmul(q, kᵀ)·scale (+ mask) -> softmax -> "
-                "matmul(·, v) (optionally with tanh soft-capping). Try attn_implementation='sdpa' or 'eager'.",
-                node=what[0].name,
-            )
+        bad, why = ed.nodes[branch.output], "found no softmax and no scaled_dot_product_attention in the branch"
+    if bad is not None:
+        hint = ("Load the model with attn_implementation='sdpa' or 'eager'." if _is_hf(body) else
+                "Write the attention with torch.nn.functional.scaled_dot_product_attention or in the eager form above.")
+        raise AttentionPatternError(
+            f"the attention branch in {branch.module} cannot be rewritten by MoDA: `{bad.name}` ({bad.target}) does "
+            f"not fit: {why}. MoDA recognises {_EAGER_FORM}. {hint}",
+            node=bad.name,
+        )
     if min(found.hq, found.hk, found.d) <= 0 or found.hq % found.hk:
         raise AttentionPatternError(
             f"attention `{found.node.name}` in {branch.module}: cannot read static head counts from q {_shape(found.q)} "
@@ -232,7 +318,8 @@ def find_attention(ed: ChainEditor, branch: Branch) -> AttentionOp:
 # (k-norm or RoPE) through these
 _LAYOUT = {
     "view", "reshape", "_unsafe_view", "transpose", "permute", "unsqueeze", "squeeze", "select", "slice", "split",
-    "split_with_sizes", "unbind", "alias", "contiguous", "clone", "t", "unflatten", "flatten", "expand",
+    "split_with_sizes", "chunk", "tensor_split", "unbind", "alias", "contiguous", "clone", "t", "unflatten", "flatten",
+    "expand",
 }
 
 
@@ -431,12 +518,15 @@ def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassR
                 if config.preserve_init:
                     ed.site_module(name, lambda: _Lambda(hq, ed.dtype, ed.device))
                     lam = ed.get_attr(f"{name}.depth_weight")
+                mask = a.mask
+                if a.fill is not None:  # masked_fill(scores, m, -inf): keep where m is False
+                    mask = graph.call_function(aten.logical_not.default, (a.fill,))
                 seed = None
                 if a.dropout_p > 0:
                     seed = graph.call_function(aten.randint.low, (0, 2**31 - 1, [1]), {"device": ed.device})
                 new = graph.call_function(
                     ops.moda_attn.default,
-                    (a.q, a.k, a.v, a.mask, Kd, Vd, lam, a.scale, a.is_causal, a.dropout_p, seed, a.softcap),
+                    (a.q, a.k, a.v, mask, Kd, Vd, lam, a.scale, a.is_causal, a.dropout_p, seed, a.softcap),
                 )
             inherit_meta(new, a.node, NodeRole("moda_attn", k, config.name))
             a.node.replace_all_uses_with(new)

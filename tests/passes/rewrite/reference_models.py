@@ -6,6 +6,8 @@ weights are copied, and both sides get the same random pseudo-queries and gains.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -32,6 +34,22 @@ class Attention(nn.Module):
         B, T, D = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, D))
+
+
+class TextbookAttention(Attention):
+    """minGPT's attention: q @ kᵀ · 1/√d, masked_fill with a registered lower-triangular buffer, softmax, @ v."""
+
+    def __init__(self, d: int, heads: int, block_size: int = 16):
+        super().__init__(d, heads)
+        self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size))
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        y = torch.softmax(att, dim=-1) @ v
         return self.proj(y.transpose(1, 2).reshape(B, T, D))
 
 
@@ -115,8 +133,8 @@ class Decoder(nn.Module):
 
     def __init__(self, vocab=64, d=32, layers=3, heads=4, use_attnres=False, block_size=1, count=True, norm_eps=1e-6,
                  attn="plain", kv_heads=None):
-        """``attn``: "plain" (fused qkv, no RoPE), "llama" (RoPE, GQA with ``kv_heads``), "qwen3" (plus q/k-norm),
-        "qwen2" (RoPE, GQA, q/k/v biases)."""
+        """``attn``: "plain" (fused qkv, no RoPE, SDPA), "mingpt" (the same, written as minGPT's textbook attention),
+        "llama" (RoPE, GQA with ``kv_heads``), "qwen3" (plus q/k-norm), "qwen2" (RoPE, GQA, q/k/v biases)."""
         super().__init__()
         self.emb = nn.Embedding(vocab, d)
         self.norms = nn.ModuleList([RMSNorm(d, norm_eps) for _ in range(2 * layers)])
@@ -125,6 +143,8 @@ class Decoder(nn.Module):
         def make_attn():
             if attn == "plain":
                 return Attention(d, heads)
+            if attn == "mingpt":
+                return TextbookAttention(d, heads)
             return RoPEAttention(d, heads, kvh, qk_norm=attn == "qwen3", bias=attn == "qwen2")
 
         self.fns = nn.ModuleList([make_attn() if j % 2 == 0 else MLP(d) for j in range(2 * layers)])

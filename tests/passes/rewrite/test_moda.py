@@ -192,6 +192,35 @@ def test_independent_reference_ffn_keys_rotated(attn, kv_heads, preserve_init):
     assert writers and all("keys through attn" in s.detail for s in writers)
 
 
+@pytest.mark.parametrize("preserve_init", [False, True], ids=["lambda1", "lambda-random"])
+def test_independent_reference_textbook_attention(preserve_init):
+    """minGPT's eager attention (masked_fill with a causal buffer) is rewritten and matches the reference."""
+    _, ref, conv, idx = _reference_pair("mingpt", preserve_init=preserve_init)
+    assert_matches_reference(ref, conv, idx, _conv_name)
+    readers = [s for s in conv.report().sites if s.sources]
+    assert readers and all("eager" in s.detail for s in readers)
+
+
+def test_mingpt_textbook_attention():
+    """nanogpt(flash=False): preserve_init is the original model; λ ≡ 1 equals the SDPA (flash) twin converted with
+    the same weights, so masked_fill with the causal buffer is read as the causal mask."""
+    eager = dr.testing.nanogpt(n_layer=3, flash=False).eval()
+    flash = dr.testing.nanogpt(n_layer=3).eval()
+    flash.load_state_dict(eager.state_dict(), strict=False)
+    ids = torch.randint(0, 256, (2, 11))
+    exact = dr.convert(eager, "moda", preserve_init=True).eval()
+    a, b = dr.convert(eager, "moda").eval(), dr.convert(flash, "moda").eval()
+    b.depthrewrite.load_state_dict(a.depthrewrite.state_dict())
+    with torch.no_grad():
+        ref = eager(ids)
+        assert rel_err(exact(ids), ref) <= INIT_RTOL
+        out = a(ids)
+        assert rel_err(out, ref) > 1e-3
+        torch.testing.assert_close(out, b(ids), rtol=1e-5, atol=1e-5)
+    attn = [n for n in a.graph.nodes if n.target is torch.ops.depthrewrite.moda_attn.default]
+    assert attn and all(n.args[3] is None and n.args[8] is True for n in attn)  # no mask tensor: is_causal
+
+
 def test_preserve_init_with_rotated_ffn_keys():
     vanilla, _, conv, idx = _reference_pair("qwen3", 2, preserve_init=True)
     for p in conv.depthrewrite.parameters():  # λ back to 0, random kv_proj stays
