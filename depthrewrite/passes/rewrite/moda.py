@@ -287,22 +287,25 @@ def find_attention(ed: ChainEditor, branch: Branch) -> AttentionOp:
     elif sdpa:
         bad = sdpa[0] if len(sdpa) == 1 or sdpa[0].target is not aten.scaled_dot_product_attention.default else sdpa[1]
         why = (f"found {len(sdpa)} attention operators; expected exactly one" if len(sdpa) > 1
-               else f"found {bad.target}, a backend-specific attention kernel; expected the generic one")
+               else "a backend-specific attention kernel; expected the generic one")
     elif len(softmaxes) == 1:
         try:
             found = _from_eager(softmaxes[0], ed.gm)
         except _Mismatch as e:
             bad, why = e.node, f"expected {e.why}"
     elif softmaxes:
-        bad, why = softmaxes[1], f"found {len(softmaxes)} softmax nodes ({', '.join(f'`{n.name}`' for n in softmaxes)}); expected one"
-    else:
-        bad, why = ed.nodes[branch.output], "found no softmax and no scaled_dot_product_attention in the branch"
+        bad, why = softmaxes[1], f"{len(softmaxes)} softmax nodes ({', '.join(f'`{n.name}`' for n in softmaxes)}); expected one"
+    if bad is not None:
+        detail = f"`{bad.name}` ({bad.target}) does not fit: {why}"
+    elif not sdpa and not softmaxes:
+        bad = ed.nodes[branch.output]
+        detail = f"it has no softmax and no scaled_dot_product_attention (its output is `{bad.name}` ({bad.target}))"
     if bad is not None:
         hint = ("Load the model with attn_implementation='sdpa' or 'eager'." if _is_hf(body) else
                 "Write the attention with torch.nn.functional.scaled_dot_product_attention or in the eager form above.")
+        where = f" in {branch.module}" if branch.module else ""
         raise AttentionPatternError(
-            f"the attention branch in {branch.module} cannot be rewritten by MoDA: `{bad.name}` ({bad.target}) does "
-            f"not fit: {why}. MoDA recognises {_EAGER_FORM}. {hint}",
+            f"the attention branch{where} cannot be rewritten by MoDA: {detail}. MoDA recognises {_EAGER_FORM}. {hint}",
             node=bad.name,
         )
     if min(found.hq, found.hk, found.d) <= 0 or found.hq % found.hk:

@@ -246,7 +246,7 @@ def _moda_inputs(conv, *args):
     return seen
 
 
-@pytest.mark.parametrize("name", ["hf:llama", "hf:qwen3", "hf:qwen2", "hf:olmo2"])
+@pytest.mark.parametrize("name", ["hf:llama", "hf:qwen3", "hf:qwen2", "hf:olmo2", "hf:gpt_neox", "hf:phi"])
 def test_ffn_slot_depth_scores_are_position_free(name):
     """With one token repeated, everything before the first MoDA site is the same at every position up to RoPE, so
     q·k of a slot written with the reading attention's rotation (moda.md §8 Q1) is the same at every position.
@@ -350,6 +350,91 @@ def test_unrecognised_attention_is_a_clear_error():
     with pytest.raises(AttentionPatternError, match="cannot be rewritten by MoDA") as ei:
         dr.convert(SigmoidAttention(), "moda", example_inputs=(torch.randint(0, 32, (2, 5)),))
     assert ei.value.node and f"`{ei.value.node}`" in str(ei.value)
+
+
+class TemperatureAttention(torch.nn.Module):
+    """Textbook attention with a learned temperature between the scores and the softmax: not a form MoDA knows."""
+
+    def __init__(self, vocab=32, d=16, layers=2, heads=2):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.n1 = torch.nn.ModuleList([torch.nn.LayerNorm(d) for _ in range(layers)])
+        self.qkv = torch.nn.ModuleList([torch.nn.Linear(d, 3 * d) for _ in range(layers)])
+        self.temperature = torch.nn.Parameter(torch.ones(()))
+        self.norm = torch.nn.LayerNorm(d)
+        self.heads = heads
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        B, T, D = x.shape
+        for n1, qkv in zip(self.n1, self.qkv):
+            q, k, v = qkv(n1(x)).view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+            att = (q @ k.transpose(-2, -1)) * self.temperature
+            att = att.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+            y = torch.softmax(att, dim=-1) @ v
+            x = x + y.transpose(1, 2).reshape(B, T, D)
+        return self.norm(x)
+
+
+def test_refusal_names_the_node_and_the_expected_form():
+    with pytest.raises(AttentionPatternError) as ei:
+        dr.convert(TemperatureAttention(), "moda", example_inputs=(torch.randint(0, 32, (2, 5)),))
+    msg = str(ei.value)
+    assert ei.value.node.startswith("mul") and f"`{ei.value.node}` (aten.mul.Tensor) does not fit" in msg
+    assert "only a constant scale" in msg and "masked_fill(mask, -inf)" in msg and "softmax(dim=-1)" in msg
+    assert "attn_implementation" not in msg and "scaled_dot_product_attention" in msg  # not an HF model
+
+
+def test_refusal_of_an_hf_model_suggests_attn_implementation():
+    from depthrewrite.zoo import hf_model
+
+    from ...conftest import LAYERS
+
+    model = hf_model("llama", layers=LAYERS, attn_implementation="eager")
+    import transformers.models.llama.modeling_llama as ml
+
+    orig = ml.eager_attention_forward
+
+    def odd(module, query, key, value, attention_mask, scaling, dropout=0.0, **kw):
+        w = torch.matmul(query, ml.repeat_kv(key, module.num_key_value_groups).transpose(2, 3)) * scaling
+        w = torch.softmax(w, dim=-2)  # over the queries: not attention MoDA can join
+        return torch.matmul(w, ml.repeat_kv(value, module.num_key_value_groups)).transpose(1, 2).contiguous(), w
+
+    ml.eager_attention_forward = odd
+    try:
+        with pytest.raises(AttentionPatternError, match="softmax over the last dimension") as ei:
+            dr.convert(model, "moda", example_inputs=(torch.randint(0, 64, (2, 5)),))
+    finally:
+        ml.eager_attention_forward = orig
+    assert "attn_implementation='sdpa' or 'eager'" in str(ei.value)
+
+
+def test_masked_fill_with_a_data_mask_is_a_sequence_mask():
+    """A masked_fill whose mask is not a causal buffer (here computed from the input) becomes the op's boolean
+    sequence mask: preserve_init still reproduces the model exactly."""
+
+    class PadMasked(TemperatureAttention):
+        def forward(self, idx):
+            x = self.emb(idx)
+            B, T, D = x.shape
+            pad = (idx == 0)[:, None, None, :] | torch.ones(T, T, dtype=torch.bool).triu(1)
+            for n1, qkv in zip(self.n1, self.qkv):
+                q, k, v = qkv(n1(x)).view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+                att = (q @ k.transpose(-2, -1)) / 3.0
+                att = att.masked_fill(pad, float("-inf"))
+                y = torch.softmax(att, dim=-1) @ v
+                x = x + y.transpose(1, 2).reshape(B, T, D)
+            return self.norm(x)
+
+    torch.manual_seed(0)
+    model = PadMasked().eval()
+    idx = torch.randint(1, 32, (2, 6))
+    idx[0, 2] = 0
+    conv = dr.convert(model, "moda", preserve_init=True, example_inputs=(idx,)).eval()
+    with torch.no_grad():
+        assert rel_err(conv(idx), model(idx)) <= INIT_RTOL
+    attn = [n for n in conv.graph.nodes if n.target is torch.ops.depthrewrite.moda_attn.default]
+    assert attn and all(n.args[3] is not None and n.args[8] is False for n in attn)
 
 
 def test_needs_two_attention_sublayers():
