@@ -1,14 +1,17 @@
 """MoDA: mixture-of-depths attention as a rewrite of each attention operator of the detected chain.
 
     slots    attention sublayer l writes its own (K, V) exactly as fed to attention (after RoPE / qk-norm, Hk heads);
-             MLP sublayer l writes kv_proj(Norm(h)) (a new Linear D -> 2·Hk·d); the last writer nothing reads is skipped
+             MLP sublayer l writes kv_proj(Norm(h)) (a new Linear D -> 2·Hk·d, biased iff the k projection is), its keys
+             replayed through the block attention's key path (k-norm, RoPE; read from the graph, ``ffn_keys``); the last
+             writer nothing reads is skipped
     site l   every attention after the first: one joint softmax over its causal sequence keys and the same token's
              slots of all earlier sublayers (token-major [B, T, n, Hk, d]); one scale; GQA groups share slots
     init     preserve_init=True adds λ [Hq] = 0 per site inside the softmax: exactly the original model at init
 
 Zhu et al., *Mixture-of-Depths Attention*, arXiv:2603.15619; spec: shared/specs/moda.md (§2, §8 Q1/Q8/Q9/Q10).
 Recognised attention forms: ``aten.scaled_dot_product_attention`` (GQA as an unsqueeze/expand/reshape repeat of K/V,
-or ``enable_gqa=True``) and the eager form ``matmul(q, kᵀ) · s (+ mask) -> softmax -> (dropout) -> matmul(·, v)``.
+or ``enable_gqa=True``) and the eager form ``matmul(q, kᵀ) · s (+ mask | masked_fill(mask, -inf)) -> softmax -> (dropout)
+-> matmul(·, v)`` (HF eager, minGPT / nanoGPT without flash; a lower-triangular buffer mask is read as causal).
 Why post-RoPE slots are right: a slot is only read at its own position t, and (R_t q)·(R_t k) = q·k.
 """
 
@@ -204,7 +207,8 @@ def _from_eager(sm: fx.Node, gm: fx.GraphModule) -> AttentionOp:
             value = cur.args[2] if len(cur.args) > 2 else cur.kwargs.get("value")
             if isinstance(value, fx.Node) or not float(value) <= -1e4:
                 raise _Mismatch(cur, f"masked_fill with -inf (a mask); this one fills {value}")
-            if not isinstance(cur.args[1], fx.Node) or tensor_val(cur.args[1]) is not None and tensor_val(cur.args[1]).dtype != torch.bool:
+            mv = tensor_val(cur.args[1])
+            if not isinstance(cur.args[1], fx.Node) or (mv is not None and mv.dtype != torch.bool):
                 raise _Mismatch(cur, "masked_fill with a boolean mask tensor")
             fill, cur = cur.args[1], cur.args[0]
         elif name == "tanh" and softcap == 0.0:
