@@ -305,7 +305,7 @@ def find_attention(ed: ChainEditor, branch: Branch) -> AttentionOp:
         bad = ed.nodes[branch.output]
         detail = f"it has no softmax and no scaled_dot_product_attention (its output is `{bad.name}` ({bad.target}))"
     if bad is not None:
-        hint = ("Load the model with attn_implementation='sdpa' or 'eager'." if _is_hf(body) else
+        hint = ("Loading the model with attn_implementation='sdpa' (or 'eager') may give one of these forms." if _is_hf(body) else
                 "Write the attention with torch.nn.functional.scaled_dot_product_attention or in the eager form above.")
         where = f" in {branch.module}" if branch.module else ""
         raise AttentionPatternError(
@@ -365,17 +365,21 @@ def _has_bias(proj: fx.Node) -> bool:
     return False
 
 
-def _reaches_projection(n: fx.Node, limit: int = 4000) -> bool:
-    """Whether ``n`` depends on a linear layer (hidden-state data), walking inputs up to ``limit`` nodes."""
+def _reads_hidden_states(ed: ChainEditor, n: fx.Node, limit: int = 2000) -> bool:
+    """Whether ``n`` depends on the hidden states, i.e. on the chain's stream source (every hidden state descends from
+    it). Walks ``n``'s inputs; past ``limit`` nodes it answers True (a RoPE table or a norm weight is a short walk)."""
+    source = ed.nodes[ed.chain.source]
     stack, seen = [n], {n}
-    while stack and len(seen) < limit:
+    while stack:
         x = stack.pop()
-        if x.op == "call_function" and op_of(x) == "linear":
+        if x is source:
             return True
         for i in x.all_input_nodes:
             if i not in seen:
                 seen.add(i)
                 stack.append(i)
+        if len(seen) > limit:
+            return True
     return False
 
 
@@ -399,9 +403,11 @@ def key_path(ed: ChainEditor, a: AttentionOp) -> tuple[KeyPath | None, str]:
             elif op not in ("matmul", "sdpa", "softmax", "embedding"):
                 stack.append(i)
     projs = [p for p in projs if len(_shape(p)) in (2, 3)]
-    if not projs:
-        return None, "no k projection (linear layer) found before the attention's key input"
-    proj = max(projs, key=ed.order.__getitem__)
+    width = a.hk * a.d  # a k projection (or a fused qkv one) has a multiple of Hk·d outputs
+    wide = [p for p in projs if _static_int(_shape(p)[-1]) > 0 and _static_int(_shape(p)[-1]) % width == 0]
+    if not wide:
+        return None, "no k projection (a linear layer with a multiple of Hk·d outputs) before the attention's key input"
+    proj = max(wide, key=ed.order.__getitem__)
     # 2. the nodes on a path proj -> end
     path, stack = {proj}, [proj]
     while stack:
@@ -453,7 +459,7 @@ def key_path(ed: ChainEditor, a: AttentionOp) -> tuple[KeyPath | None, str]:
             if tensor_val(i) is None and not isinstance(i.meta.get("val", i.meta.get("example_value")), torch.Tensor):
                 externals.append(i)  # sizes and other non-tensors (SymInts): the FFN keys have the same B, T
                 continue
-            if i in path or _reaches_projection(i):
+            if i in path or _reads_hidden_states(ed, i):
                 return None, f"`{n.name}` in the key path also reads `{i.name}`, which depends on the hidden states"
             externals.append(i)
     return KeyPath(proj, start, layout, nodes, end, tuple(externals)), ""

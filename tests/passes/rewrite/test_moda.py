@@ -406,7 +406,7 @@ def test_refusal_of_an_hf_model_suggests_attn_implementation():
             dr.convert(model, "moda", example_inputs=(torch.randint(0, 64, (2, 5)),))
     finally:
         ml.eager_attention_forward = orig
-    assert "attn_implementation='sdpa' or 'eager'" in str(ei.value)
+    assert "attn_implementation='sdpa' (or 'eager')" in str(ei.value)
 
 
 def test_masked_fill_with_a_data_mask_is_a_sequence_mask():
@@ -487,3 +487,37 @@ def test_sdpa_with_enable_gqa():
     with torch.no_grad():
         assert rel_err(conv(idx), model(idx)) <= INIT_RTOL
     assert conv.depthrewrite.kv_proj_1.weight.shape == (2 * 2 * 8, 32)  # 2·Hk·d with Hk = 2, not Hq = 4
+
+
+class GatedKeys(GQAEnable):
+    """Keys gated by the hidden states (k · σ(x·w)): a key path that cannot be replayed on FFN keys alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.ModuleList([torch.nn.Linear(32, 1) for _ in range(len(self.q))])
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        B, T, D = x.shape
+        for i in range(len(self.q)):
+            u = self.n1[i](x)
+            q = self.q[i](u).view(B, T, self.hq, self.hd).transpose(1, 2)
+            k, v = self.kv[i](u).view(B, T, 2, self.hk, self.hd).permute(2, 0, 3, 1, 4)
+            k = k * torch.sigmoid(self.gate[i](u)).view(B, 1, T, 1)
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            x = x + self.o[i](y.transpose(1, 2).reshape(B, T, D))
+            x = x + self.mlp[i](self.n2[i](x))
+        return self.norm(x)
+
+
+def test_a_key_path_reading_hidden_states_falls_back_to_raw_keys():
+    torch.manual_seed(0)
+    model = GatedKeys().eval()
+    idx = torch.randint(0, 64, (2, 6))
+    conv = dr.convert(model, "moda", preserve_init=True, example_inputs=(idx,)).eval()
+    with torch.no_grad():
+        assert rel_err(conv(idx), model(idx)) <= INIT_RTOL
+    rep = conv.report()
+    writer = next(s for s in rep.sites if not s.sources)
+    assert "raw keys (" in writer.detail and "depends on the hidden states" in writer.detail
+    assert any(n.startswith("FFN-slot keys stored raw") and "ffn1" in n for n in rep.notes)
