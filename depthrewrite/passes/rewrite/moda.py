@@ -289,6 +289,7 @@ def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassR
         if config.ffn_kv and mlp:
             b = mlp[0]
             src = ed.nodes[b.pre_norm.output] if b.pre_norm is not None else strip_alias(ed.stream(k))
+            src = ed.canonical(src)  # [B, T, D] where the model flattens the stream (OPT)
             name = f"kv_proj_{k}"
             ed.site_module(name, lambda: _KVProj(D, hk, d, ed.dtype, ed.device))
             with graph.inserting_before(src.next):  # right after the normed input, in creation order
