@@ -186,12 +186,17 @@ def detect_chain(gm: fx.GraphModule) -> Chain:
         )
     tail = [df.by_name[n] for n in paths[-1]] if paths else []
     pools = [n for n in tail if _path_kind(df, n) == "pool"]
+    cut = [n for n in tail if _path_kind(df, n) == "slice"]
     if pools:
-        cut = [n for n in tail if _path_kind(df, n) == "slice"]
         notes.append(
             f"pooled output: the final norm reads a mean over tokens ({_where(pools[0])}"
             + (f", after slicing {', '.join(f'`{n.name}`' for n in cut)}" if cut else "")
             + ") of the last residual sum; the output mix is computed per token, before the pool"
+        )
+    elif any(op_of(n, gm) == "select" for n in cut):
+        notes.append(
+            f"token output: the final norm reads selected tokens ({', '.join(f'`{n.name}`' for n in cut)}) of the "
+            "last residual sum; the output mix is computed per token, before the selection"
         )
     return Chain(
         source=source.name,
@@ -614,7 +619,10 @@ def _describe(df: Dataflow, n: fx.Node, on_path: set[fx.Node], adds: list[fx.Nod
     if op == "view":
         return "a reshape that changes the hidden size"
     target = getattr(n.target, "__name__", str(n.target))
-    return f"`{target}`, an op depthrewrite does not follow"
+    x, y = tensor_val(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None, tensor_val(n)
+    if target.split(".")[0] in ("amax", "max", "amin", "min", "logsumexp") and x is not None and y is not None and y.dim() < x.dim():
+        return f"a reduction over the token dimension (`{target}`, max pooling), which depthrewrite does not follow (mean pooling it does)"
+    return f"an op depthrewrite does not follow on the stream (`{target}`)"
 
 
 def _blocker(df: Dataflow, start: fx.Node, end: fx.Node) -> fx.Node | None:

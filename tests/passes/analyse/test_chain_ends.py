@@ -118,3 +118,21 @@ def test_element_permuting_reshape_is_not_followed():
     # the transpose is no part of the chain: it starts after it, and no path goes through it
     assert len(chain) == 1 and op_of(nodes[chain.source]) == "view"
     assert all(op_of(nodes[n]) != "view" or "transpose" not in n for p in chain.paths for n in p)
+
+
+def test_token_pooled_vit_notes_the_selection():
+    torch.manual_seed(0)
+    chain = detect_chain(capture(timm_model("vit_tiny_patch16_224", layers=LAYERS, global_pool="token", fc_norm=True)))
+    assert chain.final_norm.module == "fc_norm"
+    assert any(n.startswith("token output: the final norm reads selected tokens") for n in chain.notes)
+
+
+def test_max_pooled_vit_is_refused_naming_the_pool():
+    torch.manual_seed(0)
+    gm = capture(timm_model("vit_tiny_patch16_224", layers=LAYERS, global_pool="max", fc_norm=True))
+    with pytest.raises(NotPreNormError) as ei:
+        detect_chain(gm)
+    msg = str(ei.value)
+    assert ei.value.node == "amax"
+    assert msg.startswith("the final norm (fc_norm) does not read the residual stream: between the last residual add `add_4` (in blocks.1)")
+    assert "it sits `amax`, a reduction over the token dimension (`amax.default`, max pooling)" in msg
