@@ -16,6 +16,12 @@ How it is found (no class or module names are consulted, except module *structur
    written in the same module's forward: ``attn + mlp + h``) and its leaves are split into the *skip* leaf ``h`` (the
    one leaf that is an ancestor of all others) and the branch terms; the walk stops at a node that is no such add:
    the stream source;
+   Reshapes that keep every element and the hidden size (``view``/``reshape``/``flatten``/``unflatten``: OPT runs its
+   MLP on a [B·T, D] stream) are followed between the steps, and between the last add and the final norm also
+   casts, slices/selects along token dims and a mean over tokens (timm's ``global_pool="avg"`` before ``fc_norm``);
+   :attr:`Chain.paths` records them. Anything else there is refused, naming that node (a backout subtraction, a
+   scaling of the stream), as is an earlier residual sum that reaches the chain's source by elementwise ops only
+   (a stream rescaled between blocks, ``h = a·h + b·h0``);
 4. each step is then checked forward: every path from ``h`` to a branch term must pass through a norm of ``h`` (a
    vertex cut, checked with networkx on the dataflow graph). A branch that reads ``h`` raw is accepted only when its
    own output is normalised (OLMo2's "reordered norm", reported as such); otherwise :class:`NotPreNormError`.

@@ -5,6 +5,10 @@ the K3 block ordering of sources (AttnRes, MSAR), and where new parameters live.
     site j   a new node before sublayer j's pre-norm (and before the final norm) replaces the stream value h_j
     Block    sources at site j = completed block sums b_0 (= embedding) .. b_{n-1} + the open partial sum
 
+Streams that change shape (OPT's [B·T, D] sublayers) are mixed in the stream source's shape: sources are reshaped to
+it, and each mix is reshaped back to the shape of the value it replaces; reshapes and pooling the model applies to a
+stream value (``Chain.paths``) are kept and read the mix.
+
 Spec: shared/specs/attnres.md §4 (ordering), §6 (real graphs). The old residual adds become dead and are removed
 (detection guarantees that nothing else, graph outputs included, reads a stream value).
 """
