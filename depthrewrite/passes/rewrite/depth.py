@@ -121,7 +121,7 @@ class ChainEditor:
         """Make every reader of h_j read ``new`` instead (through any alias of h_j). ``new`` has the canonical shape
         (the stream source's); it is reshaped to h_j's shape where the model's stream has another shape there."""
         old = self.stream(j)
-        new = self.reshaped(new, old)
+        new = self.reshaped(new, old, current=self.nodes[self.chain.source])
         for r in self.readers_of(j):
             for a in list(r.all_input_nodes):
                 if strip_alias(a) is old:
@@ -132,10 +132,11 @@ class ChainEditor:
         new reshape right after it (OPT's flattened [B·T, D] sublayer outputs become [B, T, D])."""
         return self.reshaped(x, self.nodes[self.chain.source])
 
-    def reshaped(self, x: fx.Node, like: fx.Node) -> fx.Node:
+    def reshaped(self, x: fx.Node, like: fx.Node, current: fx.Node | None = None) -> fx.Node:
         """``x`` reshaped to ``like``'s shape (a new node right after ``x``), or ``x`` when the shapes already agree.
-        Symbolic sizes are read from the stream source at run time, so any batch and sequence length works."""
-        vx, vl = tensor_val(x), tensor_val(like)
+        ``current``: a node of ``x``'s shape, when ``x``'s own metadata may not say it. Symbolic sizes are read from
+        the stream source at run time, so any batch and sequence length works."""
+        vx, vl = tensor_val(current if current is not None else x), tensor_val(like)
         if vx is None or vl is None or _shape_key(vx.shape) == _shape_key(vl.shape):
             return x
         h0 = self.nodes[self.chain.source]

@@ -73,3 +73,25 @@ def test_opt_trains_through_the_reshapes():
     logits(conv(ids)).square().mean().backward()
     grads = [p.grad for n, p in conv.named_parameters() if n.startswith("depthrewrite.")]
     assert grads and all(g is not None for g in grads)
+
+
+@pytest.mark.parametrize("scheme", ["attnres", "msar", "mhc", "moda"])
+def test_opt_node_shapes_match_their_metadata(scheme):
+    """Every node of the converted OPT graph that carries a fake value has its rank at run time: the mixes are
+    [B, T, D] and the reshapes back to [B·T, D] are where the metadata says."""
+    from depthrewrite.passes.analyse.ops import tensor_val
+
+    conv = dr.convert(build_zoo_model("hf:opt"), scheme, **EXACT[scheme]).eval()
+    bad = []
+
+    class Check(torch.fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            v = tensor_val(n)
+            if isinstance(out, torch.Tensor) and v is not None and out.dim() != v.dim():
+                bad.append((n.name, tuple(out.shape), tuple(v.shape)))
+            return out
+
+    with torch.no_grad():
+        Check(conv).run(torch.randint(0, 256, (2, 9)))
+    assert not bad
