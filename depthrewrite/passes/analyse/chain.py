@@ -318,7 +318,7 @@ def _path_kind(df: Dataflow, node: fx.Node) -> str | None:
     keeps the hidden size and every element), ``"cast"``, ``"slice"`` (slicing or selecting along a batch/token
     dim) or ``"pool"`` (a mean over token dims). None for anything else."""
     op = op_of(node, df.gm)
-    if op not in ("view", "cast", "slice", "select", "mean"):
+    if op not in ("view", "cast", "slice", "select", "mean", "getitem"):
         return None
     ins = tensor_inputs(node)
     x, y = (tensor_val(ins[0]), tensor_val(node)) if len(ins) == 1 else (None, None)
@@ -330,6 +330,8 @@ def _path_kind(df: Dataflow, node: fx.Node) -> str | None:
         return "cast" if tuple(x.shape) == tuple(y.shape) else None
     if op == "view":
         return "view" if _numel_equal(x, y) else None
+    if op == "getitem":  # Dynamo: x[:, 1:], x[:, 0]
+        return "slice" if _keeps_last_dim(node.args[1], x.dim()) else None
     if op == "mean":
         dims = _dims(node, x.dim())
     else:  # slice(x, dim=0, ...), select(x, dim, index)
@@ -338,6 +340,19 @@ def _path_kind(df: Dataflow, node: fx.Node) -> str | None:
     if dims is None or x.dim() - 1 in dims:
         return None
     return "pool" if op == "mean" else "slice"
+
+
+def _keeps_last_dim(index, rank: int) -> bool:
+    """A basic index (ints and slices, at most one Ellipsis) that leaves the last dim whole."""
+    index = index if isinstance(index, tuple) else (index,)
+    if not all(isinstance(i, (int, slice)) or i is Ellipsis for i in index) or sum(i is Ellipsis for i in index) > 1:
+        return False
+    if any(isinstance(i, slice) and any(isinstance(b, fx.Node) for b in (i.start, i.stop, i.step)) for i in index):
+        return False
+    whole = slice(None)
+    if Ellipsis in index:
+        return all(i == whole for i in index[index.index(Ellipsis) + 1:])
+    return len(index) < rank or index[-1] == whole
 
 
 def _strip_path(df: Dataflow, node: fx.Node, kinds) -> tuple[fx.Node, list[fx.Node]]:

@@ -136,3 +136,29 @@ def test_max_pooled_vit_is_refused_naming_the_pool():
     assert ei.value.node == "amax"
     assert msg.startswith("the final norm (fc_norm) does not read the residual stream: between the last residual add `add_4` (in blocks.1)")
     assert "it sits `amax`, a reduction over the token dimension (`amax.default`, max pooling)" in msg
+
+
+@pytest.mark.parametrize("name", ["hf:opt", "pooled-vit"])
+def test_paths_on_dynamo_graphs(name):
+    """The compile backend sees torch-level reshapes (x.view, x.reshape) and indexing (x[:, 1:]): followed too."""
+    from ...conftest import build_zoo_model
+
+    if name == "pooled-vit":
+        model, x = timm_model("vit_tiny_patch16_224", layers=LAYERS, global_pool="avg", fc_norm=True), torch.randn(1, 3, 224, 224)
+    else:
+        model, x = build_zoo_model(name), torch.randint(0, 64, (2, 8))
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend, dynamic=False)(x)
+    chain = detect_chain(graphs[0])
+    assert chain.ir == "dynamo" and chain.kinds == ["attention", "mlp"] * LAYERS
+    if name == "hf:opt":
+        assert all(len(chain.path(j)) == 1 for j in range(1, len(chain) + 1))
+    else:
+        assert chain.final_norm.module == "fc_norm" and len(chain.path(len(chain))) == 2
+        assert any(n.startswith("pooled output") for n in chain.notes)
