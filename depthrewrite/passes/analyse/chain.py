@@ -607,27 +607,32 @@ def _param_name(df: Dataflow, n: fx.Node) -> str:
     return f"`{n.name}`"
 
 
-def _describe(df: Dataflow, n: fx.Node, on_path: set[fx.Node], adds: list[fx.Node]) -> str:
-    """What node ``n`` on the stream's path does, in words, naming its other operand."""
+def _describe(df: Dataflow, n: fx.Node, on_path: set[fx.Node], adds: list[fx.Node], last: fx.Node) -> str:
+    """What node ``n`` on the stream's path (which starts at ``last``) does, in words, naming its other operand."""
     op = op_of(n, df.gm)
     others = [df.canon(a) for a in tensor_inputs(n) if df.canon(a) not in on_path]
     dyn = [o for o in others if o not in df.static]
     stat = [o for o in others if o in df.static]
+    up = nx.ancestors(df.nx, last) | {last}
+
+    def earlier(o: fx.Node) -> fx.Node | None:
+        """The latest stream-shaped value ``o`` is computed from that the stream at ``last`` is computed from too."""
+        cands = [u for u in (nx.ancestors(df.nx, o) | {o}) & up
+                 if _same_shape(u, last) and is_float_tensor(u) and u not in df.static]
+        return max(cands, key=df.order.__getitem__) if cands else None
 
     def value(o: fx.Node) -> str:
-        from_ = [a for a in adds if a is o or nx.has_path(df.nx, a, o)]
-        text = f"`{o.name}`"
-        if from_:
-            a = max(from_, key=df.order.__getitem__)
-            text += ", the residual sum" if a is o else f", computed from the residual sum {_where(a)}"
-        return text
+        u = earlier(o)
+        if u is None:
+            return f"`{o.name}`"
+        kind = "the residual sum" if u in adds else "the stream value"
+        return f"`{o.name}`, {kind}" if u is o else f"`{o.name}`, computed from {kind} {_where(u)}"
 
     if op in ("sub", "add"):
         verb = "a subtraction" if op == "sub" else "an addition"
         if dyn:
-            return f"{verb} of an earlier stream value ({value(dyn[0])})" if any(
-                a is dyn[0] or nx.has_path(df.nx, a, dyn[0]) for a in adds
-            ) else f"{verb} of another activation ({value(dyn[0])})"
+            what = "an earlier stream value" if earlier(dyn[0]) is not None else "another activation"
+            return f"{verb} of {what} ({value(dyn[0])})"
         return f"{verb} of a parameter or constant (a shift of the stream" + (f" by {_param_name(df, stat[0])})" if stat else ")")
     if op in ("mul", "div"):
         if dyn:
@@ -671,7 +676,7 @@ def _end_blocker(df: Dataflow, final: NormSite, adds: list[fx.Node] | None = Non
     n = _blocker(df, last, end)
     if n is None:
         return None
-    what = _describe(df, n, df.between(last, end), adds)
+    what = _describe(df, n, df.between(last, end), adds, last)
     where = final.module or f"`{final.output}`"
     return NotPreNormError(
         f"the final norm ({where}) does not read the residual stream: between the last residual add {_where(last)} "
@@ -698,7 +703,7 @@ def _check_start(df: Dataflow, source: fx.Node) -> None:
     n = _blocker(df, last, source)
     if n is None:
         return
-    what = _describe(df, n, span, adds)
+    what = _describe(df, n, span, adds, last)
     raise NotPreNormError(
         f"the residual chain is interrupted between sublayers: the residual sum {_where(last)} reaches the next "
         f"sublayer's stream {_where(source)} only through {_where(n)}, {what}. depthrewrite expects every sublayer "

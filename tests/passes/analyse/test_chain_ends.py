@@ -162,3 +162,31 @@ def test_paths_on_dynamo_graphs(name):
     else:
         assert chain.final_norm.module == "fc_norm" and len(chain.path(len(chain))) == 2
         assert any(n.startswith("pooled output") for n in chain.notes)
+
+
+class SubtractsEmbedding(torch.nn.Module):
+    """One sublayer, then h - 0.5·h0 before the final norm: no chain is found at all, and the refusal still names the
+    subtraction."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+        self.ln = torch.nn.LayerNorm(8)
+        self.fc = torch.nn.Linear(8, 8)
+        self.out = torch.nn.LayerNorm(8)
+
+    def forward(self, idx):
+        h0 = self.emb(idx)
+        h = h0 + self.fc(self.ln(h0))
+        return self.out(h - 0.5 * h0)
+
+
+def test_subtraction_of_the_embedding_is_named_without_a_chain():
+    gm = capture(SubtractsEmbedding(), (torch.randint(0, 16, (2, 4)),))
+    with pytest.raises(NotPreNormError) as ei:
+        detect_chain(gm)
+    assert ei.value.node == "sub"
+    assert str(ei.value).startswith(
+        "the final norm (out) does not read the residual stream: between the last residual add `add` and it sits "
+        "`sub`, a subtraction of an earlier stream value (`mul`, computed from the stream value `embedding` (in emb))."
+    )
