@@ -560,20 +560,24 @@ def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassR
         if config.ffn_kv and mlp:
             b = mlp[0]
             src = ed.nodes[b.pre_norm.output] if b.pre_norm is not None else strip_alias(ed.stream(k))
+            raw_src = src
+            src = ed.canonical(src)  # [B, T, D] where the model flattens the stream (OPT); a new node right after raw_src
             j = _key_site(k, sorted(attn), config.ffn_keys)
             kp, why = key_paths.get(j, (None, "ffn_keys='raw'"))
-            anchor = src
+            anchor = raw_src
             if kp is not None and kp.nodes:
                 if any(e not in ed.order for e in kp.externals):
                     kp, why = None, "an input of the key path was created by this rewrite"
                 else:
-                    anchor = max([src, *kp.externals], key=ed.order.__getitem__)
+                    anchor = max([raw_src, *kp.externals], key=ed.order.__getitem__)
             if kp is not None and not kp.nodes:
                 kp, why = None, "the key path has layout ops only"
                 keypath_note = None
             else:
                 keypath_note = why
             bias = _has_bias(kps_proj[j]) if j in kps_proj else False
+            if anchor is raw_src:
+                anchor = src
             name = f"kv_proj_{k}"
             ed.site_module(name, lambda: _KVProj(D, hk, d, bias, ed.dtype, ed.device))
             with graph.inserting_before(anchor.next):  # after the normed input (and the key path's inputs)
