@@ -18,7 +18,7 @@ from torch.export import Dim
 
 from .errors import CaptureError
 
-__all__ = ["capture", "example_inputs_for", "ExampleInputs"]
+__all__ = ["capture", "example_inputs_for", "unalias_inputs", "ExampleInputs"]
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,46 @@ def _cache_configs(model: nn.Module) -> list[Any]:
     return out
 
 
+def _storage_key(t: torch.Tensor) -> tuple | None:
+    try:
+        st = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage (e.g. some wrappers)
+        return None
+    return (t.device, st.data_ptr()) if st.nbytes() else None
+
+
+def unalias_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[str]]:
+    """Give every example tensor its own storage.
+
+    ``torch.export`` keeps the aliasing of its example inputs: two arguments that are the same tensor (or views of one
+    storage) become one graph input, and every later call reads the first of them for both. The usual Hugging Face
+    idiom ``model(input_ids=ids, labels=ids)`` would then yield a graph that embeds the *labels*. A tensor that shares
+    its storage with an earlier one is replaced by a copy (same values, dtype, device and ``requires_grad``).
+
+    Returns:
+        ``(args, kwargs, names)``: the de-aliased inputs and the names (``args[i]`` / the keyword, with a pytree path
+        for nested inputs) of the tensors that were copied.
+    """
+    seen: dict[tuple, str] = {}
+    copied: list[str] = []
+
+    def fix(path, x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        name = torch.utils._pytree.keystr(path)
+        key = _storage_key(x)
+        if key is None:
+            return x
+        if key in seen:
+            copied.append(f"{name} (shares storage with {seen[key]})")
+            return x.detach().clone().requires_grad_(x.requires_grad)
+        seen[key] = name
+        return x
+
+    args, kwargs = torch.utils._pytree.tree_map_with_path(fix, (tuple(args), dict(kwargs)))
+    return tuple(args), dict(kwargs), copied
+
+
 def capture(
     model: nn.Module,
     example_inputs: tuple | None = None,
@@ -136,6 +176,9 @@ def capture(
         else:
             args = tuple(example_inputs) if example_inputs is not None else ()
         kwargs = dict(example_kwargs or {})
+    args, kwargs, copied = unalias_inputs(args, kwargs)
+    if copied:
+        log.info("capture: example inputs shared storage; copied %s so each stays its own graph input", ", ".join(copied))
     try:
         dyn = _dynamic_shapes(model, args, kwargs) if dynamic else None
     except TypeError as e:  # the inputs do not fit forward's signature

@@ -3,6 +3,8 @@
 The models are ordinary PyTorch code, written the way people write them, not shaped for our passes:
 
 * :class:`GPT` is a nanoGPT-style decoder (``x = x + attn(ln_1(x)); x = x + mlp(ln_2(x))``, tied embeddings);
+  ``nanogpt(flash=False)`` gives its textbook attention (minGPT's: ``q @ kᵀ · 1/√d``, ``masked_fill`` with a
+  registered lower-triangular buffer, softmax, dropout, ``@ v``);
 * :class:`PlainMLP` has no residual connection at all;
 * :class:`NoNormResidual` has residual blocks whose branches skip the norm (``x = x + f(x)``).
 """
@@ -28,6 +30,7 @@ class GPTConfig:
     n_embd: int = 64
     dropout: float = 0.0
     bias: bool = True
+    flash: bool = True  # False: nanoGPT's / minGPT's textbook attention (matmul, masked_fill with a causal buffer)
 
 
 class CausalSelfAttention(nn.Module):
@@ -38,6 +41,11 @@ class CausalSelfAttention(nn.Module):
         self.n_head = cfg.n_head
         self.dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.flash = cfg.flash
+        if not cfg.flash:  # minGPT / nanoGPT without flash: a causal mask buffer and an explicit softmax
+            self.attn_dropout = nn.Dropout(cfg.dropout)
+            tril = torch.tril(torch.ones(cfg.block_size, cfg.block_size))
+            self.register_buffer("bias", tril.view(1, 1, cfg.block_size, cfg.block_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -45,7 +53,14 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        if self.flash:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+            att = F.softmax(att, dim=-1)
+            att = self.attn_dropout(att)
+            y = att @ v  # (B, nh, T, T) x (B, nh, T, hs) -> (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 

@@ -8,7 +8,7 @@ Math (see :mod:`.reference` for the one docstring of the op), per token t of a s
     V_i^(0) = x_i,  V_i^(r)[t] = Σ_τ W_r[:, k_r-1-τ] ⊙ x_i[t-τ]   (zeros before the start of each sequence)
     s_ir = (u_r · V_i^(r)) · rsqrt(|V_i^(r)|²/D + eps),   u_r = γ_r ⊙ w_r
     a_ir = softmax_i(s_ir),   Z_r = Σ_i a_ir Y_i^(r)        (Y = V, or x when conv_values=False)
-    g = sigmoid(α · rsqrt(|Z|²/(mD) + eps) · (Z_flat @ φ) + b)  (or 1/m),   h = scale · Σ_r g_r Z_r
+    g = sigmoid(α · rsqrt(|Z|²/(mD) + eps_mix) · (Z_flat @ φ) + b)  (or 1/m),   h = scale · Σ_r g_r Z_r
 
 Design (forward, ``_msar_fwd_kernel``): one program per tile of ``BT`` consecutive tokens of one sequence, three
 passes over D in chunks of ``BD``. The m stream views are never written to memory: every pass recomputes them from
@@ -262,7 +262,7 @@ def _mixer_stats(
     NSRC: tl.constexpr, M: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr,
     KMAX: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, CONV_VALUES: tl.constexpr, WITH_GRAD: tl.constexpr,
 ):  # fmt: skip
-    """Pass 2: rsqrt(|Z|²/(mD)+eps), p_j = Z_flat·φ[:, j], and (backward) dh·Z_r."""
+    """Pass 2: rsqrt(|Z|²/(mD)+eps) (the caller passes eps_mix), p_j = Z_flat·φ[:, j], and (backward) dh·Z_r."""
     zz = tl.zeros((BT,), tl.float32)
     p0 = tl.zeros((BT,), tl.float32)
     p1 = tl.zeros((BT,), tl.float32)
@@ -314,7 +314,7 @@ def _mixer_stats(
 def _msar_fwd_kernel(
     s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
     u_ptr, wp, phiT, b_ptr, alpha_ptr, out_ptr,
-    T, D, eps, scale,
+    T, D, eps, eps_mix, scale,
     NSRC: tl.constexpr, M: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr,
     KMAX: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
     CONV_VALUES: tl.constexpr, SIGMOID: tl.constexpr,
@@ -337,7 +337,7 @@ def _msar_fwd_kernel(
     if SIGMOID:
         rho, p0, p1, p2, p3, q0, q1, q2, q3 = _mixer_stats(
             s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
-            A0, A1, A2, A3, kk, wp, phiT, out_ptr, rows, tpos, row_ok, D, eps,
+            A0, A1, A2, A3, kk, wp, phiT, out_ptr, rows, tpos, row_ok, D, eps_mix,
             NSRC, M, K1, K2, K3, KMAX, BT, BD, CONV_VALUES, False,
         )  # fmt: skip
         al = tl.load(alpha_ptr)
@@ -378,7 +378,7 @@ def _msar_fwd_kernel(
 def _msar_bwd_stats_kernel(
     s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
     gh_ptr, u_ptr, wp, phiT, b_ptr, alpha_ptr, st_ptr, tk_ptr, db_ptr, dalpha_ptr,
-    T, D, eps, scale,
+    T, D, eps, eps_mix, scale,
     NSRC: tl.constexpr, M: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr,
     KMAX: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
     CONV_VALUES: tl.constexpr, SIGMOID: tl.constexpr,
@@ -403,7 +403,7 @@ def _msar_bwd_stats_kernel(
     if SIGMOID:
         rho, p0, p1, p2, p3, q0, q1, q2, q3 = _mixer_stats(
             s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
-            A0, A1, A2, A3, kk, wp, phiT, gh_ptr, rows, tpos, row_ok, D, eps,
+            A0, A1, A2, A3, kk, wp, phiT, gh_ptr, rows, tpos, row_ok, D, eps_mix,
             NSRC, M, K1, K2, K3, KMAX, BT, BD, CONV_VALUES, True,
         )  # fmt: skip
         al = tl.load(alpha_ptr)
@@ -757,6 +757,7 @@ def msar_fwd(
     conv_values: bool = True,
     sigmoid_mixer: bool = True,
     *,
+    eps_mix: float | None = None,
     block_t: int = 16,
     block_d: int = 32,
     num_warps: int = 8,
@@ -775,10 +776,11 @@ def msar_fwd(
         phi: ``[m·D, m]`` mixer projection, or None (mean mixer).
         bias: ``[m]`` mixer bias or None.
         alpha: mixer scale ``[]``/``[1]`` or None.
-        eps: key RMSNorm epsilon (also the mixer RMS epsilon).
+        eps: key RMSNorm epsilon.
         scale: output scale (K for ``mix_scale="count"``).
         conv_values: values from the conv views (True) or the raw sources.
         sigmoid_mixer: sigmoid mixer (True) or uniform 1/m.
+        eps_mix: the mixer's RMS epsilon (None: ``eps``).
         block_t, block_d, num_warps: tiling (powers of two for the blocks). The defaults (16, 32, 8) compile
             without register spills for K = 9, m = 4, k = (4, 8, 12) on sm_90 (ptxas -v; 255 registers).
 
@@ -789,7 +791,8 @@ def msar_fwd(
     out = torch.empty(p.shape, dtype=p.src[0].dtype, device=p.src[0].device)
     grid = (p.N * triton.cdiv(p.T, block_t),)
     _msar_fwd_kernel[grid](
-        *p.ptrs, p.u, p.wp, p.phiT, p.b, p.alpha, out, p.T, p.D, float(eps), float(scale),
+        *p.ptrs, p.u, p.wp, p.phiT, p.b, p.alpha, out, p.T, p.D, float(eps), float(eps if eps_mix is None else eps_mix),
+        float(scale),
         BT=block_t, BD=block_d, num_warps=num_warps, **p.consts(conv_values),
     )  # fmt: skip
     return out
@@ -809,6 +812,7 @@ def msar_bwd(
     conv_values: bool = True,
     sigmoid_mixer: bool = True,
     *,
+    eps_mix: float | None = None,
     block_t: int = 16,
     block_d: int = 32,
     ext_t: int | None = None,
@@ -826,7 +830,8 @@ def msar_bwd(
 
     Args:
         grad: ``[..., T, D]`` gradient of ``h`` (any strides; made contiguous).
-        sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_values, sigmoid_mixer: as :func:`msar_fwd`.
+        sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_values, sigmoid_mixer, eps_mix: as
+            :func:`msar_fwd`.
         block_t, block_d, ext_t, block_d2, num_warps: tiling; ``ext_t`` defaults to 32 (> k_max - 1). The defaults
             compile for K = 9, m = 4, k = (4, 8, 12) on sm_90 with no spills in kernel 1 and 200 B of spills in
             kernel 2 (ptxas -v; ext_t = 64 spills 1.2 KB).
@@ -846,7 +851,8 @@ def msar_bwd(
     consts = p.consts(conv_values)
     grid = (p.N * triton.cdiv(p.T, block_t),)
     _msar_bwd_stats_kernel[grid](
-        *p.ptrs, gh, p.u, p.wp, p.phiT, p.b, p.alpha, st, tk, db, dalpha, p.T, p.D, float(eps), float(scale),
+        *p.ptrs, gh, p.u, p.wp, p.phiT, p.b, p.alpha, st, tk, db, dalpha, p.T, p.D, float(eps),
+        float(eps if eps_mix is None else eps_mix), float(scale),
         BT=block_t, BD=block_d, num_warps=num_warps, **consts,
     )  # fmt: skip
     halo = p.KMAX - 1

@@ -53,25 +53,30 @@ def msar_mix(
     scale: float,
     conv_values: bool,
     sigmoid_mixer: bool,
+    eps_mix: float | None = None,
 ) -> torch.Tensor:
+    """``eps`` is the key RMSNorm ε; ``eps_mix`` the mixer's RMS ε (msar.md §5 fixes it at 1e-6; None: ``eps``)."""
     if _fused(sources, query, gain, conv, phi, bias, alpha):
         from .fused import msar_fwd
 
-        return msar_fwd(sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_values, sigmoid_mixer)
-    return msar_mix_ref(sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_values, sigmoid_mixer)
+        return msar_fwd(sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_values, sigmoid_mixer,
+                        eps_mix=eps_mix)
+    return msar_mix_ref(sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_values, sigmoid_mixer,
+                        eps_mix=eps_mix)
 
 
 @msar_mix.register_fake
-def _(sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_values, sigmoid_mixer):
+def _(sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_values, sigmoid_mixer, eps_mix=None):
     return torch.empty_like(sources[0])
 
 
-def _backward_ref(grad, sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_values, sigmoid_mixer):
+def _backward_ref(grad, sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_values, sigmoid_mixer,
+                  eps_mix=None):
     """Every gradient of :func:`msar_mix_ref`, written out (the op body runs below autograd, so the reference cannot
     be differentiated there). Same flat output layout as the fused backward; fp32 math (fp64 for fp64 sources).
 
     With s_ir = (u_r·V_i^(r))·rs_ir, rs = rsqrt(|V|²/D + eps), a = softmax_i(s), Z_r = Σ_i a_ir Y_i^(r),
-    ρ = rsqrt(|Z|²/(mD) + eps), p = Z_flat φ, g = σ(α ρ p + b), h = c Σ_r g_r Z_r:
+    ρ = rsqrt(|Z|²/(mD) + eps_mix), p = Z_flat φ, g = σ(α ρ p + b), h = c Σ_r g_r Z_r:
     e_r = c (dh·Z_r) g_r (1-g_r); db = Σ e; dα = Σ_r e_r ρ p_r; dp = e α ρ; c_z = -α (Σ_r e_r p_r) ρ³/(mD);
     dφ = Σ_tokens Z_flat ⊗ dp; dZ_r = c g_r dh + φ_r dp + c_z Z_r; da_ir = dZ_r·Y_i^(r);
     ds = a (da - Σ_i a da); dV_i^(r) = ds rs u_r - ds (u_r·V) rs³/D V_i^(r) (+ a_ir dZ_r on the value path);
@@ -93,7 +98,7 @@ def _backward_ref(grad, sources, query, gain, conv, phi, bias, alpha, eps, scale
     mix_grads = []
     if sigmoid_mixer:
         zf = Zs.flatten(-2)
-        rho = torch.rsqrt(zf.pow(2).mean(-1) + eps)  # [..., T]
+        rho = torch.rsqrt(zf.pow(2).mean(-1) + (eps if eps_mix is None else eps_mix))  # [..., T]
         ph, al = phi.to(acc), alpha.to(acc).reshape(())
         p = zf @ ph  # [..., T, m]
         g = torch.sigmoid(al * rho.unsqueeze(-1) * p + bias.to(acc))
@@ -158,6 +163,7 @@ def msar_mix_backward(
     scale: float,
     conv_values: bool,
     sigmoid_mixer: bool,
+    eps_mix: float | None = None,
 ) -> list[torch.Tensor]:
     """Every gradient of :func:`msar_mix`, recomputed from its inputs.
 
@@ -169,12 +175,12 @@ def msar_mix_backward(
     if _fused(sources, query, gain, conv, phi, bias, alpha, grad, op="depthrewrite::msar_mix_backward"):
         from .fused import msar_bwd
 
-        return msar_bwd(*args)
-    return _backward_ref(*args)
+        return msar_bwd(*args, eps_mix=eps_mix)
+    return _backward_ref(*args, eps_mix=eps_mix)
 
 
 @msar_mix_backward.register_fake
-def _(grad, sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_values, sigmoid_mixer):
+def _(grad, sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_values, sigmoid_mixer, eps_mix=None):
     out = [torch.empty_like(s) for s in sources] + [torch.empty_like(query), torch.empty_like(gain)]
     out += [torch.empty_like(w) for w in conv]
     if phi is not None:
@@ -183,12 +189,12 @@ def _(grad, sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_value
 
 
 def _setup_context(ctx, inputs, output):
-    sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_values, sigmoid_mixer = inputs
+    sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_values, sigmoid_mixer, *rest = inputs
     ctx.k, ctx.n_conv = len(sources), len(conv)
     ctx.mixer = phi is not None  # the "mean" mixer has no parameters
     mixer = (phi, bias, alpha) if ctx.mixer else ()
     ctx.save_for_backward(query, gain, *mixer, *sources, *conv)
-    ctx.args = (eps, scale, conv_values, sigmoid_mixer)
+    ctx.args = (eps, scale, conv_values, sigmoid_mixer, rest[0] if rest else None)
 
 
 def _backward(ctx, grad):
@@ -201,7 +207,7 @@ def _backward(ctx, grad):
     k, c = ctx.k, ctx.n_conv
     gs, gq, gg, gc = list(grads[:k]), grads[k], grads[k + 1], list(grads[k + 2 : k + 2 + c])
     gp, gb, ga = grads[k + 2 + c :] if ctx.mixer else (None, None, None)
-    return gs, gq, gg, gc, gp, gb, ga, None, None, None, None
+    return gs, gq, gg, gc, gp, gb, ga, None, None, None, None, None
 
 
 msar_mix.register_autograd(_backward, setup_context=_setup_context)

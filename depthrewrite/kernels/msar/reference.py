@@ -52,6 +52,7 @@ def msar_mix_ref(
     conv_values: bool = True,
     sigmoid_mixer: bool = True,
     left: list[torch.Tensor] | None = None,
+    eps_mix: float | None = None,
 ) -> torch.Tensor:
     """Mix K depth sources through m stream views (identity + causal depthwise convs) and a sigmoid mixer.
 
@@ -63,11 +64,12 @@ def msar_mix_ref(
         phi (Tensor, optional): mixer projection ``[m·D, m]`` (None with the mean mixer).
         bias (Tensor, optional): mixer bias ``[m]``.
         alpha (Tensor, optional): mixer scale, ``[]`` or ``[1]``.
-        eps (float): key RMSNorm epsilon (also the mixer's RMS epsilon).
+        eps (float): key RMSNorm epsilon.
         scale (float): ``K`` for ``mix_scale="count"``, ``1.0`` for ``"mean"``.
         conv_values (bool): values from the conv views (True, default) or raw sources (False). Default: True.
         sigmoid_mixer (bool): the sigmoid mixer (True) or the uniform mean 1/m (False). Default: True.
         left (list[Tensor], optional): per source, ``[..., k_max-1, D]`` earlier positions (decoding state).
+        eps_mix (float, optional): the mixer's RMS epsilon (msar.md §5: 1e-6). Default: None, ``eps``.
 
     Returns:
         Tensor ``[..., T, D]`` in the sources' dtype.
@@ -86,7 +88,7 @@ def msar_mix_ref(
     Zs = torch.stack(Z, dim=-2)  # [..., T, m, D]
     if sigmoid_mixer:
         z = Zs.flatten(-2)
-        z = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + eps)
+        z = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + (eps if eps_mix is None else eps_mix))
         g = torch.sigmoid(alpha.to(acc).reshape(()) * (z @ phi.to(acc)) + bias.to(acc))  # [..., T, m]
     else:
         g = torch.full(Zs.shape[:-1], 1.0 / m, dtype=acc, device=Zs.device)

@@ -16,6 +16,12 @@ How it is found (no class or module names are consulted, except module *structur
    written in the same module's forward: ``attn + mlp + h``) and its leaves are split into the *skip* leaf ``h`` (the
    one leaf that is an ancestor of all others) and the branch terms; the walk stops at a node that is no such add:
    the stream source;
+   Reshapes that keep every element and the hidden size (``view``/``reshape``/``flatten``/``unflatten``: OPT runs its
+   MLP on a [B·T, D] stream) are followed between the steps, and between the last add and the final norm also
+   casts, slices/selects along token dims and a mean over tokens (timm's ``global_pool="avg"`` before ``fc_norm``);
+   :attr:`Chain.paths` records them. Anything else there is refused, naming that node (a backout subtraction, a
+   scaling of the stream), as is an earlier residual sum that reaches the chain's source by elementwise ops only
+   (a stream rescaled between blocks, ``h = a·h + b·h0``);
 4. each step is then checked forward: every path from ``h`` to a branch term must pass through a norm of ``h`` (a
    vertex cut, checked with networkx on the dataflow graph). A branch that reads ``h`` raw is accepted only when its
    own output is normalised (OLMo2's "reordered norm", reported as such), or when it is the first sublayer and the
@@ -33,6 +39,7 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ...errors import NoResidualChainError, NotPreNormError
 from .graph import Dataflow, module_path_of
@@ -97,6 +104,10 @@ class Chain:
     ir: str  # "export" | "dynamo"
     source_module: str | None = None
     notes: tuple[str, ...] = field(default=())
+    #: paths[j]: the nodes between stream value h_j and the value its readers read, in graph order (reshapes that keep
+    #: every element, OPT; for j = L also token slicing and mean pooling before a pooled final norm, timm
+    #: ``global_pool="avg"``). Empty (or ``()`` for every j) for a plain chain.
+    paths: tuple[tuple[str, ...], ...] = field(default=())
 
     def __len__(self) -> int:
         return len(self.sublayers)
@@ -109,6 +120,10 @@ class Chain:
     def stream_nodes(self) -> list[str]:
         """h_0 ... h_L."""
         return [self.source] + [s.residual_add for s in self.sublayers]
+
+    def path(self, j: int) -> tuple[str, ...]:
+        """The nodes from h_j to the value its readers read (see :attr:`paths`)."""
+        return self.paths[j] if j < len(self.paths) else ()
 
 
 def detect_chain(gm: fx.GraphModule) -> Chain:
@@ -124,16 +139,30 @@ def detect_chain(gm: fx.GraphModule) -> Chain:
         by_input.setdefault(n.input, []).append(n)
     by_output = {n.output: n for n in norms}
 
+    passed: list[NormSite] = []  # later norms whose input is no residual sum (possibly the real final norm)
     for final in reversed(norms):
         x = df.by_name[final.input]
-        if op_of(x, gm) != "add":
+        base, _ = _strip_path(df, x, _TAIL)
+        if op_of(base, gm) != "add":
+            passed.append(final)
             continue
-        steps, source = _walk_back(df, x)
+        steps, source, paths = _walk_back(df, x)
         if steps:
             break
+        passed.append(final)
     else:
         _diagnose(df, by_input, by_output, norms)
         raise AssertionError("unreachable")  # _diagnose always raises
+
+    # A later norm that the stream still reaches past this one is the model's real final norm: something the walk
+    # does not follow sits in front of it (a backout subtraction, a scaling); name that, not the chain's readers.
+    last_add = steps[-1][1]
+    around = nx.restricted_view(df.nx, [df.by_name[final.output]], [])
+    for later in passed:
+        if nx.has_path(around, last_add, df.by_name[later.input]):
+            err = _end_blocker(df, later)
+            if err is not None:
+                raise err
 
     try:
         src_norm = _source_norm(df, source, by_output)
@@ -141,13 +170,14 @@ def detect_chain(gm: fx.GraphModule) -> Chain:
             _check_step(df, i, h, add, tree, terms, by_input, by_output, src_norm if i == 0 else None)
             for i, (h, add, tree, terms) in enumerate(steps)
         ]
-        _check_readers(df, source, steps, sublayers, final, norms)
+        _check_readers(df, source, steps, paths, sublayers, final, norms)
     except NotPreNormError as e:
         # Report the first offending add in graph order, not the one the backward walk met first.
         first = _first_raw_add(df, by_input, by_output)
         if first is not None and first.node != e.node:
             raise first from None
         raise
+    _check_start(df, source)
 
     h0 = tensor_val(source)
     ir = "export" if any("val" in n.meta for n in df.nodes) else "dynamo"
@@ -158,6 +188,29 @@ def detect_chain(gm: fx.GraphModule) -> Chain:
             "rewrites keep this reading and stay exact at init only with mix_scale='count'"
         )
     notes += _source_norm_notes(df, source, sublayers, src_norm)
+    # paths[k]: the nodes from residual add k to what the next sublayer (or the final norm) reads
+    reshaped = [k for k in range(len(steps) - 1) if paths[k]]
+    if reshaped:
+        shapes = sorted({_shape_str(tensor_val(df.by_name[paths[k][-1]]).shape) for k in reshaped})
+        notes.append(
+            f"the stream is reshaped between sublayers (before {len(reshaped)} of {len(steps)} sublayers, e.g. "
+            f"`{paths[reshaped[0]][-1]}`, to {', '.join(shapes)}): rewrites mix in the stream source's shape "
+            f"{_shape_str(tensor_val(source).shape)} and reshape back where the model reads the stream"
+        )
+    tail = [df.by_name[n] for n in paths[-1]] if paths else []
+    pools = [n for n in tail if _path_kind(df, n) == "pool"]
+    cut = [n for n in tail if _path_kind(df, n) == "slice"]
+    if pools:
+        notes.append(
+            f"pooled output: the final norm reads a mean over tokens ({_where(pools[0])}"
+            + (f", after slicing {', '.join(f'`{n.name}`' for n in cut)}" if cut else "")
+            + ") of the last residual sum; the output mix is computed per token, before the pool"
+        )
+    elif any(op_of(n, gm) == "select" for n in cut):
+        notes.append(
+            f"token output: the final norm reads selected tokens ({', '.join(f'`{n.name}`' for n in cut)}) of the "
+            "last residual sum; the output mix is computed per token, before the selection"
+        )
     return Chain(
         source=source.name,
         sublayers=tuple(sublayers),
@@ -166,6 +219,7 @@ def detect_chain(gm: fx.GraphModule) -> Chain:
         ir=ir,
         source_module=module_path_of(source),
         notes=tuple(notes),
+        paths=((),) + tuple(paths),
     )
 
 
@@ -216,21 +270,118 @@ def _skip_leaf(df: Dataflow, leaves: list[fx.Node]) -> fx.Node | None:
 
 
 def _walk_back(df: Dataflow, end: fx.Node):
-    steps = []
+    """Steps (h_k as read, residual add, add tree, branch terms), the stream source, and for each step the path of
+    nodes from its residual add to the value the next step (or the final norm) reads."""
+    steps, paths = [], []
     cur = df.canon(end)
-    while op_of(cur, df.gm) == "add":
-        tree, leaves = _add_tree(df, cur)
+    kinds = _TAIL
+    while True:
+        add, path = _strip_path(df, cur, kinds)
+        if op_of(add, df.gm) != "add":
+            break
+        tree, leaves = _add_tree(df, add)
         skip = _skip_leaf(df, leaves)
-        nested = _nested_adds(df, cur, tree, skip)
+        nested = _nested_adds(df, add, tree, skip)
         if nested:  # a branch's own skip connection (a + g(a)) is one branch term, not a second branch
-            tree, leaves = _add_tree(df, cur, stop=nested)
+            tree, leaves = _add_tree(df, add, stop=nested)
             skip = _skip_leaf(df, leaves)
         if skip is None or not all(_same_shape(skip, x) for x in tree):
             break
-        steps.append((skip, cur, tree, [x for x in leaves if x is not skip]))
+        steps.append((skip, add, tree, [x for x in leaves if x is not skip]))
+        paths.append(tuple(n.name for n in path))
         cur = skip
+        kinds = ("view",)  # between sublayers: reshapes only
     steps.reverse()
-    return steps, cur
+    paths.reverse()
+    return steps, cur, paths
+
+
+#: what may sit between the last residual add and the final norm
+_TAIL = ("view", "cast", "slice", "pool")
+
+
+def _numel_equal(a, b) -> bool:
+    try:
+        return bool(statically_known_true(a.numel() == b.numel()))
+    except Exception:  # noqa: BLE001 - symbolic shapes that cannot be compared: not provably equal
+        return False
+
+
+def _sym_equal(a, b) -> bool:
+    try:
+        return bool(statically_known_true(a == b))
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _arg(node: fx.Node, i: int, name: str, default=None):
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+
+def _dims(node: fx.Node, rank: int, i: int = 1, name: str = "dim") -> list[int] | None:
+    d = _arg(node, i, name)
+    d = [d] if isinstance(d, int) else d
+    if not isinstance(d, (list, tuple)) or not d or not all(isinstance(x, int) for x in d):
+        return None
+    return [x % rank for x in d]
+
+
+def _path_kind(df: Dataflow, node: fx.Node) -> str | None:
+    """What ``node`` does to the stream, if it keeps every token's hidden vector whole: ``"view"`` (a reshape that
+    keeps the hidden size and every element), ``"cast"``, ``"slice"`` (slicing or selecting along a batch/token
+    dim) or ``"pool"`` (a mean over token dims). None for anything else."""
+    op = op_of(node, df.gm)
+    if op not in ("view", "cast", "slice", "select", "mean", "getitem"):
+        return None
+    ins = tensor_inputs(node)
+    x, y = (tensor_val(ins[0]), tensor_val(node)) if len(ins) == 1 else (None, None)
+    if x is None or y is None or not x.is_floating_point() or x.dim() < 2 or y.dim() < 1:
+        return None
+    if not _sym_equal(x.shape[-1], y.shape[-1]):
+        return None
+    if op == "cast":
+        return "cast" if tuple(x.shape) == tuple(y.shape) else None
+    if op == "view":
+        return "view" if _numel_equal(x, y) else None
+    if op == "getitem":  # Dynamo: x[:, 1:], x[:, 0]
+        return "slice" if _keeps_last_dim(node.args[1], x.dim()) else None
+    if op == "mean":
+        dims = _dims(node, x.dim())
+    else:  # slice(x, dim=0, ...), select(x, dim, index)
+        d = _arg(node, 1, "dim", 0)
+        dims = [d % x.dim()] if isinstance(d, int) else None
+    if dims is None or x.dim() - 1 in dims:
+        return None
+    return "pool" if op == "mean" else "slice"
+
+
+def _keeps_last_dim(index, rank: int) -> bool:
+    """A basic index (ints and slices, at most one Ellipsis) that leaves the last dim whole."""
+    index = index if isinstance(index, tuple) else (index,)
+    if not all(isinstance(i, (int, slice)) or i is Ellipsis for i in index) or sum(i is Ellipsis for i in index) > 1:
+        return False
+    if any(isinstance(i, slice) and any(isinstance(b, fx.Node) for b in (i.start, i.stop, i.step)) for i in index):
+        return False
+    whole = slice(None)
+    if Ellipsis in index:
+        return all(i == whole for i in index[index.index(Ellipsis) + 1:])
+    return len(index) < rank or index[-1] == whole
+
+
+def _strip_path(df: Dataflow, node: fx.Node, kinds) -> tuple[fx.Node, list[fx.Node]]:
+    """Walk back from ``node`` through nodes of the given path kinds; returns the first other node and the path
+    (canonical nodes, graph order)."""
+    path: list[fx.Node] = []
+    cur = df.canon(node)
+    while _path_kind(df, cur) in kinds:
+        path.append(cur)
+        cur = df.canon(tensor_inputs(cur)[0])
+    path.reverse()
+    return cur, path
+
+
+def _shape_str(shape) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
 def _nested_adds(df: Dataflow, root: fx.Node, tree: list[fx.Node], skip: fx.Node | None) -> set[fx.Node]:
@@ -377,9 +528,10 @@ def _count_params(df: Dataflow, body: list[fx.Node]) -> int:
     return total
 
 
-def _check_readers(df: Dataflow, source, steps, sublayers, final: NormSite, norms) -> None:
+def _check_readers(df: Dataflow, source, steps, paths, sublayers, final: NormSite, norms) -> None:
     """Every reader of a stream value must belong to the chain: a pre-norm, the step's add tree, a reordered branch,
-    or the final norm. Anything else would see a different value once the chain is rewritten."""
+    or the final norm, and each node of a path (reshapes, pooling) is read by the next one only. Anything else would
+    see a different value once the chain is rewritten."""
     for k, (h, add, tree, terms) in enumerate(steps):
         allowed = {a.name for a in tree}
         for b in sublayers[k].branches:
@@ -388,7 +540,11 @@ def _check_readers(df: Dataflow, source, steps, sublayers, final: NormSite, norm
             else:
                 allowed |= set(b.nodes)
         _only_readers(df, h, allowed)
-    last = df.by_name[sublayers[-1].residual_add]
+    for k, (_, add, _, _) in enumerate(steps):
+        walk = [add] + [df.by_name[n] for n in paths[k]]
+        for a, b in zip(walk, walk[1:]):
+            _only_readers(df, a, {b.name})
+    last = df.by_name[paths[-1][-1]] if paths[-1] else df.by_name[sublayers[-1].residual_add]
     _only_readers(df, last, set(final.readers))
 
 
@@ -431,14 +587,6 @@ def _source_norm(df: Dataflow, source: fx.Node, by_output: dict[str, NormSite]) 
     if any(op_of(a, df.gm) == "add" and _is_residual_add(df, a) for a in above):
         return None
     return norm
-
-
-def _is_residual_add(df: Dataflow, n: fx.Node) -> bool:
-    """An add of two same-shaped floating values, one computed from the other."""
-    ins = [df.canon(a) for a in tensor_inputs(n)]
-    if len(ins) != 2 or not all(_same_shape(a, n) for a in ins) or not all(is_float_tensor(a) for a in ins):
-        return False
-    return nx.has_path(df.nx, ins[0], ins[1]) or nx.has_path(df.nx, ins[1], ins[0])
 
 
 def _source_norm_notes(df: Dataflow, source: fx.Node, sublayers, norm: NormSite | None) -> list[str]:
@@ -484,7 +632,11 @@ def _stream_adds(df: Dataflow, adds: list[tuple[fx.Node, fx.Node, fx.Node]]) -> 
     attention mask added to the scores), and an add nested inside another add's branch (its skip operand is computed
     from that add's stream inside the branch: a short convolution's own skip in ``k_proj``)."""
     g = df.nx
-    full = [(n, h, y) for n, h, y in adds if tuple(tensor_val(h).shape) == tuple(tensor_val(n).shape)]
+    def unbroadcast(h: fx.Node, n: fx.Node) -> bool:
+        a, b = tensor_val(h).shape, tensor_val(n).shape
+        return len(a) == len(b) and all(_sym_equal(x, y) for x, y in zip(a, b))
+
+    full = [(n, h, y) for n, h, y in adds if unbroadcast(h, n)]
     out = []
     for n, h, y in full:
         nested = any(
@@ -507,6 +659,11 @@ def _diagnose(df: Dataflow, by_input, by_output, norms) -> None:
     first = _first_raw_add(df, by_input, by_output, adds)
     if first is not None:
         raise first
+    ends = [n for n in norms if any(nx.has_path(df.nx, a, df.by_name[n.input]) for a, _, _ in adds[-1:])]
+    if ends:
+        err = _end_blocker(df, ends[-1], [a for a, _, _ in adds])
+        if err is not None:
+            raise err
     add = adds[0][0]
     raise NotPreNormError(
         f"residual adds were found (first: {_where(add)}), but no chain from an embedding through them to a final "
@@ -563,6 +720,136 @@ def _depth_attention(df: Dataflow, x: fx.Node, limit: int = 12) -> tuple[fx.Node
     if weights is None or not stacks:
         return None
     return weights, max(stacks, key=df.order.__getitem__)
+
+
+def _is_residual_add(df: Dataflow, n: fx.Node) -> bool:
+    """An add whose one operand is computed from the other (as :func:`_residual_adds` finds them)."""
+    if op_of(n, df.gm) != "add":
+        return False
+    ins = [df.canon(a) for a in tensor_inputs(n)]
+    if len(ins) != 2 or not all(_same_shape(a, n) for a in ins) or not is_float_tensor(ins[0]):
+        return False
+    return nx.has_path(df.nx, ins[0], ins[1]) or nx.has_path(df.nx, ins[1], ins[0])
+
+
+def _param_name(df: Dataflow, n: fx.Node) -> str:
+    """The parameter or buffer a static value is read from (``resid_lambdas`` for ``resid_lambdas[-1]``)."""
+    seen = set()
+    while n.op not in ("get_attr", "placeholder") and n not in seen:
+        seen.add(n)
+        ins = [a for a in n.all_input_nodes if a in df.static]
+        if not ins:
+            break
+        n = ins[0]
+    if n.op == "get_attr":
+        return f"`{n.target}`"
+    return f"`{n.name}`"
+
+
+def _describe(df: Dataflow, n: fx.Node, on_path: set[fx.Node], adds: list[fx.Node], last: fx.Node) -> str:
+    """What node ``n`` on the stream's path (which starts at ``last``) does, in words, naming its other operand."""
+    op = op_of(n, df.gm)
+    others = [df.canon(a) for a in tensor_inputs(n) if df.canon(a) not in on_path]
+    dyn = [o for o in others if o not in df.static]
+    stat = [o for o in others if o in df.static]
+    up = nx.ancestors(df.nx, last) | {last}
+
+    def earlier(o: fx.Node) -> fx.Node | None:
+        """The latest stream-shaped value ``o`` is computed from that the stream at ``last`` is computed from too."""
+        cands = [u for u in (nx.ancestors(df.nx, o) | {o}) & up
+                 if _same_shape(u, last) and is_float_tensor(u) and u not in df.static]
+        return max(cands, key=df.order.__getitem__) if cands else None
+
+    def value(o: fx.Node) -> str:
+        u = earlier(o)
+        if u is None:
+            return f"`{o.name}`"
+        kind = "the residual sum" if u in adds else "the stream value"
+        return f"`{o.name}`, {kind}" if u is o else f"`{o.name}`, computed from {kind} {_where(u)}"
+
+    if op in ("sub", "add"):
+        verb = "a subtraction" if op == "sub" else "an addition"
+        if dyn:
+            what = "an earlier stream value" if earlier(dyn[0]) is not None else "another activation"
+            return f"{verb} of {what} ({value(dyn[0])})"
+        return f"{verb} of a parameter or constant (a shift of the stream" + (f" by {_param_name(df, stat[0])})" if stat else ")")
+    if op in ("mul", "div"):
+        if dyn:
+            return f"a multiplication of the stream by another activation ({value(dyn[0])}, a gate)"
+        return "a scaling of the stream" + (f" by {_param_name(df, stat[0])}" if stat else " by a constant")
+    if op == "mean":
+        return "a mean over the hidden dimension" if _path_kind(df, n) is None else "a mean over the token dimension (pooling)"
+    if op in ("slice", "select"):
+        return "a slice of the hidden dimension"
+    if op == "view":
+        return "a reshape that changes the hidden size"
+    target = getattr(n.target, "__name__", str(n.target))
+    x, y = tensor_val(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None, tensor_val(n)
+    if target.split(".")[0] in ("amax", "max", "amin", "min", "logsumexp") and x is not None and y is not None and y.dim() < x.dim():
+        return f"a reduction over the token dimension (`{target}`, max pooling), which depthrewrite does not follow (mean pooling it does)"
+    return f"an op depthrewrite does not follow on the stream (`{target}`)"
+
+
+def _blocker(df: Dataflow, start: fx.Node, end: fx.Node) -> fx.Node | None:
+    """The first node (graph order) on a path from ``start`` to ``end`` that is not a reshape, cast, token slice or
+    token pool."""
+    span = df.between(start, end) - {start}
+    return next((n for n in sorted(span, key=df.order.__getitem__) if _path_kind(df, n) is None), None)
+
+
+_EXPECT = (
+    "depthrewrite expects the last residual sum to reach the final norm unchanged, or only reshaped, cast, sliced "
+    "over tokens or mean-pooled over tokens"
+)
+
+
+def _end_blocker(df: Dataflow, final: NormSite, adds: list[fx.Node] | None = None) -> NotPreNormError | None:
+    """The error naming what sits between the last residual add and ``final`` (None if nothing can be named)."""
+    end = df.by_name[final.input]
+    if adds is None:
+        adds = [a for a, _, _ in _residual_adds(df)]
+    before = [a for a in adds if a is not end and nx.has_path(df.nx, a, end)]
+    if not before:
+        return None
+    last = max(before, key=df.order.__getitem__)
+    n = _blocker(df, last, end)
+    if n is None:
+        return None
+    what = _describe(df, n, df.between(last, end), adds, last)
+    where = final.module or f"`{final.output}`"
+    return NotPreNormError(
+        f"the final norm ({where}) does not read the residual stream: between the last residual add {_where(last)} "
+        f"and it sits {_where(n)}, {what}. {_EXPECT}; remove that op or move it after the final norm before "
+        "converting.",
+        node=n.name,
+    )
+
+
+def _check_start(df: Dataflow, source: fx.Node) -> None:
+    """Refuse a chain that starts after an earlier residual sum that reaches it by elementwise ops only: the stream
+    is rescaled between blocks (``h = a·h + b·h0``) and the chain found would be only the blocks after that."""
+    anc = nx.ancestors(df.nx, source)
+    adds = [a for a in anc if _is_residual_add(df, a)]
+    if not adds:
+        return
+    last = max(adds, key=df.order.__getitem__)
+    span = df.between(last, source)
+    shape = tuple(tensor_val(last).shape)
+    if any(tensor_val(n) is None or tuple(tensor_val(n).shape) != shape for n in span):
+        return  # the earlier sum goes through a projection or reshape: another model part (a vision tower)
+    if any(op_of(n, df.gm) in ("linear", "matmul", "sdpa", "layer_norm", "rms_norm") for n in span):
+        return
+    n = _blocker(df, last, source)
+    if n is None:
+        return
+    what = _describe(df, n, span, adds, last)
+    raise NotPreNormError(
+        f"the residual chain is interrupted between sublayers: the residual sum {_where(last)} reaches the next "
+        f"sublayer's stream {_where(source)} only through {_where(n)}, {what}. depthrewrite expects every sublayer "
+        "to read the previous residual sum directly, h = h + f(Norm(h)); a stream rescaled between blocks "
+        "(h = a·h + b·h0) is not a residual step it can rewrite.",
+        node=n.name,
+    )
 
 
 def _first_raw_add(df: Dataflow, by_input, by_output, adds=None) -> NotPreNormError | None:

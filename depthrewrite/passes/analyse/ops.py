@@ -61,6 +61,14 @@ _TABLE: dict[str, tuple[tuple, tuple, tuple]] = {
     "dropout": ((aten.dropout, aten.native_dropout), (F.dropout,), ()),
     "getitem": ((), (operator.getitem,), ()),
     "cat": ((aten.cat, aten.stack), (torch.cat, torch.stack), ()),
+    # change a tensor's shape, never its elements (in row-major order)
+    "view": (
+        (aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten),
+        (torch.reshape, torch.flatten, torch.unflatten),
+        ("view", "reshape", "flatten", "unflatten"),
+    ),
+    "slice": ((aten.slice,), (), ()),
+    "select": ((aten.select,), (torch.select,), ("select",)),
     # read only the shape / dtype / device of their tensor argument: no dataflow
     "like": (
         (aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like, aten.new_zeros, aten.new_ones, aten.new_empty, aten.new_full),

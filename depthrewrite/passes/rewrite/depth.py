@@ -5,6 +5,10 @@ the K3 block ordering of sources (AttnRes, MSAR), and where new parameters live.
     site j   a new node before sublayer j's pre-norm (and before the final norm) replaces the stream value h_j
     Block    sources at site j = completed block sums b_0 (= embedding) .. b_{n-1} + the open partial sum
 
+Streams that change shape (OPT's [B·T, D] sublayers) are mixed in the stream source's shape: sources are reshaped to
+it, and each mix is reshaped back to the shape of the value it replaces; reshapes and pooling the model applies to a
+stream value (``Chain.paths``) are kept and read the mix.
+
 Spec: shared/specs/attnres.md §4 (ordering), §6 (real graphs). The old residual adds become dead and are removed
 (detection guarantees that nothing else, graph outputs included, reads a stream value).
 """
@@ -96,7 +100,11 @@ class ChainEditor:
 
     def readers_of(self, j: int) -> list[fx.Node]:
         """The nodes that read stream value h_j (its pre-norms, the branch body for a reordered norm, or the final
-        norm for j = L), in graph order."""
+        norm for j = L), in graph order. Where the model reshapes h_j first (OPT) or pools it before the final norm
+        (timm ``global_pool="avg"``), the reader is the first node of that path: the path is kept, fed the new value."""
+        path = self.chain.path(j)
+        if path:
+            return [self.nodes[path[0]]]
         if j == self.L:
             names = set(self.chain.final_norm.readers)
         else:
@@ -110,15 +118,57 @@ class ChainEditor:
         return self.nodes[self.chain.source] if j == 0 else self.nodes[self.chain.sublayers[j - 1].residual_add]
 
     def redirect(self, j: int, new: fx.Node) -> None:
-        """Make every reader of h_j read ``new`` instead (through any alias of h_j)."""
+        """Make every reader of h_j read ``new`` instead (through any alias of h_j). ``new`` has the canonical shape
+        (the stream source's); it is reshaped to h_j's shape where the model's stream has another shape there."""
         old = self.stream(j)
+        new = self.reshaped(new, old, current=self.nodes[self.chain.source])
         for r in self.readers_of(j):
             for a in list(r.all_input_nodes):
                 if strip_alias(a) is old:
                     r.replace_input_with(a, new)
 
+    def canonical(self, x: fx.Node) -> fx.Node:
+        """``x`` (a stream-shaped value: same elements, same hidden size) in the stream source's shape: itself, or a
+        new reshape right after it (OPT's flattened [B·T, D] sublayer outputs become [B, T, D])."""
+        return self.reshaped(x, self.nodes[self.chain.source])
+
+    def reshaped(self, x: fx.Node, like: fx.Node, current: fx.Node | None = None) -> fx.Node:
+        """``x`` reshaped to ``like``'s shape (a new node right after ``x``), or ``x`` when the shapes already agree.
+        ``current``: a node of ``x``'s shape, when ``x``'s own metadata may not say it. Symbolic sizes are read from
+        the stream source at run time, so any batch and sequence length works."""
+        vx, vl = tensor_val(current if current is not None else x), tensor_val(like)
+        if vx is None or vl is None or _shape_key(vx.shape) == _shape_key(vl.shape):
+            return x
+        h0 = self.nodes[self.chain.source]
+        ref = tensor_val(h0).shape
+        with self.graph.inserting_after(x):
+            new = self.graph.call_function(torch.ops.aten.reshape.default, (x, []))
+        with self.graph.inserting_before(new):
+            sizes: list = []
+            for t in vl.shape:
+                i = None if isinstance(t, int) else next((i for i, r in enumerate(ref) if str(r) == str(t)), None)
+                if isinstance(t, int):
+                    sizes.append(t)
+                elif i is not None:
+                    sizes.append(self.graph.call_function(torch.ops.aten.sym_size.int, (h0, i)))
+                else:
+                    sizes.append(-1)  # a product of the source's sizes (B·T): what remains
+        if sizes.count(-1) > 1:
+            raise ConfigError(f"cannot express the stream shape {tuple(vl.shape)} of `{like.name}` in the sizes of the "
+                              f"stream source `{h0.name}` {tuple(ref)}")
+        new.args = (x, sizes)
+        inherit_meta(new, x)
+        for key in ("val", "example_value"):
+            if key in like.meta:
+                new.meta[key] = like.meta[key]
+        return new
+
     def output_of(self, k: int) -> fx.Node:
-        """v_{k+1}: the raw output of sublayer k (a new sum of its branch outputs for a parallel block)."""
+        """v_{k+1}: the raw output of sublayer k (a new sum of its branch outputs for a parallel block), in the
+        canonical shape (see :meth:`canonical`)."""
+        return self.canonical(self._output_of(k))
+
+    def _output_of(self, k: int) -> fx.Node:
         s = self.chain.sublayers[k]
         outs = [self.nodes[b.output] for b in s.branches]
         if len(outs) == 1:
@@ -154,6 +204,10 @@ class ChainEditor:
         self.graph.lint()
         self.gm.recompile()
         return PassResult(self.gm, tuple(changes))
+
+
+def _shape_key(shape) -> tuple[str, ...]:
+    return tuple(str(d) for d in shape)
 
 
 #: emit(editor, site_name, sources, eps, scale) -> the node computing the mix (inserted at the current point)

@@ -110,7 +110,7 @@ def _rewrite_mhc(gm: fx.GraphModule, chain: Chain, config: MHCConfig) -> PassRes
             )
             pre, post, res = (graph.call_function(operator.getitem, (coeffs, i)) for i in range(3))
             u = graph.call_function(ops.mhc_pre.default, (X, pre))
-        inherit_meta(u, old, NodeRole("mhc_pre", k, config.name))
+        inherit_meta(u, old, NodeRole("mhc_pre", k, config.name), val_from=h0)  # h0's shape: the stream may be reshaped
         ed.redirect(k, u)
         y = ed.output_of(k)
         with graph.inserting_after(y):
@@ -123,7 +123,7 @@ def _rewrite_mhc(gm: fx.GraphModule, chain: Chain, config: MHCConfig) -> PassRes
     old = ed.stream(L)
     with graph.inserting_before(ed.readers_of(L)[0]):
         h = graph.call_function(ops.mhc_collapse.default, (X, config.collapse))
-    inherit_meta(h, old, NodeRole("collapse", "output", config.name))
+    inherit_meta(h, old, NodeRole("collapse", "output", config.name), val_from=h0)
     ed.redirect(L, h)
     changes.append(Change(site="output", module=chain.sublayers[-1].module, created=(h.name,), replaced=old.name, sources=streams,
                           detail=f"{config.collapse} of the {n} streams"))

@@ -1,14 +1,17 @@
 """MoDA: mixture-of-depths attention as a rewrite of each attention operator of the detected chain.
 
     slots    attention sublayer l writes its own (K, V) exactly as fed to attention (after RoPE / qk-norm, Hk heads);
-             MLP sublayer l writes kv_proj(Norm(h)) (a new Linear D -> 2·Hk·d); the last writer nothing reads is skipped
+             MLP sublayer l writes kv_proj(Norm(h)) (a new Linear D -> 2·Hk·d, biased iff the k projection is), its keys
+             replayed through the block attention's key path (k-norm, RoPE; read from the graph, ``ffn_keys``); the last
+             writer nothing reads is skipped
     site l   every attention after the first: one joint softmax over its causal sequence keys and the same token's
              slots of all earlier sublayers (token-major [B, T, n, Hk, d]); one scale; GQA groups share slots
     init     preserve_init=True adds λ [Hq] = 0 per site inside the softmax: exactly the original model at init
 
 Zhu et al., *Mixture-of-Depths Attention*, arXiv:2603.15619; spec: shared/specs/moda.md (§2, §8 Q1/Q8/Q9/Q10).
 Recognised attention forms: ``aten.scaled_dot_product_attention`` (GQA as an unsqueeze/expand/reshape repeat of K/V,
-or ``enable_gqa=True``) and the eager form ``matmul(q, kᵀ) · s (+ mask) -> softmax -> (dropout) -> matmul(·, v)``.
+or ``enable_gqa=True``) and the eager form ``matmul(q, kᵀ) · s (+ mask | masked_fill(mask, -inf)) -> softmax -> (dropout)
+-> matmul(·, v)`` (HF eager, minGPT / nanoGPT without flash; a lower-triangular buffer mask is read as causal).
 Why post-RoPE slots are right: a slot is only read at its own position t, and (R_t q)·(R_t k) = q·k.
 """
 
@@ -33,6 +36,7 @@ from .registry import SchemeConfig, register_scheme
 __all__ = ["MoDAConfig", "AttentionOp", "find_attention"]
 
 aten = torch.ops.aten
+FFN_KEYS = ("block", "next", "raw")
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
@@ -45,10 +49,16 @@ class MoDAConfig(SchemeConfig):
             initialised at 0, so the converted model equals the original at init. Default: False (λ ≡ 1, the paper).
         ffn_kv (bool): MLP sublayers write a slot through a new ``kv_proj`` (the paper's default variant). False:
             attention slots only. Default: True.
+        ffn_keys (str): the key path FFN-slot keys go through, so that they live in the attention keys' space
+            (moda.md §8 Q1/Q2): ``"block"`` (default, the spec's choice) replays the key pipeline of the same block's
+            attention — every op between its k projection and the attention op's key input (k-norm, RoPE at the
+            token's own position, layout) — on the ``kv_proj`` keys; ``"next"`` replays the pipeline of the next
+            attention (the slot's first reader); ``"raw"`` stores the ``kv_proj`` keys as they are.
     """
 
     preserve_init: bool = False
     ffn_kv: bool = True
+    ffn_keys: str = "block"
 
     name = "moda"
 
@@ -56,6 +66,8 @@ class MoDAConfig(SchemeConfig):
         for f in ("preserve_init", "ffn_kv"):
             if not isinstance(getattr(self, f), bool):
                 raise ConfigError(f"MoDAConfig.{f} must be True or False, got {getattr(self, f)!r}")
+        if self.ffn_keys not in FFN_KEYS:
+            raise ConfigError(f"MoDAConfig.ffn_keys must be one of {', '.join(map(repr, FFN_KEYS))}, got {self.ffn_keys!r}")
 
     def describe(self, block_size: int | None = None) -> str:
         slots = "attention + FFN kv_proj slots" if self.ffn_kv else "attention slots only"
@@ -80,6 +92,7 @@ class AttentionOp:
     hk: int
     d: int
     form: str  # "sdpa" | "eager"
+    fill: fx.Node | None = None  # a masked_fill mask (True = masked) to negate into the sequence mask
 
 
 def _unrepeat(x: fx.Node) -> fx.Node:
@@ -129,57 +142,120 @@ def _from_sdpa(n: fx.Node) -> AttentionOp:
     )
 
 
-def _from_eager(sm: fx.Node) -> AttentionOp | None:
-    """softmax(matmul(q, kᵀ) · s [soft-cap] [+ mask]) [-> cast -> dropout] -> matmul(·, v)."""
-    scale, mask, softcap, cur = 1.0, None, 0.0, sm.args[0]
+_EAGER_FORM = (
+    "aten.scaled_dot_product_attention, or the eager form matmul(q, kᵀ) [· or / a constant] [c·tanh(·/c) soft-cap] "
+    "[+ an additive mask | .masked_fill(mask, -inf)] -> softmax(dim=-1) [-> dropout] -> matmul(·, v)"
+)
+
+
+class _Mismatch(Exception):
+    """The eager attention walk met ``node``, which does not fit; ``why`` says what was expected there."""
+
+    def __init__(self, node: fx.Node, why: str):
+        super().__init__(why)
+        self.node, self.why = node, why
+
+
+def _attr_value(gm: fx.GraphModule, n: fx.Node) -> torch.Tensor | None:
+    if n.op != "get_attr":
+        return None
+    obj = gm
+    for part in str(n.target).split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj if isinstance(obj, torch.Tensor) else None
+
+
+def _is_causal_buffer_mask(gm: fx.GraphModule, fill: fx.Node) -> bool:
+    """``buf[..., :T, :T] == 0`` with ``buf`` a lower-triangular 0/1 buffer (minGPT / nanoGPT's registered ``bias``):
+    True exactly above the diagonal, i.e. masked_fill(·, fill, -inf) is the causal mask."""
+    if _aten_name(fill) != "eq" or fill.args[1] != 0 or not isinstance(fill.args[0], fx.Node):
+        return False
+    x = fill.args[0]
+    while isinstance(x, fx.Node) and _aten_name(x) == "slice":
+        start = x.args[2] if len(x.args) > 2 else 0
+        if start not in (None, 0):
+            return False
+        x = x.args[0]
+    buf = _attr_value(gm, x) if isinstance(x, fx.Node) else None
+    if buf is None or buf.dim() < 2 or buf.shape[-1] != buf.shape[-2]:
+        return False
+    b = buf.reshape(-1, *buf.shape[-2:])
+    return bool((b == torch.ones_like(b[0]).tril()).all())
+
+
+def _from_eager(sm: fx.Node, gm: fx.GraphModule) -> AttentionOp:
+    """softmax(matmul(q, kᵀ) · s [soft-cap] [+ mask | masked_fill]) [-> cast -> dropout] -> matmul(·, v), or
+    _Mismatch naming the first node that does not fit."""
+    dim = sm.args[1] if len(sm.args) > 1 else sm.kwargs.get("dim")
+    nd = len(_shape(sm))
+    if dim not in (-1, nd - 1):
+        raise _Mismatch(sm, f"a softmax over the last dimension (the keys); this one is over dim={dim}")
+    scale, mask, fill, softcap, cur = 1.0, None, None, 0.0, sm.args[0]
     while isinstance(cur, fx.Node) and op_of(cur) != "matmul":
-        op = op_of(cur)
+        op, name = op_of(cur), _aten_name(cur)
         if op == "cast":
             cur = cur.args[0]
         elif op in ("mul", "div") and not isinstance(cur.args[1], fx.Node):
             scale = scale * float(cur.args[1]) if op == "mul" else scale / float(cur.args[1])
             cur = cur.args[0]
-        elif op == "add" and mask is None:
+        elif op == "add" and mask is None and fill is None:
             x, y = cur.args[0], cur.args[1]
             cur, mask = (x, y) if isinstance(x, fx.Node) and any(op_of(p) == "matmul" for p in _chain_up(x)) else (y, x)
-        elif _aten_name(cur) == "tanh" and softcap == 0.0:
+        elif name == "masked_fill" and mask is None and fill is None:
+            value = cur.args[2] if len(cur.args) > 2 else cur.kwargs.get("value")
+            if isinstance(value, fx.Node) or not float(value) <= -1e4:
+                raise _Mismatch(cur, f"masked_fill with -inf (a mask); this one fills {value}")
+            mv = tensor_val(cur.args[1])
+            if not isinstance(cur.args[1], fx.Node) or (mv is not None and mv.dtype != torch.bool):
+                raise _Mismatch(cur, "masked_fill with a boolean mask tensor")
+            fill, cur = cur.args[1], cur.args[0]
+        elif name == "tanh" and softcap == 0.0:
             # c·tanh(x/c): the scale collected so far is c; the division below it is 1/c
             inner = cur.args[0]
             if op_of(inner) != "div" or isinstance(inner.args[1], fx.Node):
-                return None
+                raise _Mismatch(cur, "soft-capping as c·tanh(scores / c) with a constant c")
             softcap = float(inner.args[1])
             if abs(scale - softcap) > 1e-6 * softcap:
-                return None
+                raise _Mismatch(cur, "soft-capping as c·tanh(scores / c) with the same constant c on both sides")
             scale, cur = 1.0, inner.args[0]
+        elif op in ("add",) or name == "masked_fill":
+            raise _Mismatch(cur, "at most one mask (an additive mask or one masked_fill) between the scores and the softmax")
         else:
-            return None
+            raise _Mismatch(cur, "only a constant scale, tanh soft-capping, an additive mask or masked_fill(mask, -inf) "
+                                 "between the scores matmul(q, kᵀ) and the softmax")
     if not isinstance(cur, fx.Node):
-        return None
+        raise _Mismatch(sm, "scores computed as matmul(q, kᵀ) before the softmax")
     m1 = cur
+    if _aten_name(m1) != "matmul" or len(m1.args) < 2:
+        raise _Mismatch(m1, "the scores as matmul(q, kᵀ) (torch.matmul / @)")
     q, kt = m1.args[0], m1.args[1]
-    if _aten_name(kt) != "transpose":
-        return None
+    if not isinstance(kt, fx.Node) or _aten_name(kt) != "transpose":
+        raise _Mismatch(m1, "the scores as q @ k.transpose(-2, -1): the second operand is not a transpose of k")
     k = _unrepeat(kt.args[0])
     p, dropout = sm, 0.0
     while True:
-        users = [u for u in p.users if tensor_val(u) is not None]
+        users = [u for u in p.users if tensor_val(u) is not None or op_of(u) in ("dropout", "matmul", "cast")]
         if len(users) != 1:
-            return None
+            raise _Mismatch(p, f"one reader of the attention probabilities; `{p.name}` has {len(users)}")
         u = users[0]
         if op_of(u) == "cast":
             p = u
         elif op_of(u) == "dropout":
             dropout = float(u.args[1]) if len(u.args) > 2 and u.args[2] else 0.0
             p = u
-        elif op_of(u) == "matmul" and u.args[0] is p:
+        elif _aten_name(u) == "matmul" and u.args[0] is p:
             m2 = u
             break
         else:
-            return None
+            raise _Mismatch(u, "dropout or matmul(probabilities, v) after the softmax")
     v = _unrepeat(m2.args[1])
+    causal = fill is not None and _is_causal_buffer_mask(gm, fill)
     hq, d, hk = _static_int(_shape(q)[1]), _static_int(_shape(q)[-1]), _static_int(_shape(k)[1])
     return AttentionOp(node=m2, q=q, k=k, v=v, mask=mask if isinstance(mask, fx.Node) else None, scale=scale,
-                       is_causal=False, dropout_p=dropout, softcap=softcap, hq=hq, hk=hk, d=d, form="eager")
+                       is_causal=causal, dropout_p=dropout, softcap=softcap, hq=hq, hk=hk, d=d, form="eager",
+                       fill=None if causal else fill)
 
 
 def _chain_up(n: fx.Node, limit: int = 6):
@@ -192,24 +268,50 @@ def _chain_up(n: fx.Node, limit: int = 6):
     return out
 
 
+def _is_hf(nodes) -> bool:
+    """Whether the branch comes from a Hugging Face transformers module (its nn_module_stack names the classes)."""
+    for n in nodes:
+        for entry in (n.meta.get("nn_module_stack") or {}).values():
+            t = entry[1] if isinstance(entry, tuple) and len(entry) > 1 else entry
+            name = f"{getattr(t, '__module__', '')}.{getattr(t, '__qualname__', '')}" if isinstance(t, type) else str(t)
+            if name.startswith("transformers.") or ".transformers." in name:
+                return True
+    return False
+
+
 def find_attention(ed: ChainEditor, branch: Branch) -> AttentionOp:
-    """The one attention operator of an attention branch, or AttentionPatternError naming what was found."""
-    body = {ed.nodes[n] for n in branch.nodes}
+    """The one attention operator of an attention branch, or AttentionPatternError naming the node that does not fit
+    and the form expected."""
+    body = sorted((ed.nodes[n] for n in branch.nodes), key=ed.order.__getitem__)
     sdpa = [n for n in body if op_of(n) == "sdpa"]
+    softmaxes = [n for n in body if op_of(n) == "softmax"]
+    bad, why = None, ""
     if len(sdpa) == 1 and sdpa[0].target is aten.scaled_dot_product_attention.default:
         found = _from_sdpa(sdpa[0])
-    else:
-        softmaxes = sorted((n for n in body if op_of(n) == "softmax"), key=ed.order.__getitem__)
-        found = _from_eager(softmaxes[0]) if len(softmaxes) == 1 and not sdpa else None
-        if found is None:
-            what = sdpa or softmaxes or [ed.nodes[branch.output]]
-            where = f"`{what[0].name}` ({what[0].target})" if (sdpa or softmaxes) else f"no softmax or SDPA before `{what[0].name}`"
-            raise AttentionPatternError(
-                f"the attention branch in {branch.module} cannot be rewritten by MoDA: found {where}; expected one "
-                "aten.scaled_dot_product_attention or the eager form matmul(q, kᵀ)·scale (+ mask) -> softmax -> "
-                "matmul(·, v) (optionally with tanh soft-capping). Try attn_implementation='sdpa' or 'eager'.",
-                node=what[0].name,
-            )
+    elif sdpa:
+        bad = sdpa[0] if len(sdpa) == 1 or sdpa[0].target is not aten.scaled_dot_product_attention.default else sdpa[1]
+        why = (f"found {len(sdpa)} attention operators; expected exactly one" if len(sdpa) > 1
+               else "a backend-specific attention kernel; expected the generic one")
+    elif len(softmaxes) == 1:
+        try:
+            found = _from_eager(softmaxes[0], ed.gm)
+        except _Mismatch as e:
+            bad, why = e.node, f"expected {e.why}"
+    elif softmaxes:
+        bad, why = softmaxes[1], f"{len(softmaxes)} softmax nodes ({', '.join(f'`{n.name}`' for n in softmaxes)}); expected one"
+    if bad is not None:
+        detail = f"`{bad.name}` ({bad.target}) does not fit: {why}"
+    elif not sdpa and not softmaxes:
+        bad = ed.nodes[branch.output]
+        detail = f"it has no softmax and no scaled_dot_product_attention (its output is `{bad.name}` ({bad.target}))"
+    if bad is not None:
+        hint = ("Loading the model with attn_implementation='sdpa' (or 'eager') may give one of these forms." if _is_hf(body) else
+                "Write the attention with torch.nn.functional.scaled_dot_product_attention or in the eager form above.")
+        where = f" in {branch.module}" if branch.module else ""
+        raise AttentionPatternError(
+            f"the attention branch{where} cannot be rewritten by MoDA: {detail}. MoDA recognises {_EAGER_FORM}. {hint}",
+            node=bad.name,
+        )
     if min(found.hq, found.hk, found.d) <= 0 or found.hq % found.hk:
         raise AttentionPatternError(
             f"attention `{found.node.name}` in {branch.module}: cannot read static head counts from q {_shape(found.q)} "
@@ -219,13 +321,169 @@ def find_attention(ed: ChainEditor, branch: Branch) -> AttentionOp:
     return found
 
 
-class _KVProj(nn.Module):
-    """The FFN depth-KV projection D -> 2·Hk·d (no bias)."""
+# ops that only move or select elements: the key projection's output reaches the first real op of the key path
+# (k-norm or RoPE) through these
+_LAYOUT = {
+    "view", "reshape", "_unsafe_view", "transpose", "permute", "unsqueeze", "squeeze", "select", "slice", "split",
+    "split_with_sizes", "chunk", "tensor_split", "unbind", "alias", "contiguous", "clone", "t", "unflatten", "flatten",
+    "expand",
+}
 
-    def __init__(self, D: int, hk: int, d: int, dtype, device):
+
+def _is_layout(n: fx.Node) -> bool:
+    return op_of(n) == "getitem" or _aten_name(n) in _LAYOUT or (n.op == "call_method" and n.target in _LAYOUT)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyPath:
+    """The ops an attention applies to its keys after the k projection, to be replayed on FFN-slot keys.
+
+    ``start`` is the first tensor that holds the keys alone, just before the first non-layout op; ``layout`` its
+    layout: ``"flat"`` [B, T, Hk·d], ``"bthd"`` [B, T, Hk, d] or ``"bhtd"`` [B, Hk, T, d]. ``nodes`` (graph order) map
+    ``start`` to the attention op's key input; their other inputs (k-norm weights, RoPE cos/sin, sizes) are reused.
+    """
+
+    proj: fx.Node  # the k projection (aten.linear / addmm / mm)
+    start: fx.Node
+    layout: str
+    nodes: tuple[fx.Node, ...]
+    end: fx.Node  # the attention op's key input (before any GQA repeat)
+    externals: tuple[fx.Node, ...]
+
+    def describe(self) -> str:
+        kinds = sorted({_aten_name(n) or str(n.target) for n in self.nodes if not _is_layout(n)} - {"_to_copy", "to"})
+        return f"{len(self.nodes)} ops: {', '.join(kinds)}"
+
+
+def _has_bias(proj: fx.Node) -> bool:
+    name = _aten_name(proj) or getattr(proj.target, "__name__", "")
+    if name == "addmm":
+        return True
+    if name == "linear":
+        b = proj.args[2] if len(proj.args) > 2 else proj.kwargs.get("bias")
+        return b is not None
+    return False
+
+
+def _reads_hidden_states(ed: ChainEditor, n: fx.Node, limit: int = 2000) -> bool:
+    """Whether ``n`` depends on the hidden states, i.e. on the chain's stream source (every hidden state descends from
+    it). Walks ``n``'s inputs; past ``limit`` nodes it answers True (a RoPE table or a norm weight is a short walk)."""
+    source = ed.nodes[ed.chain.source]
+    stack, seen = [n], {n}
+    while stack:
+        x = stack.pop()
+        if x is source:
+            return True
+        for i in x.all_input_nodes:
+            if i not in seen:
+                seen.add(i)
+                stack.append(i)
+        if len(seen) > limit:
+            return True
+    return False
+
+
+def key_path(ed: ChainEditor, a: AttentionOp) -> tuple[KeyPath | None, str]:
+    """The key pipeline of attention ``a`` read from the graph's dataflow (k projection -> [layout] -> k-norm /
+    RoPE / ... -> attention key input), or (None, why). A path of layout ops only is returned with no ``nodes``."""
+    end = a.k
+    # 1. the ancestors of the key input down to the projections (linear layers end the walk)
+    seen, stack, projs = {end}, [end], []
+    while stack:
+        n = stack.pop()
+        for i in n.all_input_nodes:
+            if i in seen:
+                continue
+            seen.add(i)
+            if i.op != "call_function":
+                continue
+            op = op_of(i)
+            if op == "linear":
+                projs.append(i)
+            elif op not in ("matmul", "sdpa", "softmax", "embedding"):
+                stack.append(i)
+    projs = [p for p in projs if len(_shape(p)) in (2, 3)]
+    width = a.hk * a.d  # a k projection (or a fused qkv one) has a multiple of Hk·d outputs
+    wide = [p for p in projs if _static_int(_shape(p)[-1]) > 0 and _static_int(_shape(p)[-1]) % width == 0]
+    if not wide:
+        return None, "no k projection (a linear layer with a multiple of Hk·d outputs) before the attention's key input"
+    proj = max(wide, key=ed.order.__getitem__)
+    # 2. the nodes on a path proj -> end
+    path, stack = {proj}, [proj]
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u in seen and u not in path:
+                path.add(u)
+                stack.append(u)
+    if end not in path:
+        return None, f"the key input `{end.name}` does not come from the k projection `{proj.name}`"
+    # 3. skip the layout prefix (split of a fused qkv, head reshape, transpose) up to the first real op
+    start = proj
+    while start is not end:
+        nxt = [u for u in start.users if u in path]
+        if len(nxt) == 1 and _is_layout(nxt[0]):
+            start = nxt[0]
+        else:
+            break
+    if start is end:
+        return KeyPath(proj, end, "bhtd", (), end, ()), ""
+    below, stack = {start}, [start]
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u in path and u not in below:
+                below.add(u)
+                stack.append(u)
+    nodes = tuple(sorted(below - {start}, key=ed.order.__getitem__))
+    # 4. where the keys are alone at ``start``: flat, token-major or head-major
+    B, hk, T, d = (str(x) for x in _shape(end))
+    sh = tuple(str(x) for x in _shape(start))
+    flat = (B, T, str(_static_int(hk) * _static_int(d))) if _static_int(hk) > 0 and _static_int(d) > 0 else None
+    turns = any(_aten_name(n) in ("transpose", "permute") for n in nodes)
+    if sh == flat:
+        layout = "flat"
+    elif sh == (B, T, hk, d) and (turns or sh != (B, hk, T, d)):
+        layout = "bthd"
+    elif sh == (B, hk, T, d):
+        layout = "bhtd"
+    else:
+        return None, (f"the key path starts at `{start.name}` of shape {tuple(_shape(start))}, not the keys alone as "
+                      f"[B, T, Hk·d], [B, T, Hk, d] or [B, Hk, T, d]")
+    # 5. the other inputs must not carry hidden-state data (e.g. a norm over concatenated q and k)
+    externals = []
+    for n in nodes:
+        for i in n.all_input_nodes:
+            if i in below or i in externals:
+                continue
+            if tensor_val(i) is None and not isinstance(i.meta.get("val", i.meta.get("example_value")), torch.Tensor):
+                externals.append(i)  # sizes and other non-tensors (SymInts): the FFN keys have the same B, T
+                continue
+            if i in path or _reads_hidden_states(ed, i):
+                return None, f"`{n.name}` in the key path also reads `{i.name}`, which depends on the hidden states"
+            externals.append(i)
+    return KeyPath(proj, start, layout, nodes, end, tuple(externals)), ""
+
+
+class _KVProj(nn.Module):
+    """The FFN depth-KV projection D -> 2·Hk·d, with a bias iff the model's k projection has one."""
+
+    def __init__(self, D: int, hk: int, d: int, bias: bool, dtype, device):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(2 * hk * d, D, dtype=dtype, device=device))
         nn.init.normal_(self.weight, std=D ** -0.5)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(2 * hk * d, dtype=dtype, device=device))
+
+
+def _key_site(k: int, attn_sites: list[int], mode: str) -> int:
+    """The attention whose key path the FFN slot of sublayer k replays: the same block's (the nearest attention at or
+    before k; the next one if there is none) or, with ``"next"``, the first attention after k (the first reader)."""
+    before = [j for j in attn_sites if j <= k]
+    after = [j for j in attn_sites if j > k]
+    if mode == "next" or not before:
+        return after[0]
+    return before[-1]
 
 
 class _Lambda(nn.Module):
@@ -252,6 +510,16 @@ def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassR
     slots_v: list[fx.Node] = []
     labels: list[str] = []
     changes: list[Change] = []
+    raw_sites: list[str] = []
+    # the key pipelines, read before anything is rewritten (moda.md §8 Q1: FFN keys go through one of them)
+    key_paths: dict[int, tuple[KeyPath | None, str]] = {}
+    kps_proj: dict[int, fx.Node] = {}
+    for j, a in attn.items():
+        kp, why = key_path(ed, a)
+        if kp is not None:
+            kps_proj[j] = kp.proj
+        if config.ffn_keys != "raw":
+            key_paths[j] = (kp, why)
     for k, s in enumerate(chain.sublayers):
         a = attn.get(k)
         if a is not None and slots_k:
@@ -263,12 +531,15 @@ def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassR
                 if config.preserve_init:
                     ed.site_module(name, lambda: _Lambda(hq, ed.dtype, ed.device))
                     lam = ed.get_attr(f"{name}.depth_weight")
+                mask = a.mask
+                if a.fill is not None:  # masked_fill(scores, m, -inf): keep where m is False
+                    mask = graph.call_function(aten.logical_not.default, (a.fill,))
                 seed = None
                 if a.dropout_p > 0:
                     seed = graph.call_function(aten.randint.low, (0, 2**31 - 1, [1]), {"device": ed.device})
                 new = graph.call_function(
                     ops.moda_attn.default,
-                    (a.q, a.k, a.v, a.mask, Kd, Vd, lam, a.scale, a.is_causal, a.dropout_p, seed, a.softcap),
+                    (a.q, a.k, a.v, mask, Kd, Vd, lam, a.scale, a.is_causal, a.dropout_p, seed, a.softcap),
                 )
             inherit_meta(new, a.node, NodeRole("moda_attn", k, config.name))
             a.node.replace_all_uses_with(new)
@@ -289,23 +560,69 @@ def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassR
         if config.ffn_kv and mlp:
             b = mlp[0]
             src = ed.nodes[b.pre_norm.output] if b.pre_norm is not None else strip_alias(ed.stream(k))
+            raw_src = src
+            src = ed.canonical(src)  # [B, T, D] where the model flattens the stream (OPT); a new node right after raw_src
+            j = _key_site(k, sorted(attn), config.ffn_keys)
+            kp, why = key_paths.get(j, (None, "ffn_keys='raw'"))
+            anchor = raw_src
+            if kp is not None and kp.nodes:
+                if any(e not in ed.order for e in kp.externals):
+                    kp, why = None, "an input of the key path was created by this rewrite"
+                else:
+                    anchor = max([raw_src, *kp.externals], key=ed.order.__getitem__)
+            if kp is not None and not kp.nodes:
+                kp, why = None, "the key path has layout ops only"
+                keypath_note = None
+            else:
+                keypath_note = why
+            bias = _has_bias(kps_proj[j]) if j in kps_proj else False
+            if anchor is raw_src:
+                anchor = src
             name = f"kv_proj_{k}"
-            ed.site_module(name, lambda: _KVProj(D, hk, d, ed.dtype, ed.device))
-            with graph.inserting_before(src.next):  # right after the normed input, in creation order
+            ed.site_module(name, lambda: _KVProj(D, hk, d, bias, ed.dtype, ed.device))
+            with graph.inserting_before(anchor.next):  # after the normed input (and the key path's inputs)
                 w = ed.get_attr(f"{name}.weight")
-                kv = graph.call_function(aten.linear.default, (src, w))
+                lin_args = (src, w, ed.get_attr(f"{name}.bias")) if bias else (src, w)
+                kv = graph.call_function(aten.linear.default, lin_args)
                 kv5 = graph.call_function(aten.unflatten.int, (kv, -1, [2, hk, d]))  # [B, T, 2, Hk, d]
-                kf = graph.call_function(aten.transpose.int, (graph.call_function(aten.select.int, (kv5, -3, 0)), 1, 2))
+                k_tok = graph.call_function(aten.select.int, (kv5, -3, 0))  # [B, T, Hk, d]
                 vf = graph.call_function(aten.transpose.int, (graph.call_function(aten.select.int, (kv5, -3, 1)), 1, 2))
-            for node in (kv, kf, vf):
+                made = [kv, kv5, k_tok, vf]
+                if kp is None:
+                    kf = graph.call_function(aten.transpose.int, (k_tok, 1, 2))
+                    made.append(kf)
+                else:
+                    if kp.layout == "flat":
+                        k0 = graph.call_function(aten.slice.Tensor, (kv, -1, 0, hk * d))
+                        k0 = graph.call_function(aten.clone.default, (k0,), {"memory_format": torch.contiguous_format})
+                    elif kp.layout == "bhtd":
+                        k0 = graph.call_function(aten.transpose.int, (k_tok, 1, 2))
+                    else:
+                        k0 = k_tok
+                    made.append(k0)
+                    env = {kp.start: k0}
+                    for n in kp.nodes:  # the attention's own key ops (k-norm, RoPE, ...) on the FFN keys
+                        c = graph.node_copy(n, lambda x: env.get(x, x))
+                        inherit_meta(c, src, NodeRole("kv_proj", k, config.name), val_from=n)
+                        env[n] = c
+                    kf = env[kp.end]
+            for node in made:
                 inherit_meta(node, src, NodeRole("kv_proj", k, config.name))
                 node.meta.pop("val", None)
             slots_k.append(kf)
             slots_v.append(vf)
             labels.append(f"ffn{k}")
+            if kp is not None:
+                keys = f"keys through attn{j}'s key path ({kp.describe()})"
+            else:
+                keys = f"raw keys ({keypath_note})" if keypath_note else "keys need no key ops (the attention applies none)"
+                if keypath_note and config.ffn_keys != "raw":
+                    raw_sites.append(f"ffn{k}: {keypath_note}")
             changes.append(Change(
                 site=k, module=b.module or module_path_of(src), created=(kv.name, kf.name, vf.name), replaced=None,
-                sources=(), params=name, detail=f"writes slot ffn{k}: kv_proj {D} -> 2·{hk}·{d}; +{2 * D * 2 * hk * d:,} FLOPs/token",
+                sources=(), params=name,
+                detail=f"writes slot ffn{k}: kv_proj {D} -> 2·{hk}·{d}{' + bias' if bias else ''}; {keys}; "
+                f"+{2 * D * 2 * hk * d:,} FLOPs/token",
             ))
     result = ed.finish(changes)
     n_max = len(slots_k)
@@ -317,4 +634,7 @@ def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassR
         f"depth slots are token-major [B, T, n, Hk={hk}, d={d}] and transient (same-token only): the persistent KV "
         "cache is unchanged",
     )
+    if raw_sites:
+        notes += ("FFN-slot keys stored raw (no k-norm/RoPE: depth scores of these slots depend on position): "
+                  + "; ".join(raw_sites),)
     return PassResult(result.graph_module, result.changes, notes, state=(n_max * 2 * hk * d, "transient depth KV"))

@@ -42,6 +42,8 @@ class MSARConfig(DepthMixConfig):
             k_r = 4r.
         conv_on (str): ``"kv"`` (default: keys and values come from the conv views) or ``"k"`` (keys only).
         mixer (str): ``"sigmoid"`` (default, the input-dependent mixer) or ``"mean"`` (g_r = 1/m).
+        eps_mix (float): the sigmoid mixer's RMS ε, > 0. Default: 1e-6, fixed by msar.md §5 (mHC's mixer form),
+            independent of the model's norm ε (which ``eps`` and the per-stream key norms use).
         blocks, block_size, mix_scale, eps: as :class:`AttnResConfig` (``block_size`` wins over ``blocks``).
     """
 
@@ -49,6 +51,7 @@ class MSARConfig(DepthMixConfig):
     kernel_sizes: tuple[int, ...] | None = None
     conv_on: str = "kv"
     mixer: str = "sigmoid"
+    eps_mix: float = 1e-6
 
     name = "msar"
 
@@ -68,6 +71,9 @@ class MSARConfig(DepthMixConfig):
             raise ConfigError(f"MSARConfig.conv_on must be 'kv' or 'k', got {self.conv_on!r}")
         if self.mixer not in ("sigmoid", "mean"):
             raise ConfigError(f"MSARConfig.mixer must be 'sigmoid' or 'mean', got {self.mixer!r}")
+        e = self.eps_mix
+        if not isinstance(e, (int, float)) or isinstance(e, bool) or not (0 < e < float("inf")):
+            raise ConfigError(f"MSARConfig.eps_mix must be a finite number > 0, got {e!r}")
 
     def describe(self, block_size: int | None = None) -> str:
         kind = "Full MSAR" if self.full or block_size == 1 else f"Block MSAR (S={block_size} sublayers per block)"
@@ -116,7 +122,8 @@ def _rewrite_msar(gm: fx.GraphModule, chain: Chain, config: MSARConfig) -> PassR
         get = ed.get_attr
         conv = [get(f"{name}.conv.{r}") for r in range(len(site.conv))]
         mixer = [get(f"{name}.{p}") for p in ("phi", "bias", "alpha")] if sigmoid else [None, None, None]
-        args = (sources, get(f"{name}.query"), get(f"{name}.gain"), conv, *mixer, eps, scale, config.conv_on == "kv", sigmoid)
+        args = (sources, get(f"{name}.query"), get(f"{name}.gain"), conv, *mixer, eps, scale, config.conv_on == "kv", sigmoid,
+                float(config.eps_mix))
         return ed.graph.call_function(torch.ops.depthrewrite.msar_mix.default, args)
 
     return rewrite_depth_mix(gm, chain, config, emit)

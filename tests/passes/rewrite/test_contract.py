@@ -33,6 +33,7 @@ EXACT = {"attnres": {}, "msar": {}, "mhc": {"alpha_init": 0.0}, "moda": {"preser
 ZOO = [
     "hf:llama", "hf:mistral", "hf:qwen2", "hf:qwen3", "hf:gemma", "hf:gemma2", "hf:phi", "hf:gpt_neox", "hf:gpt2",
     "hf:olmo2", "hf:mixtral", "hf:cohere", "timm:vit_tiny_patch16_224", "nanogpt",
+    "hf:opt",  # the stream is flattened to [B·T, D] around each MLP and viewed back
 ]
 
 #: attention forms MoDA does not rewrite: BLOOM (ALiBi via baddbmm), MPT (ALiBi + masked_fill), gpt-oss (sinks)

@@ -137,32 +137,165 @@ def test_lambda_gets_a_gradient_at_init():
     assert all(torch.equal(p, torch.zeros_like(p)) for p in lam)
 
 
-def test_independent_reference():
-    torch.manual_seed(0)
-    vanilla = Decoder(layers=3)
-    ref = MoDADecoder(layers=3)
+def _reference_pair(attn="plain", kv_heads=None, preserve_init=True, layers=3, seed=0):
+    """A vanilla reference decoder converted by depthrewrite, and its hand-written MoDA twin with the same weights
+    (random kv_proj weights/biases and λ copied into both)."""
+    torch.manual_seed(seed)
+    vanilla = Decoder(layers=layers, attn=attn, kv_heads=kv_heads)
+    ref = MoDADecoder(layers=layers, attn=attn, kv_heads=kv_heads, lam=preserve_init)
     ref.load_state_dict(vanilla.state_dict(), strict=False)
     idx = torch.randint(0, 64, (2, 7))
-    conv = dr.convert(vanilla, "moda", preserve_init=True, example_inputs=(idx,))
+    conv = dr.convert(vanilla, "moda", preserve_init=preserve_init, example_inputs=(idx,))
     g = torch.Generator().manual_seed(1)
     box = conv.depthrewrite
-    assert sorted(n for n, _ in box.named_children()) == ["kv_proj_1", "kv_proj_3", "moda_2", "moda_4"]
     for j, p in ref.kv_proj.items():
         v = torch.randn(p.shape, generator=g) * 0.2
         p.data.copy_(v)
         getattr(box, f"kv_proj_{j}").weight.data.copy_(v)
-    for j, p in ref.lam.items():
+    for j, p in (ref.kv_bias or {}).items():
+        v = torch.randn(p.shape, generator=g) * 0.2
+        p.data.copy_(v)
+        getattr(box, f"kv_proj_{j}").bias.data.copy_(v)
+    for j, p in (ref.lam or {}).items():
         v = torch.rand(p.shape, generator=g) + 0.5
         p.data.copy_(v)
         getattr(box, f"moda_{j}").depth_weight.data.copy_(v)
-    def conv_name(name: str) -> str:
-        if name.startswith("kv_proj."):
-            return f"depthrewrite.kv_proj_{name.split('.')[1]}.weight"
-        if name.startswith("lam."):
-            return f"depthrewrite.moda_{name.split('.')[1]}.depth_weight"
-        return name
+    return vanilla, ref, conv, idx
 
-    assert_matches_reference(ref, conv, idx, conv_name)
+
+def _conv_name(name: str) -> str:
+    if name.startswith("kv_proj."):
+        return f"depthrewrite.kv_proj_{name.split('.')[1]}.weight"
+    if name.startswith("kv_bias."):
+        return f"depthrewrite.kv_proj_{name.split('.')[1]}.bias"
+    if name.startswith("lam."):
+        return f"depthrewrite.moda_{name.split('.')[1]}.depth_weight"
+    return name
+
+
+def test_independent_reference():
+    _, ref, conv, idx = _reference_pair()
+    box = conv.depthrewrite
+    assert sorted(n for n, _ in box.named_children()) == ["kv_proj_1", "kv_proj_3", "moda_2", "moda_4"]
+    assert_matches_reference(ref, conv, idx, _conv_name)
+
+
+@pytest.mark.parametrize("preserve_init", [False, True], ids=["lambda1", "lambda-random"])
+@pytest.mark.parametrize("attn, kv_heads", [("llama", 2), ("qwen3", 2), ("qwen2", 2), ("llama", 4)],
+                         ids=["llama-gqa", "qwen3-knorm", "qwen2-bias", "llama-mha"])
+def test_independent_reference_ffn_keys_rotated(attn, kv_heads, preserve_init):
+    """moda.md §2, §8 Q1/Q2: FFN-slot keys go through the block attention's k-norm and RoPE; with λ ≡ 1 (the paper)
+    and with random λ, outputs and every gradient match the hand-written reference."""
+    _, ref, conv, idx = _reference_pair(attn, kv_heads, preserve_init)
+    assert_matches_reference(ref, conv, idx, _conv_name)
+    writers = [s for s in conv.report().sites if not s.sources]
+    assert writers and all("keys through attn" in s.detail for s in writers)
+
+
+@pytest.mark.parametrize("preserve_init", [False, True], ids=["lambda1", "lambda-random"])
+def test_independent_reference_textbook_attention(preserve_init):
+    """minGPT's eager attention (masked_fill with a causal buffer) is rewritten and matches the reference."""
+    _, ref, conv, idx = _reference_pair("mingpt", preserve_init=preserve_init)
+    assert_matches_reference(ref, conv, idx, _conv_name)
+    readers = [s for s in conv.report().sites if s.sources]
+    assert readers and all("eager" in s.detail for s in readers)
+
+
+def test_mingpt_textbook_attention():
+    """nanogpt(flash=False): preserve_init is the original model; λ ≡ 1 equals the SDPA (flash) twin converted with
+    the same weights, so masked_fill with the causal buffer is read as the causal mask."""
+    eager = dr.testing.nanogpt(n_layer=3, flash=False).eval()
+    flash = dr.testing.nanogpt(n_layer=3).eval()
+    flash.load_state_dict(eager.state_dict(), strict=False)
+    ids = torch.randint(0, 256, (2, 11))
+    exact = dr.convert(eager, "moda", preserve_init=True).eval()
+    a, b = dr.convert(eager, "moda").eval(), dr.convert(flash, "moda").eval()
+    b.depthrewrite.load_state_dict(a.depthrewrite.state_dict())
+    with torch.no_grad():
+        ref = eager(ids)
+        assert rel_err(exact(ids), ref) <= INIT_RTOL
+        out = a(ids)
+        assert rel_err(out, ref) > 1e-3
+        torch.testing.assert_close(out, b(ids), rtol=1e-5, atol=1e-5)
+    attn = [n for n in a.graph.nodes if n.target is torch.ops.depthrewrite.moda_attn.default]
+    assert attn and all(n.args[3] is None and n.args[8] is True for n in attn)  # no mask tensor: is_causal
+
+
+def test_preserve_init_with_rotated_ffn_keys():
+    vanilla, _, conv, idx = _reference_pair("qwen3", 2, preserve_init=True)
+    for p in conv.depthrewrite.parameters():  # λ back to 0, random kv_proj stays
+        if p.dim() == 1 and p.shape[0] == 4:
+            p.data.zero_()
+    with torch.no_grad():
+        assert rel_err(conv(idx), vanilla(idx)) <= INIT_RTOL
+
+
+def _moda_inputs(conv, *args):
+    """(q, Kd) of every moda_attn node of a converted model, recorded while it runs."""
+    seen = []
+
+    class Rec(torch.fx.Interpreter):
+        def call_function(self, target, a, kw):
+            if target is torch.ops.depthrewrite.moda_attn.default:
+                seen.append((a[0], a[4]))
+            return super().call_function(target, a, kw)
+
+    gm = conv.graph_module if hasattr(conv, "graph_module") else conv
+    with torch.no_grad():
+        Rec(gm).run(*args)
+    return seen
+
+
+@pytest.mark.parametrize("name", ["hf:llama", "hf:qwen3", "hf:qwen2", "hf:olmo2", "hf:gpt_neox", "hf:phi"])
+def test_ffn_slot_depth_scores_are_position_free(name):
+    """With one token repeated, everything before the first MoDA site is the same at every position up to RoPE, so
+    q·k of a slot written with the reading attention's rotation (moda.md §8 Q1) is the same at every position.
+    Raw FFN keys (no RoPE, no k-norm) give (R_t q)·k, which varies with t."""
+    model = build_zoo_model(name).eval()
+    conv = dr.convert(model, "moda").eval()
+    ids = torch.full((1, 12), 5, dtype=torch.long)
+    q, Kd = _moda_inputs(conv, ids)[0]  # the first reading site: slots attn0, ffn1
+    G = q.shape[1] // Kd.shape[3]
+    s = torch.einsum("bhtd,bthd->bht", q, Kd[:, :, 1].repeat_interleave(G, 2))  # the FFN slot's depth score
+    s_attn = torch.einsum("bhtd,bthd->bht", q, Kd[:, :, 0].repeat_interleave(G, 2))
+    torch.testing.assert_close(s_attn, s_attn[..., :1].expand_as(s_attn), rtol=1e-4, atol=1e-5)  # the control
+    assert s.abs().max() > 1e-3
+    torch.testing.assert_close(s, s[..., :1].expand_as(s), rtol=1e-4, atol=1e-5)
+
+
+def test_ffn_key_rotation_equals_the_attention_key_rotation():
+    """Feed the attention's own raw keys through kv_proj (kv_proj := [k_proj; v_proj]): the FFN slot then equals the
+    attention slot of the same block exactly — same k-norm, same rotation at the same position."""
+    model = build_zoo_model("hf:qwen3").eval()
+    conv = dr.convert(model, "moda", preserve_init=True).eval()
+    attn = model.model.layers[0].self_attn
+    with torch.no_grad():
+        conv.depthrewrite.kv_proj_1.weight.copy_(torch.cat([attn.k_proj.weight, attn.v_proj.weight]))
+    # the FFN slot reads the MLP's normed input, the attention slot the attention's: make both norms read the same
+    # stream by zeroing the attention output (o_proj = 0) and giving both norms the same weight
+    lay = model.model.layers[0]
+    with torch.no_grad():
+        conv.get_parameter("model.layers.0.self_attn.o_proj.weight").zero_()
+        conv.get_parameter("model.layers.0.post_attention_layernorm.weight").copy_(lay.input_layernorm.weight)
+    ids = torch.randint(0, 64, (2, 9))
+    _, Kd = _moda_inputs(conv, ids)[0]
+    torch.testing.assert_close(Kd[:, :, 1], Kd[:, :, 0], rtol=1e-5, atol=1e-6)
+
+
+def test_ffn_keys_option():
+    m = build_zoo_model("hf:qwen3")
+    raw = dr.convert(m, "moda", ffn_keys="raw").report()
+    w = next(s for s in raw.sites if not s.sources)
+    assert "raw keys (ffn_keys='raw')" in w.detail
+    nxt = dr.convert(m, "moda", ffn_keys="next").report()
+    assert "keys through attn2's key path" in next(s for s in nxt.sites if not s.sources).detail
+    with pytest.raises(ConfigError, match="ffn_keys"):
+        dr.MoDAConfig(ffn_keys="rope")
+
+
+def test_kv_proj_bias_follows_the_qkv_projections():
+    assert dr.convert(build_zoo_model("hf:qwen2"), "moda").depthrewrite.kv_proj_1.bias.shape == (2 * 2 * 16,)
+    assert not hasattr(dr.convert(build_zoo_model("hf:llama"), "moda").depthrewrite.kv_proj_1, "bias")
 
 
 @pytest.mark.parametrize("name", ["hf:llama", "hf:qwen3", "hf:gpt2", "hf:phi", "hf:mixtral", "hf:olmo2", "nanogpt"])
@@ -219,6 +352,91 @@ def test_unrecognised_attention_is_a_clear_error():
     assert ei.value.node and f"`{ei.value.node}`" in str(ei.value)
 
 
+class TemperatureAttention(torch.nn.Module):
+    """Textbook attention with a learned temperature between the scores and the softmax: not a form MoDA knows."""
+
+    def __init__(self, vocab=32, d=16, layers=2, heads=2):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.n1 = torch.nn.ModuleList([torch.nn.LayerNorm(d) for _ in range(layers)])
+        self.qkv = torch.nn.ModuleList([torch.nn.Linear(d, 3 * d) for _ in range(layers)])
+        self.temperature = torch.nn.Parameter(torch.ones(()))
+        self.norm = torch.nn.LayerNorm(d)
+        self.heads = heads
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        B, T, D = x.shape
+        for n1, qkv in zip(self.n1, self.qkv):
+            q, k, v = qkv(n1(x)).view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+            att = (q @ k.transpose(-2, -1)) * self.temperature
+            att = att.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+            y = torch.softmax(att, dim=-1) @ v
+            x = x + y.transpose(1, 2).reshape(B, T, D)
+        return self.norm(x)
+
+
+def test_refusal_names_the_node_and_the_expected_form():
+    with pytest.raises(AttentionPatternError) as ei:
+        dr.convert(TemperatureAttention(), "moda", example_inputs=(torch.randint(0, 32, (2, 5)),))
+    msg = str(ei.value)
+    assert ei.value.node.startswith("mul") and f"`{ei.value.node}` (aten.mul.Tensor) does not fit" in msg
+    assert "only a constant scale" in msg and "masked_fill(mask, -inf)" in msg and "softmax(dim=-1)" in msg
+    assert "attn_implementation" not in msg and "scaled_dot_product_attention" in msg  # not an HF model
+
+
+def test_refusal_of_an_hf_model_suggests_attn_implementation():
+    from depthrewrite.zoo import hf_model
+
+    from ...conftest import LAYERS
+
+    model = hf_model("llama", layers=LAYERS, attn_implementation="eager")
+    import transformers.models.llama.modeling_llama as ml
+
+    orig = ml.eager_attention_forward
+
+    def odd(module, query, key, value, attention_mask, scaling, dropout=0.0, **kw):
+        w = torch.matmul(query, ml.repeat_kv(key, module.num_key_value_groups).transpose(2, 3)) * scaling
+        w = torch.softmax(w, dim=-2)  # over the queries: not attention MoDA can join
+        return torch.matmul(w, ml.repeat_kv(value, module.num_key_value_groups)).transpose(1, 2).contiguous(), w
+
+    ml.eager_attention_forward = odd
+    try:
+        with pytest.raises(AttentionPatternError, match="softmax over the last dimension") as ei:
+            dr.convert(model, "moda", example_inputs=(torch.randint(0, 64, (2, 5)),))
+    finally:
+        ml.eager_attention_forward = orig
+    assert "attn_implementation='sdpa' (or 'eager')" in str(ei.value)
+
+
+def test_masked_fill_with_a_data_mask_is_a_sequence_mask():
+    """A masked_fill whose mask is not a causal buffer (here computed from the input) becomes the op's boolean
+    sequence mask: preserve_init still reproduces the model exactly."""
+
+    class PadMasked(TemperatureAttention):
+        def forward(self, idx):
+            x = self.emb(idx)
+            B, T, D = x.shape
+            pad = (idx == 0)[:, None, None, :] | torch.ones(T, T, dtype=torch.bool).triu(1)
+            for n1, qkv in zip(self.n1, self.qkv):
+                q, k, v = qkv(n1(x)).view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+                att = (q @ k.transpose(-2, -1)) / 3.0
+                att = att.masked_fill(pad, float("-inf"))
+                y = torch.softmax(att, dim=-1) @ v
+                x = x + y.transpose(1, 2).reshape(B, T, D)
+            return self.norm(x)
+
+    torch.manual_seed(0)
+    model = PadMasked().eval()
+    idx = torch.randint(1, 32, (2, 6))
+    idx[0, 2] = 0
+    conv = dr.convert(model, "moda", preserve_init=True, example_inputs=(idx,)).eval()
+    with torch.no_grad():
+        assert rel_err(conv(idx), model(idx)) <= INIT_RTOL
+    attn = [n for n in conv.graph.nodes if n.target is torch.ops.depthrewrite.moda_attn.default]
+    assert attn and all(n.args[3] is not None and n.args[8] is False for n in attn)
+
+
 def test_needs_two_attention_sublayers():
     with pytest.raises(ConfigError, match="at least two attention"):
         dr.convert(dr.testing.nanogpt(n_layer=1), "moda")
@@ -269,3 +487,37 @@ def test_sdpa_with_enable_gqa():
     with torch.no_grad():
         assert rel_err(conv(idx), model(idx)) <= INIT_RTOL
     assert conv.depthrewrite.kv_proj_1.weight.shape == (2 * 2 * 8, 32)  # 2·Hk·d with Hk = 2, not Hq = 4
+
+
+class GatedKeys(GQAEnable):
+    """Keys gated by the hidden states (k · σ(x·w)): a key path that cannot be replayed on FFN keys alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.ModuleList([torch.nn.Linear(32, 1) for _ in range(len(self.q))])
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        B, T, D = x.shape
+        for i in range(len(self.q)):
+            u = self.n1[i](x)
+            q = self.q[i](u).view(B, T, self.hq, self.hd).transpose(1, 2)
+            k, v = self.kv[i](u).view(B, T, 2, self.hk, self.hd).permute(2, 0, 3, 1, 4)
+            k = k * torch.sigmoid(self.gate[i](u)).view(B, 1, T, 1)
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            x = x + self.o[i](y.transpose(1, 2).reshape(B, T, D))
+            x = x + self.mlp[i](self.n2[i](x))
+        return self.norm(x)
+
+
+def test_a_key_path_reading_hidden_states_falls_back_to_raw_keys():
+    torch.manual_seed(0)
+    model = GatedKeys().eval()
+    idx = torch.randint(0, 64, (2, 6))
+    conv = dr.convert(model, "moda", preserve_init=True, example_inputs=(idx,)).eval()
+    with torch.no_grad():
+        assert rel_err(conv(idx), model(idx)) <= INIT_RTOL
+    rep = conv.report()
+    writer = next(s for s in rep.sites if not s.sources)
+    assert "raw keys (" in writer.detail and "depends on the hidden states" in writer.detail
+    assert any(n.startswith("FFN-slot keys stored raw") and "ffn1" in n for n in rep.notes)

@@ -60,6 +60,49 @@ def test_independent_reference(S):
     assert_matches_reference(ref, conv, idx, lambda n: "depthrewrite.mix_" + n[len("mixes."):] if n.startswith("mixes.") else n)
 
 
+def _randomise_like_reference(ref, conv, scale=0.5):
+    g = torch.Generator().manual_seed(1)
+    for j, mix in ref.mixes.items():
+        site = getattr(conv.depthrewrite, f"mix_{j}")
+        for (name, p_ref), (name2, p_conv) in zip(mix.named_parameters(), site.named_parameters()):
+            assert name == name2
+            v = torch.randn(p_ref.shape, generator=g) * scale
+            p_ref.data.copy_(v)
+            p_conv.data.copy_(v)
+
+
+def test_mixer_eps_is_fixed_not_the_models():
+    """msar.md §5: the mixer's RMS uses eps_mix = 1e-6 whatever the model's norm ε (here 1e-5, which the key norms
+    keep). Activations are scaled down so that |Z|²/(mD) is comparable to ε and the two readings differ clearly."""
+    torch.manual_seed(0)
+    kernels = (2, 3, 5)
+    vanilla = Decoder(layers=2, norm_eps=1e-5)
+    with torch.no_grad():
+        for name, p in vanilla.named_parameters():
+            if name.startswith("emb") or name.endswith(("proj.weight", "down.weight")):
+                p.mul_(2e-3)
+    ref = MSARDecoder(layers=2, kernels=kernels, norm_eps=1e-5)
+    ref.load_state_dict(vanilla.state_dict(), strict=False)
+    idx = torch.randint(0, 64, (2, 7))
+    conv = dr.convert(vanilla, "msar", kernel_sizes=kernels, example_inputs=(idx,))
+    mixes = [n for n in conv.graph.nodes if n.target is torch.ops.depthrewrite.msar_mix.default]
+    assert mixes and all(n.args[7] == 1e-5 and n.args[11] == 1e-6 for n in mixes)  # key ε = model's, mixer ε fixed
+    _randomise_like_reference(ref, conv)
+    assert_matches_reference(ref, conv, idx, lambda n: "depthrewrite.mix_" + n[len("mixes."):] if n.startswith("mixes.") else n)
+    # the option is honoured, and the reference then no longer matches
+    other = dr.convert(vanilla, "msar", kernel_sizes=kernels, eps_mix=1e-5, example_inputs=(idx,))
+    _randomise_like_reference(ref, other)
+    assert all(n.args[11] == 1e-5 for n in other.graph.nodes if n.target is torch.ops.depthrewrite.msar_mix.default)
+    with torch.no_grad():
+        assert rel_err(other(idx), ref(idx)) > 1e-4
+
+
+@pytest.mark.parametrize("bad", [0.0, -1e-6, float("inf"), float("nan"), True, "1e-6"])
+def test_eps_mix_is_validated(bad):
+    with pytest.raises(ConfigError, match="eps_mix"):
+        dr.MSARConfig(eps_mix=bad)
+
+
 def test_block_msar_stores_single_stream_summaries():
     model = nanogpt(n_layer=4)  # L = 8
     rep = dr.convert(model, "msar", blocks=2).report()  # S = 4, N_eff = 2
@@ -147,3 +190,41 @@ def test_mean_mixer_has_no_unused_parameters():
 def test_full_is_reported_as_full_when_blocks_equal_sublayers():
     rep = dr.convert(nanogpt(n_layer=2), "msar", blocks=4).report()  # L = 4, S = 1
     assert "Full MSAR" in str(rep) and rep.sites[-1].sources == ("emb", "out0", "out1", "out2", "out3")
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_op_uses_eps_mix_for_the_mixer_only(backend, monkeypatch):
+    """msar_mix(..., eps_mix): the mixer RMS reads eps_mix, the key norms eps; forward and every gradient equal the
+    reference with the two ε apart, on the reference path and in the fused kernels (Triton's interpreter on CPU)."""
+    from depthrewrite.kernels.dispatch import kernel_backend
+    from depthrewrite.kernels.msar import msar_mix
+
+    g = torch.Generator().manual_seed(0)
+    K, T, D, ks = 3, 5, 6, (2, 3)
+    m = len(ks) + 1
+    src = [torch.randn(2, T, D, generator=g) * 3e-3 for _ in range(K)]  # |Z|²/(mD) ~ 1e-5: ε matters
+    params = [torch.randn(m, D, generator=g), torch.rand(m, D, generator=g) + 0.5]
+    conv = [torch.randn(D, k, generator=g) * 0.5 for k in ks]
+    mix = [torch.randn(m * D, m, generator=g) * 0.3, torch.randn(m, generator=g), torch.tensor(0.7)]
+
+    def run(fn, **kw):
+        leaves = [t.clone().requires_grad_(True) for t in [*src, *params, *conv, *mix]]
+        s, (q, gn), cv, mx = leaves[:K], leaves[K : K + 2], leaves[K + 2 : K + 2 + len(ks)], leaves[K + 2 + len(ks) :]
+        out = fn(s, q, gn, cv, *mx, 1e-4, float(K), True, True, **kw)
+        return out, torch.autograd.grad(out.square().sum(), leaves)
+
+    want, gwant = run(msar_mix_ref, eps_mix=1e-6)
+    same, _ = run(msar_mix_ref)  # eps_mix = eps
+    assert rel_err(same, want) > 1e-3
+    from depthrewrite.kernels.msar import fused
+
+    calls = []
+    for fn in ("msar_fwd", "msar_bwd"):
+        orig = getattr(fused, fn)
+        monkeypatch.setattr(fused, fn, lambda *a, _o=orig, _n=fn, **kw: (calls.append(_n), _o(*a, **kw))[1])
+    with kernel_backend(backend):
+        got, ggot = run(msar_mix, eps_mix=1e-6)
+    assert calls == ([] if backend == "reference" else ["msar_fwd", "msar_bwd"])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    for a, b in zip(ggot, gwant):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
