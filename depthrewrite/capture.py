@@ -147,12 +147,56 @@ def unalias_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[str]]:
     return tuple(args), dict(kwargs), copied
 
 
+def _check_graph(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: dict) -> None:
+    """Raise :class:`CaptureError` when ``gm`` and ``model`` disagree on the example inputs.
+
+    torch.export records the path one trace takes; a model whose eager forward depends on something the trace fixed
+    differently (PaliGemma's bidirectional prefix mask, built from inputs that a text-only call leaves out) would
+    otherwise be captured, and then converted, as another function."""
+    with torch.no_grad():
+        ref = model(*args, **kwargs)
+        out = gm(*args, **kwargs)
+    ref_leaves, out_leaves = torch.utils._pytree.tree_leaves(ref), torch.utils._pytree.tree_leaves(out)
+    ref_t = [x for x in ref_leaves if isinstance(x, torch.Tensor)]
+    out_t = [x for x in out_leaves if isinstance(x, torch.Tensor)]
+    name = type(model).__name__
+    if len(ref_t) != len(out_t):
+        raise CaptureError(
+            f"the captured graph of {name} returns {len(out_t)} tensors where the model returns {len(ref_t)} on the "
+            "same example inputs; turn off optional outputs (use_cache=False, output_hidden_states=False) and retry."
+        )
+    for i, (r, o) in enumerate(zip(ref_t, out_t)):
+        if r.shape != o.shape or r.dtype != o.dtype:
+            raise CaptureError(
+                f"output {i} of {name}'s captured graph has shape {tuple(o.shape)} {o.dtype}, the model's "
+                f"{tuple(r.shape)} {r.dtype}, on the same example inputs."
+            )
+        if not r.is_floating_point():
+            bad = not torch.equal(r, o)
+            err = "not equal"
+        else:
+            scale = r.abs().max().item() if r.numel() else 0.0
+            diff = (r.float() - o.float()).abs().max().item() if r.numel() else 0.0
+            rtol = 1e-3 if r.dtype == torch.float32 or r.dtype == torch.float64 else 2e-2
+            bad = not (diff <= rtol * max(scale, 1e-6) + 1e-5)  # also catches NaN
+            err = f"max |difference| {diff:.3g} against max |value| {scale:.3g}"
+        if bad:
+            raise CaptureError(
+                f"the graph torch.export captured from {name} computes something else than the model itself on the "
+                f"same example inputs (output {i}: {err}): the trace took another path than eager execution does, "
+                "e.g. a mask or branch built from inputs the example call leaves out. Pass the inputs the model is "
+                "really called with (example_inputs=..., example_kwargs=...), or check the model's forward for "
+                "behaviour that depends on Python state. depthrewrite does not convert a graph that is not the model."
+            )
+
+
 def capture(
     model: nn.Module,
     example_inputs: tuple | None = None,
     example_kwargs: dict | None = None,
     *,
     dynamic: bool = True,
+    check: bool = True,
 ) -> fx.GraphModule:
     """Capture ``model`` as an FX ``GraphModule`` with ``torch.export`` (non-strict, training IR).
 
@@ -161,6 +205,9 @@ def capture(
         example_inputs (tuple, optional): positional example inputs. Built for HF and timm models when None.
         example_kwargs (dict, optional): keyword example inputs.
         dynamic (bool): make batch and sequence dimensions dynamic. Default: True.
+        check (bool): when the model is in eval mode, run the captured graph and the model on the example inputs
+            and raise :class:`CaptureError` if they disagree (export traced another path than eager runs). Default:
+            True.
 
     Returns:
         The unlifted ``GraphModule`` (parameters as ``get_attr`` with their original names). Its
@@ -202,10 +249,13 @@ def capture(
             "turn off caches and optional outputs (use_cache=False, output_hidden_states=False); remove "
             "data-dependent Python control flow from forward(); or capture without dynamic shapes (dynamic=False)."
         ) from e
+    else:
+        gm = ep.module()
+        if check and not model.training:  # eval mode only: dropout would make the two calls differ
+            _check_graph(model, gm, args, kwargs)
     finally:
         for c in cache:
             c.use_cache = True
-    gm = ep.module()
     gm.meta["depthrewrite_inputs"] = (args, kwargs)
     gm.meta["depthrewrite_model_class"] = type(model).__name__
     return gm

@@ -102,3 +102,37 @@ def test_positional_aliasing(scheme):
         logits, loss = conv(x, y)
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=1e-5)
+
+
+# A graph that is not the model: the captured graph is run against the model on the example inputs (eval mode).
+
+
+class _ExportSeesAnotherPath(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.norm = nn.LayerNorm(8)
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        h = h + self.fc(self.norm(h))
+        out = self.norm(h)
+        if torch.compiler.is_exporting():  # Python state the trace fixes differently from eager execution
+            out = out * 2
+        return out
+
+
+def test_capture_refuses_a_graph_that_differs_from_the_model():
+    model = _ExportSeesAnotherPath().eval()
+    with pytest.raises(dr.CaptureError, match="computes something else than the model itself"):
+        dr.capture(model, (torch.randint(0, 16, (2, 5)),))
+    gm = dr.capture(model, (torch.randint(0, 16, (2, 5)),), check=False)  # opt-out, for the user who knows
+    assert isinstance(gm, torch.fx.GraphModule)
+
+
+def test_paligemma_text_only_capture_is_refused_not_misconverted():
+    # PaliGemma's eager forward lets a text-only prefix attend both ways; the exported graph is causal.
+    model = hf_model("paligemma", layers=1).eval()
+    with pytest.raises(dr.CaptureError, match="computes something else"):
+        dr.convert(model, "attnres")
