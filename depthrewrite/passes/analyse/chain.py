@@ -44,7 +44,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ...errors import NoResidualChainError, NotPreNormError
 from .graph import Dataflow, module_path_of
 from .norms import NormSite, find_norms
-from .ops import is_float_tensor, is_param, op_of, tensor_inputs, tensor_val, val
+from .ops import is_float_tensor, is_param, op_of, shape_str, tensor_inputs, tensor_val, val
 
 __all__ = ["Branch", "Sublayer", "Chain", "detect_chain"]
 
@@ -191,11 +191,11 @@ def detect_chain(gm: fx.GraphModule) -> Chain:
     # paths[k]: the nodes from residual add k to what the next sublayer (or the final norm) reads
     reshaped = [k for k in range(len(steps) - 1) if paths[k]]
     if reshaped:
-        shapes = sorted({_shape_str(tensor_val(df.by_name[paths[k][-1]]).shape) for k in reshaped})
+        shapes = sorted({shape_str(tensor_val(df.by_name[paths[k][-1]]).shape) for k in reshaped})
         notes.append(
             f"the stream is reshaped between sublayers (before {len(reshaped)} of {len(steps)} sublayers, e.g. "
             f"`{paths[reshaped[0]][-1]}`, to {', '.join(shapes)}): rewrites mix in the stream source's shape "
-            f"{_shape_str(tensor_val(source).shape)} and reshape back where the model reads the stream"
+            f"{shape_str(tensor_val(source).shape)} and reshape back where the model reads the stream"
         )
     tail = [df.by_name[n] for n in paths[-1]] if paths else []
     pools = [n for n in tail if _path_kind(df, n) == "pool"]
@@ -206,7 +206,7 @@ def detect_chain(gm: fx.GraphModule) -> Chain:
             + (f", after slicing {', '.join(f'`{n.name}`' for n in cut)}" if cut else "")
             + ") of the last residual sum; the output mix is computed per token, before the pool"
         )
-    elif any(op_of(n, gm) == "select" for n in cut):
+    elif any(_drops_rank(n) for n in cut):
         notes.append(
             f"token output: the final norm reads selected tokens ({', '.join(f'`{n.name}`' for n in cut)}) of the "
             "last residual sum; the output mix is computed per token, before the selection"
@@ -328,8 +328,11 @@ def _dims(node: fx.Node, rank: int, i: int = 1, name: str = "dim") -> list[int] 
 
 def _path_kind(df: Dataflow, node: fx.Node) -> str | None:
     """What ``node`` does to the stream, if it keeps every token's hidden vector whole: ``"view"`` (a reshape that
-    keeps the hidden size and every element), ``"cast"``, ``"slice"`` (slicing or selecting along a batch/token
-    dim) or ``"pool"`` (a mean over token dims). None for anything else."""
+    keeps the hidden size and every element), ``"cast"``, ``"slice"`` (slicing or selecting along token dims) or
+    ``"pool"`` (a mean over token dims). None for anything else, a slice or mean over the batch dim included.
+
+    Token dims are those between the batch dim (0) and the hidden dim (last), see :func:`_token_dims`; a slice that
+    keeps the batch dim whole (export writes ``x[:, 1:]`` as a full slice of dim 0, then one of dim 1) is a slice."""
     op = op_of(node, df.gm)
     if op not in ("view", "cast", "slice", "select", "mean", "getitem"):
         return None
@@ -343,16 +346,53 @@ def _path_kind(df: Dataflow, node: fx.Node) -> str | None:
         return "cast" if tuple(x.shape) == tuple(y.shape) else None
     if op == "view":
         return "view" if _numel_equal(x, y) else None
+    tokens = _token_dims(x.dim())
     if op == "getitem":  # Dynamo: x[:, 1:], x[:, 0]
-        return "slice" if _keeps_last_dim(node.args[1], x.dim()) else None
+        index = node.args[1]
+        ok = _keeps_last_dim(index, x.dim()) and _index_keeps_batch(index, x.dim())
+        return "slice" if ok else None
     if op == "mean":
         dims = _dims(node, x.dim())
-    else:  # slice(x, dim=0, ...), select(x, dim, index)
-        d = _arg(node, 1, "dim", 0)
-        dims = [d % x.dim()] if isinstance(d, int) else None
-    if dims is None or x.dim() - 1 in dims:
+        return "pool" if dims is not None and all(d in tokens for d in dims) else None
+    d = _slice_dim(node, x.dim())  # slice(x, dim=0, ...), select(x, dim, index)
+    if d is None:
         return None
-    return "pool" if op == "mean" else "slice"
+    if d in tokens or (op == "slice" and d == 0 and _full_slice(node, x.shape[0])):
+        return "slice"
+    return None
+
+
+def _drops_rank(node: fx.Node) -> bool:
+    """A slice-kind path node that selects (``select``, or Dynamo's ``x[:, 0]``) rather than slices."""
+    x, y = tensor_val(tensor_inputs(node)[0]), tensor_val(node)
+    return x is not None and y is not None and y.dim() < x.dim()
+
+
+def _token_dims(rank: int) -> range:
+    """The token dims of a stream value of this rank: those between the batch dim (0) and the hidden dim (last);
+    none for a rank-2 stream ([B, D], or OPT's flattened [B·T, D])."""
+    return range(1, rank - 1)
+
+
+def _slice_dim(node: fx.Node, rank: int) -> int | None:
+    d = _arg(node, 1, "dim", 0)
+    return d % rank if isinstance(d, int) else None
+
+
+def _full_slice(node: fx.Node, size) -> bool:
+    """``slice(x, dim, start, end, step)`` keeps all ``size`` elements of its dim."""
+    start, end, step = _arg(node, 2, "start"), _arg(node, 3, "end"), _arg(node, 4, "step", 1)
+    if start not in (None, 0) or step not in (None, 1):
+        return False
+    # export writes an open end as sys.maxsize, which a symbolic size's unbounded range cannot be proven below
+    return end is None or (isinstance(end, int) and (end >= 2**62 or _sym_ge(end, size)))
+
+
+def _sym_ge(a, b) -> bool:
+    try:
+        return bool(statically_known_true(a >= b))
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def _keeps_last_dim(index, rank: int) -> bool:
@@ -368,6 +408,20 @@ def _keeps_last_dim(index, rank: int) -> bool:
     return len(index) < rank or index[-1] == whole
 
 
+def _index_dim0(index, rank: int):
+    """The entry of a basic index that applies to dim 0 (``slice(None)`` when none does)."""
+    index = index if isinstance(index, tuple) else (index,)
+    if not index:
+        return slice(None)
+    if index[0] is not Ellipsis:
+        return index[0]
+    return index[1] if len(index) - 1 >= rank else slice(None)
+
+
+def _index_keeps_batch(index, rank: int) -> bool:
+    return _index_dim0(index, rank) == slice(None)
+
+
 def _strip_path(df: Dataflow, node: fx.Node, kinds) -> tuple[fx.Node, list[fx.Node]]:
     """Walk back from ``node`` through nodes of the given path kinds; returns the first other node and the path
     (canonical nodes, graph order)."""
@@ -378,10 +432,6 @@ def _strip_path(df: Dataflow, node: fx.Node, kinds) -> tuple[fx.Node, list[fx.No
         cur = df.canon(tensor_inputs(cur)[0])
     path.reverse()
     return cur, path
-
-
-def _shape_str(shape) -> str:
-    return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
 def _nested_adds(df: Dataflow, root: fx.Node, tree: list[fx.Node], skip: fx.Node | None) -> set[fx.Node]:
@@ -774,20 +824,82 @@ def _describe(df: Dataflow, n: fx.Node, on_path: set[fx.Node], adds: list[fx.Nod
             return f"{verb} of {what} ({value(dyn[0])})"
         return f"{verb} of a parameter or constant (a shift of the stream" + (f" by {_param_name(df, stat[0])})" if stat else ")")
     if op in ("mul", "div"):
+        mask = _input_mask(df, n, on_path, last) if op == "mul" else None
+        if mask is not None:
+            use = "masked pooling" if _pooled_after(df, n, on_path) else "a padding mask"
+            return f"a multiplication of the stream by a mask computed from the inputs (`{mask.name}`), e.g. {use}"
         if dyn:
             return f"a multiplication of the stream by another activation ({value(dyn[0])}, a gate)"
         return "a scaling of the stream" + (f" by {_param_name(df, stat[0])}" if stat else " by a constant")
+    target = getattr(n.target, "__name__", str(n.target))
+    x, y = tensor_val(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None, tensor_val(n)
+    reduction = target.split(".")[0] in ("amax", "max", "amin", "min", "logsumexp")
+    batch = _batch_words(n, x, op) if op in ("mean", "slice", "select", "getitem") or reduction else None
     if op == "mean":
+        if batch:
+            return f"a mean over {batch}"
         return "a mean over the hidden dimension" if _path_kind(df, n) is None else "a mean over the token dimension (pooling)"
+    if op in ("slice", "select", "getitem") and batch:
+        return f"{'a slice' if op == 'slice' else 'an index'} of {batch}"
     if op in ("slice", "select"):
         return "a slice of the hidden dimension"
     if op == "view":
         return "a reshape that changes the hidden size"
-    target = getattr(n.target, "__name__", str(n.target))
-    x, y = tensor_val(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None, tensor_val(n)
-    if target.split(".")[0] in ("amax", "max", "amin", "min", "logsumexp") and x is not None and y is not None and y.dim() < x.dim():
+    if reduction and x is not None and y is not None and y.dim() < x.dim():
+        if batch:
+            return f"a reduction over {batch} (`{target}`)"
         return f"a reduction over the token dimension (`{target}`, max pooling), which depthrewrite does not follow (mean pooling it does)"
     return f"an op depthrewrite does not follow on the stream (`{target}`)"
+
+
+def _batch_words(n: fx.Node, x, op: str | None) -> str | None:
+    """For a reduction, slice or index of the stream value ``x`` that reaches into its batch dim (dim 0), that dim in
+    words (``"dim 0 (batch) of the [2, 6, 16] stream, which mixes the examples of a batch"``); None otherwise."""
+    if x is None or x.dim() < 2:
+        return None
+    rank = x.dim()
+    if op == "getitem":
+        if not n.args[1:] or _index_keeps_batch(n.args[1], rank):
+            return None
+    elif op in ("slice", "select"):
+        if _slice_dim(n, rank) != 0 or (op == "slice" and _full_slice(n, x.shape[0])):
+            return None
+    else:
+        dims = _dims(n, rank)
+        if dims is None or 0 not in dims or rank - 1 in dims:
+            return None
+    what = "batch" if rank > 2 else "batch; a rank-2 stream has no token dims"
+    mixes = ", which mixes the examples of a batch" if op not in ("slice", "select", "getitem") else ""
+    return f"dim 0 ({what}) of the {shape_str(x.shape)} stream{mixes}"
+
+
+def _input_mask(df: Dataflow, n: fx.Node, on_path: set[fx.Node], last: fx.Node) -> fx.Node | None:
+    """The other operand of ``n`` (a product with the stream) when it is computed from the model's inputs only (a
+    padding or attention mask built from the token ids), not from the stream: it shares no stream-shaped value with
+    the stream at ``last``, and every value it shares with the stream's history is a graph input, a parameter-only
+    value or not floating-point (token ids, a boolean mask)."""
+    others = [df.canon(a) for a in tensor_inputs(n) if df.canon(a) not in on_path]
+    dyn = [o for o in others if o not in df.static]
+    if len(dyn) != 1:
+        return None
+    o = dyn[0]
+    up = nx.ancestors(df.nx, last) | {last}
+    shared = (nx.ancestors(df.nx, o) | {o}) & up
+    for u in shared:
+        if _same_shape(u, last) and is_float_tensor(u) and u not in df.static:
+            return None  # computed from a stream value (or a stream-shaped input: inputs_embeds)
+        if is_float_tensor(u) and not (u.op == "placeholder" or u in df.static):
+            return None  # computed from an activation
+    return o
+
+
+def _pooled_after(df: Dataflow, n: fx.Node, on_path: set[fx.Node]) -> bool:
+    """A node after ``n`` on the stream's path (``on_path``: to the final norm) has a lower rank: the stream is
+    reduced (a sum or mean over tokens) after ``n``."""
+    v = tensor_val(n)
+    if v is None:
+        return False
+    return any((w := tensor_val(d)) is not None and w.dim() < v.dim() for d in nx.descendants(df.nx, n) & on_path)
 
 
 def _blocker(df: Dataflow, start: fx.Node, end: fx.Node) -> fx.Node | None:
@@ -815,12 +927,18 @@ def _end_blocker(df: Dataflow, final: NormSite, adds: list[fx.Node] | None = Non
     n = _blocker(df, last, end)
     if n is None:
         return None
-    what = _describe(df, n, df.between(last, end), adds, last)
+    span = df.between(last, end)
+    what = _describe(df, n, span, adds, last)
     where = final.module or f"`{final.output}`"
+    todo = "remove that op or move it after the final norm before converting."
+    if op_of(n, df.gm) == "mul" and _input_mask(df, n, span, last) is not None and _pooled_after(df, n, span):
+        todo = (
+            "a plain mean over tokens (no mask) is followed: pool after the final norm instead (normalise every "
+            "token, then take the masked mean), or pool without the mask, before converting."
+        )
     return NotPreNormError(
         f"the final norm ({where}) does not read the residual stream: between the last residual add {_where(last)} "
-        f"and it sits {_where(n)}, {what}. {_EXPECT}; remove that op or move it after the final norm before "
-        "converting.",
+        f"and it sits {_where(n)}, {what}. {_EXPECT}; {todo}",
         node=n.name,
     )
 

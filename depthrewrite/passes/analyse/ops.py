@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "op_of", "val", "tensor_val", "is_float_tensor", "tensor_inputs", "is_alias", "strip_alias", "strip_casts", "is_param",
+    "shape_str",
 ]
 
 aten = torch.ops.aten
@@ -203,3 +204,9 @@ def is_param(node: fx.Node) -> bool:
     if node.op == "placeholder":
         return isinstance(val(node), torch.nn.Parameter)
     return False
+
+
+def shape_str(shape) -> str:
+    """A shape as text, ``[2, s0, 64]`` (symbolic sizes by name): for messages, and to compare shapes that may be
+    symbolic (two equal strings are the same sizes)."""
+    return "[" + ", ".join(str(d) for d in shape) + "]"

@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from ...errors import ConfigError
 from ..analyse.chain import Chain
-from ..analyse.ops import strip_alias, tensor_val
+from ..analyse.ops import shape_str, strip_alias, tensor_val
 from ..meta import NodeRole, inherit_meta
 from ..result import Change, PassResult
 from .registry import SchemeConfig
@@ -137,7 +137,7 @@ class ChainEditor:
         ``current``: a node of ``x``'s shape, when ``x``'s own metadata may not say it. Symbolic sizes are read from
         the stream source at run time, so any batch and sequence length works."""
         vx, vl = tensor_val(current if current is not None else x), tensor_val(like)
-        if vx is None or vl is None or _shape_key(vx.shape) == _shape_key(vl.shape):
+        if vx is None or vl is None or shape_str(vx.shape) == shape_str(vl.shape):
             return x
         h0 = self.nodes[self.chain.source]
         ref = tensor_val(h0).shape
@@ -204,10 +204,6 @@ class ChainEditor:
         self.graph.lint()
         self.gm.recompile()
         return PassResult(self.gm, tuple(changes))
-
-
-def _shape_key(shape) -> tuple[str, ...]:
-    return tuple(str(d) for d in shape)
 
 
 #: emit(editor, site_name, sources, eps, scale) -> the node computing the mix (inserted at the current point)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -190,3 +192,121 @@ def test_subtraction_of_the_embedding_is_named_without_a_chain():
         "the final norm (out) does not read the residual stream: between the last residual add `add` and it sits "
         "`sub`, a subtraction of an earlier stream value (`mul`, computed from the stream value `embedding` (in emb))."
     )
+
+
+class Tail(torch.nn.Module):
+    """Two PreNorm sublayers, then ``tail`` between the last residual add and the final norm."""
+
+    def __init__(self, tail: str):
+        super().__init__()
+        self.tail = tail
+        self.emb = torch.nn.Embedding(16, 8)
+        self.ln = torch.nn.ModuleList([torch.nn.LayerNorm(8) for _ in range(2)])
+        self.fc = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(2)])
+        self.out = torch.nn.LayerNorm(8)
+
+    def forward(self, idx):
+        h = h0 = self.emb(idx)
+        for ln, fc in zip(self.ln, self.fc):
+            h = h + fc(ln(h))
+        t = self.tail
+        if t == "batch-mean":
+            h = h.mean(0)
+        elif t == "batch-slice":
+            h = h[:1]
+        elif t == "batch-select":
+            h = h[0]
+        elif t == "flat-batch-mean":  # [B·T, D]: a rank-2 stream has no token dims
+            h = h.flatten(0, 1).mean(0)
+        elif t == "last-token":
+            h = h[:, -1]
+        elif t == "token-mean":
+            h = h.mean(1)
+        elif t in ("masked-mean", "padding-mask"):
+            m = (idx != 0).float()[..., None]
+            h = (h * m).sum(1) / m.sum(1) if t == "masked-mean" else h * m
+        elif t == "gate":
+            h = h * torch.sigmoid(h0[..., :1])
+        return self.out(h)
+
+
+def _tail(tail: str):
+    torch.manual_seed(0)
+    return capture(Tail(tail), (torch.randint(1, 16, (2, 6)),))
+
+
+@pytest.mark.parametrize(
+    "tail, op, what",
+    [
+        ("batch-mean", "mean", "a mean over dim 0 (batch) of the [s, s, 8] stream, which mixes the examples of a batch."),
+        ("batch-slice", "slice", "a slice of dim 0 (batch) of the [s, s, 8] stream."),
+        ("batch-select", "select", "an index of dim 0 (batch) of the [s, s, 8] stream."),
+        ("flat-batch-mean", "mean", "a mean over dim 0 (batch; a rank-2 stream has no token dims) of the [s*s, 8] stream"),
+    ],
+)
+def test_batch_dim_is_no_token_dim(tail, op, what):
+    """Only the dims between the batch dim and the hidden dim are token dims: a mean or slice over dim 0 is not
+    followed (it was reported as "a mean over tokens"), and the refusal says which dim it is."""
+    gm = _tail(tail)
+    with pytest.raises(NotPreNormError) as ei:
+        detect_chain(gm)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    assert op_of(nodes[ei.value.node]) == op
+    msg = re.sub(r"\bs\d+\b", "s", str(ei.value))  # symbolic size names depend on the capture
+    assert msg.startswith("the final norm (out) does not read the residual stream: between the last residual add `add_1`")
+    assert f"it sits `{ei.value.node}`, {what}" in msg
+    assert "remove that op or move it after the final norm before converting." in msg
+
+
+@pytest.mark.parametrize(
+    "tail, note", [("last-token", "token output: the final norm reads selected tokens"), ("token-mean", "pooled output: the final norm reads a mean over tokens (`mean`)")]
+)
+def test_token_dims_are_still_followed(tail, note):
+    chain = detect_chain(_tail(tail))
+    assert chain.kinds == ["mlp", "mlp"] and chain.final_norm.module == "out"
+    assert any(n.startswith(note) for n in chain.notes)
+
+
+def test_masked_mean_pooling_names_the_mask():
+    gm = _tail("masked-mean")
+    with pytest.raises(NotPreNormError) as ei:
+        detect_chain(gm)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    assert op_of(nodes[ei.value.node]) == "mul"
+    msg = str(ei.value)
+    assert f"it sits `{ei.value.node}`, a multiplication of the stream by a mask computed from the inputs (`unsqueeze`), e.g. masked pooling. " in msg
+    assert msg.endswith(
+        "mean-pooled over tokens; a plain mean over tokens (no mask) is followed: pool after the final norm instead "
+        "(normalise every token, then take the masked mean), or pool without the mask, before converting."
+    )
+    assert "a gate" not in msg
+
+
+def test_padding_mask_without_pooling_keeps_the_plain_advice():
+    msg = str(pytest.raises(NotPreNormError, detect_chain, _tail("padding-mask")).value)
+    assert "a multiplication of the stream by a mask computed from the inputs (`unsqueeze`), e.g. a padding mask. " in msg
+    assert msg.endswith("remove that op or move it after the final norm before converting.")
+
+
+def test_gate_computed_from_the_stream_is_no_mask():
+    msg = str(pytest.raises(NotPreNormError, detect_chain, _tail("gate")).value)
+    assert "a multiplication of the stream by another activation (`sigmoid`, computed from the stream value `embedding` (in emb), a gate)" in msg
+    assert "mask" not in msg
+
+
+@pytest.mark.parametrize("tail", ["batch-select", "last-token"])
+def test_dynamo_indexing_of_the_batch_dim(tail):
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    torch.compile(Tail(tail), backend=backend, dynamic=False)(torch.randint(1, 16, (2, 6)))
+    if tail == "last-token":
+        assert any(n.startswith("token output") for n in detect_chain(graphs[0]).notes)
+    else:
+        msg = str(pytest.raises(NotPreNormError, detect_chain, graphs[0]).value)
+        assert "an index of dim 0 (batch) of the [2, 6, 8] stream." in msg
