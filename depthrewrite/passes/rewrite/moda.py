@@ -148,6 +148,9 @@ _EAGER_FORM = (
 )
 
 
+_ORDER = "from the softmax back [mask] -> [c·tanh(·/c) soft-cap] -> [scale] -> matmul(q, kᵀ)"
+
+
 class _Mismatch(Exception):
     """The eager attention walk met ``node``, which does not fit; ``why`` says what was expected there."""
 
@@ -192,15 +195,26 @@ def _from_eager(sm: fx.Node, gm: fx.GraphModule) -> AttentionOp:
     nd = len(_shape(sm))
     if dim not in (-1, nd - 1):
         raise _Mismatch(sm, f"a softmax over the last dimension (the keys); this one is over dim={dim}")
+    # moda_attn computes softcap(s · scores) + mask, so from the softmax back the order must be
+    # [mask] -> [soft-cap] -> [scale] -> matmul. A positive constant scale above a masked_fill(-inf) commutes with it
+    # (-inf · s = -inf); an additive mask below a scale or a soft-cap, or a masked_fill below a soft-cap, does not.
     scale, mask, fill, softcap, cur = 1.0, None, None, 0.0, sm.args[0]
+    scaled = False  # a scale was met (above the current node)
     while isinstance(cur, fx.Node) and op_of(cur) != "matmul":
         op, name = op_of(cur), _aten_name(cur)
         if op == "cast":
             cur = cur.args[0]
         elif op in ("mul", "div") and not isinstance(cur.args[1], fx.Node):
             scale = scale * float(cur.args[1]) if op == "mul" else scale / float(cur.args[1])
+            scaled = scaled or float(cur.args[1]) != 1.0
             cur = cur.args[0]
         elif op == "add" and mask is None and fill is None:
+            if softcap:
+                raise _Mismatch(cur, f"the order {_ORDER}: an additive mask below the c·tanh(·/c) soft-cap is capped "
+                                     "with the scores, which MoDA cannot reproduce")
+            if scaled:
+                raise _Mismatch(cur, f"the order {_ORDER}: an additive mask below the scale ({scale:g}) is scaled with "
+                                     "the scores, which MoDA cannot reproduce (add the mask after scaling)")
             x, y = cur.args[0], cur.args[1]
             cur, mask = (x, y) if isinstance(x, fx.Node) and any(op_of(p) == "matmul" for p in _chain_up(x)) else (y, x)
         elif name == "masked_fill" and mask is None and fill is None:
@@ -210,6 +224,12 @@ def _from_eager(sm: fx.Node, gm: fx.GraphModule) -> AttentionOp:
             mv = tensor_val(cur.args[1])
             if not isinstance(cur.args[1], fx.Node) or (mv is not None and mv.dtype != torch.bool):
                 raise _Mismatch(cur, "masked_fill with a boolean mask tensor")
+            if softcap:
+                raise _Mismatch(cur, f"the order {_ORDER}: masked_fill below the c·tanh(·/c) soft-cap turns -inf into "
+                                     "-c, which MoDA cannot reproduce (mask after soft-capping)")
+            if scaled and not (scale > 0 and (math.isinf(float(value)) or float(value) * scale <= -1e4)):
+                raise _Mismatch(cur, f"the order {_ORDER}: masked_fill below the scale {scale:g} commutes with it only "
+                                     "for a positive scale that keeps the fill value a mask")
             fill, cur = cur.args[1], cur.args[0]
         elif name == "tanh" and softcap == 0.0:
             # c·tanh(x/c): the scale collected so far is c; the division below it is 1/c
@@ -219,7 +239,7 @@ def _from_eager(sm: fx.Node, gm: fx.GraphModule) -> AttentionOp:
             softcap = float(inner.args[1])
             if abs(scale - softcap) > 1e-6 * softcap:
                 raise _Mismatch(cur, "soft-capping as c·tanh(scores / c) with the same constant c on both sides")
-            scale, cur = 1.0, inner.args[0]
+            scale, scaled, cur = 1.0, False, inner.args[0]
         elif op in ("add",) or name == "masked_fill":
             raise _Mismatch(cur, "at most one mask (an additive mask or one masked_fill) between the scores and the softmax")
         else:
