@@ -523,6 +523,14 @@ def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassR
     if len(shapes) != 1:
         raise ConfigError(f"MoDA needs one attention shape (Hq, Hk, d) across layers; found {sorted(shapes)}")
     hq, hk, d = shapes.pop()
+    stream = tensor_val(ed.nodes[chain.source])
+    if config.ffn_kv and (stream is None or stream.dim() != 3):
+        shape = tuple(stream.shape) if stream is not None else "unknown"
+        raise ConfigError(
+            f"MoDA's FFN slots need a [batch, sequence, hidden] stream to line the kv_proj keys up with the attention's "
+            f"tokens; the stream source `{ed.nodes[chain.source].name}` has shape {shape} (flattened from the "
+            f"embedding on). Use ffn_kv=False (attention slots only, which read the attention's own [B, H, T, d] K/V)"
+        )
     last_reader = max(attn)
     D = chain.hidden_size
     ops = torch.ops.depthrewrite

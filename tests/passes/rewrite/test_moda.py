@@ -597,3 +597,40 @@ def test_mask_scale_softcap_in_order_are_exact(variant, causal, softcap):
         idx = torch.randint(1, 32, shape)
         with torch.no_grad():
             assert rel_err(conv(idx), model(idx)) <= INIT_RTOL
+
+
+class FlatStream(torch.nn.Module):
+    """The residual stream is [B·T, D] from the embedding on; attention views it as [B, T, D] inside its branch."""
+
+    def __init__(self, vocab=32, d=16, layers=2, heads=2):
+        super().__init__()
+        self.emb, self.heads = torch.nn.Embedding(vocab, d), heads
+        self.n1 = torch.nn.ModuleList([torch.nn.LayerNorm(d) for _ in range(layers)])
+        self.n2 = torch.nn.ModuleList([torch.nn.LayerNorm(d) for _ in range(layers)])
+        self.qkv = torch.nn.ModuleList([torch.nn.Linear(d, 3 * d) for _ in range(layers)])
+        self.mlp = torch.nn.ModuleList([torch.nn.Linear(d, d) for _ in range(layers)])
+        self.norm = torch.nn.LayerNorm(d)
+
+    def forward(self, idx):
+        B, T = idx.shape
+        x = self.emb(idx)
+        D = x.shape[-1]
+        x = x.reshape(B * T, D)
+        for n1, n2, qkv, mlp in zip(self.n1, self.n2, self.qkv, self.mlp):
+            q, k, v = qkv(n1(x)).view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + y.transpose(1, 2).reshape(B * T, D)
+            x = x + mlp(n2(x))
+        return self.norm(x).view(B, T, D)
+
+
+def test_a_flat_stream_is_refused_for_ffn_slots():
+    """A [B·T, D] stream: FFN slots are refused at conversion (the first forward used to crash in torch.stack);
+    attention slots only still convert exactly."""
+    torch.manual_seed(0)
+    model, idx = FlatStream().eval(), torch.randint(0, 32, (3, 6))
+    with pytest.raises(ConfigError, match=r"\[batch, sequence, hidden\] stream.*ffn_kv=False"):
+        dr.convert(model, "moda", example_inputs=(idx,))
+    conv = dr.convert(model, "moda", ffn_kv=False, preserve_init=True, example_inputs=(idx,)).eval()
+    with torch.no_grad():
+        assert rel_err(conv(idx), model(idx)) <= INIT_RTOL
