@@ -485,6 +485,73 @@ def key_path(ed: ChainEditor, a: AttentionOp) -> tuple[KeyPath | None, str]:
     return KeyPath(proj, start, layout, nodes, end, tuple(externals)), ""
 
 
+def _is_param(gm: fx.GraphModule, n: fx.Node) -> bool:
+    if n.op != "get_attr":
+        return False
+    obj = gm
+    for part in str(n.target).split("."):
+        obj = getattr(obj, part, None)
+    return isinstance(obj, nn.Parameter)
+
+
+def _root(n: fx.Node) -> fx.Node:
+    """``n`` before layout ops and casts (HF's per-layer ``cos.unsqueeze(1)`` is the model's one ``cos``)."""
+    while (_is_layout(n) or op_of(n) == "cast") and n.args and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
+    return n
+
+
+def _positional(gm: fx.GraphModule, n: fx.Node, limit: int = 500) -> bool:
+    """Whether ``n`` (an input of a key path) depends on anything but parameters and constants: a RoPE cos/sin table
+    (buffers, position ids, aranges) does; a k-norm weight (or 1 + weight) does not."""
+    stack, seen = [n], {n}
+    while stack:
+        x = stack.pop()
+        if x.op == "placeholder" or (x.op == "get_attr" and not _is_param(gm, x)):
+            return True
+        if x.op == "call_function" and not x.all_input_nodes and tensor_val(x) is not None:
+            return True  # a factory (arange, ones, ...)
+        for i in x.all_input_nodes:
+            if i not in seen:
+                seen.add(i)
+                stack.append(i)
+        if len(seen) > limit:
+            return True
+    return False
+
+
+def _structure(gm: fx.GraphModule, n: fx.Node, memo: dict, depth: int = 0):
+    """A hashable description of how ``n`` is computed (ops, constants, buffer values): two per-layer copies of the
+    same cos/sin table describe equal, Gemma3's local and global tables (different inv_freq) do not."""
+    if n in memo:
+        return memo[n]
+    if n.op == "get_attr":
+        t = _attr_value(gm, n)
+        d = ("attr", tuple(t.shape), str(t.dtype), hash(t.detach().cpu().contiguous().numpy().tobytes())) if t is not None \
+            else ("attr", str(n.target))
+    elif n.op == "placeholder" or depth > 40:
+        d = (n.op, n.name)
+    else:
+        def arg(a):
+            if isinstance(a, fx.Node):
+                return _structure(gm, a, memo, depth + 1)
+            if isinstance(a, (list, tuple)):
+                return tuple(arg(x) for x in a)
+            return repr(a)
+        d = (str(n.target), tuple(arg(a) for a in n.args), tuple(sorted((k, arg(v)) for k, v in n.kwargs.items())))
+    memo[n] = d
+    return d
+
+
+def _rotation(gm: fx.GraphModule, kp: KeyPath | None, memo: dict):
+    """What a key path does to keys by position: frozenset of the structures of its positional inputs (RoPE cos/sin),
+    empty for no positional key ops (NoPE, raw keys)."""
+    if kp is None:
+        return frozenset()
+    ext = [_root(e) for e in kp.externals if tensor_val(e) is not None and _positional(gm, e)]
+    return frozenset(_structure(gm, e, memo) for e in ext)
+
+
 class _KVProj(nn.Module):
     """The FFN depth-KV projection D -> 2·Hk·d, with a bias iff the model's k projection has one."""
 
@@ -542,10 +609,19 @@ def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassR
     # the key pipelines, read before anything is rewritten (moda.md §8 Q1: FFN keys go through one of them)
     key_paths: dict[int, tuple[KeyPath | None, str]] = {}
     kps_proj: dict[int, fx.Node] = {}
+    # what each attention does to its keys by position (RoPE tables; None: unknown), to compare writer and reader
+    memo: dict = {}
+    rot_of: dict[str, frozenset | None] = {}
+    rot_name: dict[frozenset, str] = {frozenset(): "no positional key ops"}
     for j, a in attn.items():
         kp, why = key_path(ed, a)
+        rot_of[f"attn{j}"] = _rotation(gm, kp, memo) if kp is not None else None
         if kp is not None:
             kps_proj[j] = kp.proj
+            r = rot_of[f"attn{j}"]
+            if r not in rot_name:
+                roots = sorted({_root(e).name for e in kp.externals if tensor_val(e) is not None and _positional(gm, e)})
+                rot_name[r] = "rotation by " + "/".join(f"`{x}`" for x in roots)
         if config.ffn_keys != "raw":
             key_paths[j] = (kp, why)
     for k, s in enumerate(chain.sublayers):
@@ -640,6 +716,7 @@ def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassR
             slots_k.append(kf)
             slots_v.append(vf)
             labels.append(f"ffn{k}")
+            rot_of[f"ffn{k}"] = _rotation(gm, kp, memo)
             if kp is not None:
                 keys = f"keys through attn{j}'s key path ({kp.describe()})"
             else:
@@ -652,6 +729,7 @@ def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassR
                 detail=f"writes slot ffn{k}: kv_proj {D} -> 2·{hk}·{d}{' + bias' if bias else ''}; {keys}; "
                 f"+{2 * D * 2 * hk * d:,} FLOPs/token",
             ))
+    mixed = _rotation_mismatches(changes, rot_of, rot_name)
     result = ed.finish(changes)
     n_max = len(slots_k)
     extra = sum(4 * hq * d * len(c.sources) for c in changes if c.sources) + sum(4 * D * hk * d for c in changes if not c.sources)
@@ -665,4 +743,30 @@ def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassR
     if raw_sites:
         notes += ("FFN-slot keys stored raw (no k-norm/RoPE: depth scores of these slots depend on position): "
                   + "; ".join(raw_sites),)
+    if mixed:
+        notes += (mixed,)
     return PassResult(result.graph_module, result.changes, notes, state=(n_max * 2 * hk * d, "transient depth KV"))
+
+
+def _rotation_mismatches(changes: list[Change], rot_of: dict, rot_name: dict, limit: int = 12) -> str | None:
+    """The report note for slots whose keys are rotated differently from their readers' queries (spec §8 Q1 caveat:
+    Gemma3 local/global RoPE bases, interleaved NoPE layers): the relative rotation stays in the depth logit."""
+    pairs: dict[str, list[str]] = {}
+    for c in changes:
+        reader = f"attn{c.site}"
+        rr = rot_of.get(reader)
+        for src in c.sources:
+            rs = rot_of.get(src)
+            if rr is not None and rs is not None and rr != rs:
+                pairs.setdefault(src, []).append(reader)
+    if not pairs:
+        return None
+    def name(label):
+        return rot_name.get(rot_of[label], "another rotation")
+    items = [f"{src} ({name(src)}) -> " + ", ".join(f"{r} ({name(r)})" for r in readers) for src, readers in pairs.items()]
+    more = f"; ... ({len(items) - limit} more slots)" if len(items) > limit else ""
+    return ("depth scores depend on position where a slot's keys and its reader's queries are rotated differently "
+            "(layers with different RoPE tables or no RoPE; spec §8 Q1 caveat): the relative rotation between writer and "
+            "reader stays in the depth logit, so a slot does not score as position-free content. Slots are kept as fed "
+            "to attention (post-RoPE); no depth_rope='unrotated' variant is implemented. Slot -> readers: "
+            + "; ".join(items[:limit]) + more)

@@ -634,3 +634,30 @@ def test_a_flat_stream_is_refused_for_ffn_slots():
     conv = dr.convert(model, "moda", ffn_kv=False, preserve_init=True, example_inputs=(idx,)).eval()
     with torch.no_grad():
         assert rel_err(conv(idx), model(idx)) <= INIT_RTOL
+
+
+MIXED_ROTATION = {
+    "gemma3_text": dict(layer_types=["sliding_attention", "full_attention", "sliding_attention"], sliding_window=64,
+                        rope_local_base_freq=10.0),  # local / global RoPE bases
+    "smollm3": dict(no_rope_layers=[1, 0, 1], no_rope_layer_interval=2),  # a NoPE layer between RoPE layers
+}
+
+
+@pytest.mark.parametrize("name, pairs", [
+    ("gemma3_text", ["attn0 (rotation", "ffn1 (rotation", "attn2 (rotation", "ffn3 (rotation"]),
+    ("smollm3", ["attn0 (rotation", "-> attn2 (no positional key ops)", "ffn3 (no positional key ops) -> attn4"]),
+    ("llama", None),
+    ("qwen3", None),
+])
+def test_mixed_rotations_are_noted(name, pairs):
+    """Spec §8 Q1 caveat: where a slot's writer and its reader rotate keys differently, the report says the depth
+    scores depend on position and names the slot -> reader pairs; uniform RoPE (Llama, Qwen3 with k-norm) gets no
+    note."""
+    from depthrewrite.zoo import hf_model
+
+    model = hf_model(name, layers=3 if name in MIXED_ROTATION else 2, hidden=32, **MIXED_ROTATION.get(name, {}))
+    notes = [n for n in dr.convert(model, "moda").report().notes if "depend on position" in n]
+    if pairs is None:
+        assert notes == []
+    else:
+        assert len(notes) == 1 and "§8 Q1" in notes[0] and all(p in notes[0] for p in pairs)
