@@ -745,6 +745,10 @@ def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassR
                   + "; ".join(raw_sites),)
     if mixed:
         notes += (mixed,)
+    if config.ffn_kv and not any(lab.startswith("ffn") for lab in labels):
+        notes += ("no FFN slots were written although ffn_kv=True: the chain has no MLP sublayer or MLP branch before the "
+                  "last attention (an MLP inside the attention branch, as in Falcon's parallel attention + MLP read as "
+                  "one branch, is not a separate writer); only attention slots are mixed",)
     return PassResult(result.graph_module, result.changes, notes, state=(n_max * 2 * hk * d, "transient depth KV"))
 
 

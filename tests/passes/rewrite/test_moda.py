@@ -661,3 +661,15 @@ def test_mixed_rotations_are_noted(name, pairs):
         assert notes == []
     else:
         assert len(notes) == 1 and "§8 Q1" in notes[0] and all(p in notes[0] for p in pairs)
+
+
+def test_no_ffn_slot_is_noted():
+    """Falcon's parallel attention + MLP is read as one attention branch: no FFN slot is written, and the report says
+    so (its header still names the configured variant)."""
+    from depthrewrite.zoo import hf_model
+
+    rep = dr.convert(hf_model("falcon", layers=2, hidden=32), "moda").report()
+    assert [s.sources for s in rep.sites if s.sources] == [("attn0",)]
+    assert any("no FFN slots were written" in n and "Falcon" in n for n in rep.notes)
+    rep = dr.convert(build_zoo_model("hf:llama"), "moda").report()
+    assert not any("no FFN slots" in n for n in rep.notes)
