@@ -243,6 +243,13 @@ def _from_eager(sm: fx.Node, gm: fx.GraphModule) -> AttentionOp:
         elif op in ("add",) or name == "masked_fill":
             raise _Mismatch(cur, "at most one mask (an additive mask or one masked_fill) between the scores and the softmax")
         else:
+            x = cur  # name a score op hidden behind layout ops (BLOOM: view(baddbmm(alibi, q, kᵀ, beta, alpha)))
+            while isinstance(x, fx.Node) and _is_layout(x) and x.args and isinstance(x.args[0], fx.Node):
+                x = x.args[0]
+            if isinstance(x, fx.Node) and _aten_name(x) in ("baddbmm", "addbmm", "bmm"):
+                raise _Mismatch(x, f"the scores as matmul(q, kᵀ); `{_aten_name(x)}` computes them"
+                                   + (" with an added bias (ALiBi as baddbmm(alibi, q, kᵀ), BLOOM), which is not a "
+                                      "recognised form" if _aten_name(x) != "bmm" else ", which is not a recognised form"))
             raise _Mismatch(cur, "only a constant scale, tanh soft-capping, an additive mask or masked_fill(mask, -inf) "
                                  "between the scores matmul(q, kᵀ) and the softmax")
     if not isinstance(cur, fx.Node):
@@ -288,7 +295,7 @@ def _chain_up(n: fx.Node, limit: int = 6):
     return out
 
 
-def _is_hf(nodes) -> bool:
+def _hf_module_hint(nodes) -> bool:
     """Whether the branch comes from a Hugging Face transformers module (its nn_module_stack names the classes)."""
     for n in nodes:
         for entry in (n.meta.get("nn_module_stack") or {}).values():
@@ -325,7 +332,8 @@ def find_attention(ed: ChainEditor, branch: Branch) -> AttentionOp:
         bad = ed.nodes[branch.output]
         detail = f"it has no softmax and no scaled_dot_product_attention (its output is `{bad.name}` ({bad.target}))"
     if bad is not None:
-        hint = ("Loading the model with attn_implementation='sdpa' (or 'eager') may give one of these forms." if _is_hf(body) else
+        hint = ("Loading the model with attn_implementation='sdpa' (or 'eager') may give one of these forms."
+                if _hf_module_hint(body) else
                 "Write the attention with torch.nn.functional.scaled_dot_product_attention or in the eager form above.")
         where = f" in {branch.module}" if branch.module else ""
         raise AttentionPatternError(

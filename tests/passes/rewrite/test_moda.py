@@ -673,3 +673,12 @@ def test_no_ffn_slot_is_noted():
     assert any("no FFN slots were written" in n and "Falcon" in n for n in rep.notes)
     rep = dr.convert(build_zoo_model("hf:llama"), "moda").report()
     assert not any("no FFN slots" in n for n in rep.notes)
+
+
+def test_bloom_refusal_names_the_baddbmm_score_op():
+    """BLOOM's ALiBi scores are baddbmm(alibi, q, kᵀ) behind a view: the refusal names the score op, not the view."""
+    from depthrewrite.zoo import hf_model
+
+    with pytest.raises(AttentionPatternError) as ei:
+        dr.convert(hf_model("bloom", layers=2, hidden=32), "moda")
+    assert ei.value.node.startswith("baddbmm") and "ALiBi as baddbmm" in str(ei.value)
