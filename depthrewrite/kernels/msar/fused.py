@@ -757,7 +757,7 @@ def msar_fwd(
     conv_values: bool = True,
     sigmoid_mixer: bool = True,
     *,
-    eps_mix: float | None = None,
+    eps_mix: float = 1e-6,
     block_t: int = 16,
     block_d: int = 32,
     num_warps: int = 8,
@@ -780,7 +780,7 @@ def msar_fwd(
         scale: output scale (K for ``mix_scale="count"``).
         conv_values: values from the conv views (True) or the raw sources.
         sigmoid_mixer: sigmoid mixer (True) or uniform 1/m.
-        eps_mix: the mixer's RMS epsilon (None: ``eps``).
+        eps_mix: the mixer's RMS epsilon (default 1e-6, msar.md §5).
         block_t, block_d, num_warps: tiling (powers of two for the blocks). The defaults (16, 32, 8) compile
             without register spills for K = 9, m = 4, k = (4, 8, 12) on sm_90 (ptxas -v; 255 registers).
 
@@ -791,7 +791,7 @@ def msar_fwd(
     out = torch.empty(p.shape, dtype=p.src[0].dtype, device=p.src[0].device)
     grid = (p.N * triton.cdiv(p.T, block_t),)
     _msar_fwd_kernel[grid](
-        *p.ptrs, p.u, p.wp, p.phiT, p.b, p.alpha, out, p.T, p.D, float(eps), float(eps if eps_mix is None else eps_mix),
+        *p.ptrs, p.u, p.wp, p.phiT, p.b, p.alpha, out, p.T, p.D, float(eps), float(eps_mix),
         float(scale),
         BT=block_t, BD=block_d, num_warps=num_warps, **p.consts(conv_values),
     )  # fmt: skip
@@ -812,7 +812,7 @@ def msar_bwd(
     conv_values: bool = True,
     sigmoid_mixer: bool = True,
     *,
-    eps_mix: float | None = None,
+    eps_mix: float = 1e-6,
     block_t: int = 16,
     block_d: int = 32,
     ext_t: int | None = None,
@@ -852,7 +852,7 @@ def msar_bwd(
     grid = (p.N * triton.cdiv(p.T, block_t),)
     _msar_bwd_stats_kernel[grid](
         *p.ptrs, gh, p.u, p.wp, p.phiT, p.b, p.alpha, st, tk, db, dalpha, p.T, p.D, float(eps),
-        float(eps if eps_mix is None else eps_mix), float(scale),
+        float(eps_mix), float(scale),
         BT=block_t, BD=block_d, num_warps=num_warps, **consts,
     )  # fmt: skip
     halo = p.KMAX - 1

@@ -53,9 +53,9 @@ def msar_mix(
     scale: float,
     conv_values: bool,
     sigmoid_mixer: bool,
-    eps_mix: float | None = None,
+    eps_mix: float = 1e-6,
 ) -> torch.Tensor:
-    """``eps`` is the key RMSNorm ε; ``eps_mix`` the mixer's RMS ε (msar.md §5 fixes it at 1e-6; None: ``eps``)."""
+    """``eps`` is the key RMSNorm ε; ``eps_mix`` the mixer's RMS ε (default 1e-6, msar.md §5; independent of ``eps``)."""
     if _fused(sources, query, gain, conv, phi, bias, alpha):
         from .fused import msar_fwd
 
@@ -66,12 +66,12 @@ def msar_mix(
 
 
 @msar_mix.register_fake
-def _(sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_values, sigmoid_mixer, eps_mix=None):
+def _(sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_values, sigmoid_mixer, eps_mix=1e-6):
     return torch.empty_like(sources[0])
 
 
 def _backward_ref(grad, sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_values, sigmoid_mixer,
-                  eps_mix=None):
+                  eps_mix=1e-6):
     """Every gradient of :func:`msar_mix_ref`, written out (the op body runs below autograd, so the reference cannot
     be differentiated there). Same flat output layout as the fused backward; fp32 math (fp64 for fp64 sources).
 
@@ -98,7 +98,7 @@ def _backward_ref(grad, sources, query, gain, conv, phi, bias, alpha, eps, scale
     mix_grads = []
     if sigmoid_mixer:
         zf = Zs.flatten(-2)
-        rho = torch.rsqrt(zf.pow(2).mean(-1) + (eps if eps_mix is None else eps_mix))  # [..., T]
+        rho = torch.rsqrt(zf.pow(2).mean(-1) + eps_mix)  # [..., T]
         ph, al = phi.to(acc), alpha.to(acc).reshape(())
         p = zf @ ph  # [..., T, m]
         g = torch.sigmoid(al * rho.unsqueeze(-1) * p + bias.to(acc))
@@ -163,7 +163,7 @@ def msar_mix_backward(
     scale: float,
     conv_values: bool,
     sigmoid_mixer: bool,
-    eps_mix: float | None = None,
+    eps_mix: float = 1e-6,
 ) -> list[torch.Tensor]:
     """Every gradient of :func:`msar_mix`, recomputed from its inputs.
 
@@ -180,7 +180,7 @@ def msar_mix_backward(
 
 
 @msar_mix_backward.register_fake
-def _(grad, sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_values, sigmoid_mixer, eps_mix=None):
+def _(grad, sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_values, sigmoid_mixer, eps_mix=1e-6):
     out = [torch.empty_like(s) for s in sources] + [torch.empty_like(query), torch.empty_like(gain)]
     out += [torch.empty_like(w) for w in conv]
     if phi is not None:
@@ -194,7 +194,7 @@ def _setup_context(ctx, inputs, output):
     ctx.mixer = phi is not None  # the "mean" mixer has no parameters
     mixer = (phi, bias, alpha) if ctx.mixer else ()
     ctx.save_for_backward(query, gain, *mixer, *sources, *conv)
-    ctx.args = (eps, scale, conv_values, sigmoid_mixer, rest[0] if rest else None)
+    ctx.args = (eps, scale, conv_values, sigmoid_mixer, rest[0] if rest else 1e-6)
 
 
 def _backward(ctx, grad):

@@ -52,7 +52,7 @@ def msar_mix_ref(
     conv_values: bool = True,
     sigmoid_mixer: bool = True,
     left: list[torch.Tensor] | None = None,
-    eps_mix: float | None = None,
+    eps_mix: float = 1e-6,
 ) -> torch.Tensor:
     """Mix K depth sources through m stream views (identity + causal depthwise convs) and a sigmoid mixer.
 
@@ -69,7 +69,7 @@ def msar_mix_ref(
         conv_values (bool): values from the conv views (True, default) or raw sources (False). Default: True.
         sigmoid_mixer (bool): the sigmoid mixer (True) or the uniform mean 1/m (False). Default: True.
         left (list[Tensor], optional): per source, ``[..., k_max-1, D]`` earlier positions (decoding state).
-        eps_mix (float, optional): the mixer's RMS epsilon (msar.md §5: 1e-6). Default: None, ``eps``.
+        eps_mix (float): the mixer's RMS epsilon, independent of ``eps``. Default: 1e-6 (msar.md §5).
 
     Returns:
         Tensor ``[..., T, D]`` in the sources' dtype.
@@ -88,7 +88,7 @@ def msar_mix_ref(
     Zs = torch.stack(Z, dim=-2)  # [..., T, m, D]
     if sigmoid_mixer:
         z = Zs.flatten(-2)
-        z = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + (eps if eps_mix is None else eps_mix))
+        z = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + eps_mix)
         g = torch.sigmoid(alpha.to(acc).reshape(()) * (z @ phi.to(acc)) + bias.to(acc))  # [..., T, m]
     else:
         g = torch.full(Zs.shape[:-1], 1.0 / m, dtype=acc, device=Zs.device)

@@ -148,6 +148,9 @@ _EAGER_FORM = (
 )
 
 
+_ORDER = "from the softmax back [mask] -> [c·tanh(·/c) soft-cap] -> [scale] -> matmul(q, kᵀ)"
+
+
 class _Mismatch(Exception):
     """The eager attention walk met ``node``, which does not fit; ``why`` says what was expected there."""
 
@@ -192,15 +195,26 @@ def _from_eager(sm: fx.Node, gm: fx.GraphModule) -> AttentionOp:
     nd = len(_shape(sm))
     if dim not in (-1, nd - 1):
         raise _Mismatch(sm, f"a softmax over the last dimension (the keys); this one is over dim={dim}")
+    # moda_attn computes softcap(s · scores) + mask, so from the softmax back the order must be
+    # [mask] -> [soft-cap] -> [scale] -> matmul. A positive constant scale above a masked_fill(-inf) commutes with it
+    # (-inf · s = -inf); an additive mask below a scale or a soft-cap, or a masked_fill below a soft-cap, does not.
     scale, mask, fill, softcap, cur = 1.0, None, None, 0.0, sm.args[0]
+    scaled = False  # a scale was met (above the current node)
     while isinstance(cur, fx.Node) and op_of(cur) != "matmul":
         op, name = op_of(cur), _aten_name(cur)
         if op == "cast":
             cur = cur.args[0]
         elif op in ("mul", "div") and not isinstance(cur.args[1], fx.Node):
             scale = scale * float(cur.args[1]) if op == "mul" else scale / float(cur.args[1])
+            scaled = scaled or float(cur.args[1]) != 1.0
             cur = cur.args[0]
         elif op == "add" and mask is None and fill is None:
+            if softcap:
+                raise _Mismatch(cur, f"the order {_ORDER}: an additive mask below the c·tanh(·/c) soft-cap is capped "
+                                     "with the scores, which MoDA cannot reproduce")
+            if scaled:
+                raise _Mismatch(cur, f"the order {_ORDER}: an additive mask below the scale ({scale:g}) is scaled with "
+                                     "the scores, which MoDA cannot reproduce (add the mask after scaling)")
             x, y = cur.args[0], cur.args[1]
             cur, mask = (x, y) if isinstance(x, fx.Node) and any(op_of(p) == "matmul" for p in _chain_up(x)) else (y, x)
         elif name == "masked_fill" and mask is None and fill is None:
@@ -210,6 +224,12 @@ def _from_eager(sm: fx.Node, gm: fx.GraphModule) -> AttentionOp:
             mv = tensor_val(cur.args[1])
             if not isinstance(cur.args[1], fx.Node) or (mv is not None and mv.dtype != torch.bool):
                 raise _Mismatch(cur, "masked_fill with a boolean mask tensor")
+            if softcap:
+                raise _Mismatch(cur, f"the order {_ORDER}: masked_fill below the c·tanh(·/c) soft-cap turns -inf into "
+                                     "-c, which MoDA cannot reproduce (mask after soft-capping)")
+            if scaled and not (scale > 0 and (math.isinf(float(value)) or float(value) * scale <= -1e4)):
+                raise _Mismatch(cur, f"the order {_ORDER}: masked_fill below the scale {scale:g} commutes with it only "
+                                     "for a positive scale that keeps the fill value a mask")
             fill, cur = cur.args[1], cur.args[0]
         elif name == "tanh" and softcap == 0.0:
             # c·tanh(x/c): the scale collected so far is c; the division below it is 1/c
@@ -219,10 +239,17 @@ def _from_eager(sm: fx.Node, gm: fx.GraphModule) -> AttentionOp:
             softcap = float(inner.args[1])
             if abs(scale - softcap) > 1e-6 * softcap:
                 raise _Mismatch(cur, "soft-capping as c·tanh(scores / c) with the same constant c on both sides")
-            scale, cur = 1.0, inner.args[0]
+            scale, scaled, cur = 1.0, False, inner.args[0]
         elif op in ("add",) or name == "masked_fill":
             raise _Mismatch(cur, "at most one mask (an additive mask or one masked_fill) between the scores and the softmax")
         else:
+            x = cur  # name a score op hidden behind layout ops (BLOOM: view(baddbmm(alibi, q, kᵀ, beta, alpha)))
+            while isinstance(x, fx.Node) and _is_layout(x) and x.args and isinstance(x.args[0], fx.Node):
+                x = x.args[0]
+            if isinstance(x, fx.Node) and _aten_name(x) in ("baddbmm", "addbmm", "bmm"):
+                raise _Mismatch(x, f"the scores as matmul(q, kᵀ); `{_aten_name(x)}` computes them"
+                                   + (" with an added bias (ALiBi as baddbmm(alibi, q, kᵀ), BLOOM), which is not a "
+                                      "recognised form" if _aten_name(x) != "bmm" else ", which is not a recognised form"))
             raise _Mismatch(cur, "only a constant scale, tanh soft-capping, an additive mask or masked_fill(mask, -inf) "
                                  "between the scores matmul(q, kᵀ) and the softmax")
     if not isinstance(cur, fx.Node):
@@ -268,7 +295,7 @@ def _chain_up(n: fx.Node, limit: int = 6):
     return out
 
 
-def _is_hf(nodes) -> bool:
+def _hf_module_hint(nodes) -> bool:
     """Whether the branch comes from a Hugging Face transformers module (its nn_module_stack names the classes)."""
     for n in nodes:
         for entry in (n.meta.get("nn_module_stack") or {}).values():
@@ -305,7 +332,8 @@ def find_attention(ed: ChainEditor, branch: Branch) -> AttentionOp:
         bad = ed.nodes[branch.output]
         detail = f"it has no softmax and no scaled_dot_product_attention (its output is `{bad.name}` ({bad.target}))"
     if bad is not None:
-        hint = ("Loading the model with attn_implementation='sdpa' (or 'eager') may give one of these forms." if _is_hf(body) else
+        hint = ("Loading the model with attn_implementation='sdpa' (or 'eager') may give one of these forms."
+                if _hf_module_hint(body) else
                 "Write the attention with torch.nn.functional.scaled_dot_product_attention or in the eager form above.")
         where = f" in {branch.module}" if branch.module else ""
         raise AttentionPatternError(
@@ -465,6 +493,73 @@ def key_path(ed: ChainEditor, a: AttentionOp) -> tuple[KeyPath | None, str]:
     return KeyPath(proj, start, layout, nodes, end, tuple(externals)), ""
 
 
+def _is_param(gm: fx.GraphModule, n: fx.Node) -> bool:
+    if n.op != "get_attr":
+        return False
+    obj = gm
+    for part in str(n.target).split("."):
+        obj = getattr(obj, part, None)
+    return isinstance(obj, nn.Parameter)
+
+
+def _root(n: fx.Node) -> fx.Node:
+    """``n`` before layout ops and casts (HF's per-layer ``cos.unsqueeze(1)`` is the model's one ``cos``)."""
+    while (_is_layout(n) or op_of(n) == "cast") and n.args and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
+    return n
+
+
+def _positional(gm: fx.GraphModule, n: fx.Node, limit: int = 500) -> bool:
+    """Whether ``n`` (an input of a key path) depends on anything but parameters and constants: a RoPE cos/sin table
+    (buffers, position ids, aranges) does; a k-norm weight (or 1 + weight) does not."""
+    stack, seen = [n], {n}
+    while stack:
+        x = stack.pop()
+        if x.op == "placeholder" or (x.op == "get_attr" and not _is_param(gm, x)):
+            return True
+        if x.op == "call_function" and not x.all_input_nodes and tensor_val(x) is not None:
+            return True  # a factory (arange, ones, ...)
+        for i in x.all_input_nodes:
+            if i not in seen:
+                seen.add(i)
+                stack.append(i)
+        if len(seen) > limit:
+            return True
+    return False
+
+
+def _structure(gm: fx.GraphModule, n: fx.Node, memo: dict, depth: int = 0):
+    """A hashable description of how ``n`` is computed (ops, constants, buffer values): two per-layer copies of the
+    same cos/sin table describe equal, Gemma3's local and global tables (different inv_freq) do not."""
+    if n in memo:
+        return memo[n]
+    if n.op == "get_attr":
+        t = _attr_value(gm, n)
+        d = ("attr", tuple(t.shape), str(t.dtype), hash(t.detach().cpu().contiguous().numpy().tobytes())) if t is not None \
+            else ("attr", str(n.target))
+    elif n.op == "placeholder" or depth > 40:
+        d = (n.op, n.name)
+    else:
+        def arg(a):
+            if isinstance(a, fx.Node):
+                return _structure(gm, a, memo, depth + 1)
+            if isinstance(a, (list, tuple)):
+                return tuple(arg(x) for x in a)
+            return repr(a)
+        d = (str(n.target), tuple(arg(a) for a in n.args), tuple(sorted((k, arg(v)) for k, v in n.kwargs.items())))
+    memo[n] = d
+    return d
+
+
+def _rotation(gm: fx.GraphModule, kp: KeyPath | None, memo: dict):
+    """What a key path does to keys by position: frozenset of the structures of its positional inputs (RoPE cos/sin),
+    empty for no positional key ops (NoPE, raw keys)."""
+    if kp is None:
+        return frozenset()
+    ext = [_root(e) for e in kp.externals if tensor_val(e) is not None and _positional(gm, e)]
+    return frozenset(_structure(gm, e, memo) for e in ext)
+
+
 class _KVProj(nn.Module):
     """The FFN depth-KV projection D -> 2·Hk·d, with a bias iff the model's k projection has one."""
 
@@ -503,6 +598,14 @@ def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassR
     if len(shapes) != 1:
         raise ConfigError(f"MoDA needs one attention shape (Hq, Hk, d) across layers; found {sorted(shapes)}")
     hq, hk, d = shapes.pop()
+    stream = tensor_val(ed.nodes[chain.source])
+    if config.ffn_kv and (stream is None or stream.dim() != 3):
+        shape = tuple(stream.shape) if stream is not None else "unknown"
+        raise ConfigError(
+            f"MoDA's FFN slots need a [batch, sequence, hidden] stream to line the kv_proj keys up with the attention's "
+            f"tokens; the stream source `{ed.nodes[chain.source].name}` has shape {shape} (flattened from the "
+            f"embedding on). Use ffn_kv=False (attention slots only, which read the attention's own [B, H, T, d] K/V)"
+        )
     last_reader = max(attn)
     D = chain.hidden_size
     ops = torch.ops.depthrewrite
@@ -514,10 +617,19 @@ def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassR
     # the key pipelines, read before anything is rewritten (moda.md §8 Q1: FFN keys go through one of them)
     key_paths: dict[int, tuple[KeyPath | None, str]] = {}
     kps_proj: dict[int, fx.Node] = {}
+    # what each attention does to its keys by position (RoPE tables; None: unknown), to compare writer and reader
+    memo: dict = {}
+    rot_of: dict[str, frozenset | None] = {}
+    rot_name: dict[frozenset, str] = {frozenset(): "no positional key ops"}
     for j, a in attn.items():
         kp, why = key_path(ed, a)
+        rot_of[f"attn{j}"] = _rotation(gm, kp, memo) if kp is not None else None
         if kp is not None:
             kps_proj[j] = kp.proj
+            r = rot_of[f"attn{j}"]
+            if r not in rot_name:
+                roots = sorted({_root(e).name for e in kp.externals if tensor_val(e) is not None and _positional(gm, e)})
+                rot_name[r] = "rotation by " + "/".join(f"`{x}`" for x in roots)
         if config.ffn_keys != "raw":
             key_paths[j] = (kp, why)
     for k, s in enumerate(chain.sublayers):
@@ -612,6 +724,7 @@ def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassR
             slots_k.append(kf)
             slots_v.append(vf)
             labels.append(f"ffn{k}")
+            rot_of[f"ffn{k}"] = _rotation(gm, kp, memo)
             if kp is not None:
                 keys = f"keys through attn{j}'s key path ({kp.describe()})"
             else:
@@ -624,6 +737,7 @@ def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassR
                 detail=f"writes slot ffn{k}: kv_proj {D} -> 2·{hk}·{d}{' + bias' if bias else ''}; {keys}; "
                 f"+{2 * D * 2 * hk * d:,} FLOPs/token",
             ))
+    mixed = _rotation_mismatches(changes, rot_of, rot_name)
     result = ed.finish(changes)
     n_max = len(slots_k)
     extra = sum(4 * hq * d * len(c.sources) for c in changes if c.sources) + sum(4 * D * hk * d for c in changes if not c.sources)
@@ -637,4 +751,34 @@ def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassR
     if raw_sites:
         notes += ("FFN-slot keys stored raw (no k-norm/RoPE: depth scores of these slots depend on position): "
                   + "; ".join(raw_sites),)
+    if mixed:
+        notes += (mixed,)
+    if config.ffn_kv and not any(lab.startswith("ffn") for lab in labels):
+        notes += ("no FFN slots were written although ffn_kv=True: the chain has no MLP sublayer or MLP branch before the "
+                  "last attention (an MLP inside the attention branch, as in Falcon's parallel attention + MLP read as "
+                  "one branch, is not a separate writer); only attention slots are mixed",)
     return PassResult(result.graph_module, result.changes, notes, state=(n_max * 2 * hk * d, "transient depth KV"))
+
+
+def _rotation_mismatches(changes: list[Change], rot_of: dict, rot_name: dict, limit: int = 12) -> str | None:
+    """The report note for slots whose keys are rotated differently from their readers' queries (spec §8 Q1 caveat:
+    Gemma3 local/global RoPE bases, interleaved NoPE layers): the relative rotation stays in the depth logit."""
+    pairs: dict[str, list[str]] = {}
+    for c in changes:
+        reader = f"attn{c.site}"
+        rr = rot_of.get(reader)
+        for src in c.sources:
+            rs = rot_of.get(src)
+            if rr is not None and rs is not None and rr != rs:
+                pairs.setdefault(src, []).append(reader)
+    if not pairs:
+        return None
+    def name(label):
+        return rot_name.get(rot_of[label], "another rotation")
+    items = [f"{src} ({name(src)}) -> " + ", ".join(f"{r} ({name(r)})" for r in readers) for src, readers in pairs.items()]
+    more = f"; ... ({len(items) - limit} more slots)" if len(items) > limit else ""
+    return ("depth scores depend on position where a slot's keys and its reader's queries are rotated differently "
+            "(layers with different RoPE tables or no RoPE; spec §8 Q1 caveat): the relative rotation between writer and "
+            "reader stays in the depth logit, so a slot does not score as position-free content. Slots are kept as fed "
+            "to attention (post-RoPE); no depth_rope='unrotated' variant is implemented. Slot -> readers: "
+            + "; ".join(items[:limit]) + more)

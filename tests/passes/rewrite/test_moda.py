@@ -521,3 +521,164 @@ def test_a_key_path_reading_hidden_states_falls_back_to_raw_keys():
     writer = next(s for s in rep.sites if not s.sources)
     assert "raw keys (" in writer.detail and "depends on the hidden states" in writer.detail
     assert any(n.startswith("FFN-slot keys stored raw") and "ffn1" in n for n in rep.notes)
+
+
+class ScoreOrder(TemperatureAttention):
+    """Eager attention with the scale, soft-cap and mask in various orders (moda_attn applies softcap(s·scores) + mask)."""
+
+    def __init__(self, variant):
+        super().__init__()
+        self.variant = variant
+        T = 16
+        self.register_buffer("tri", torch.tril(torch.ones(T, T)).view(1, 1, T, T))
+        self.register_buffer("band", (torch.tril(torch.ones(T, T)) - torch.tril(torch.ones(T, T), -2)).view(1, 1, T, T))
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        B, T, D = x.shape
+        H, hd = self.heads, D // self.heads
+        pos = torch.arange(T)
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        bias = (-(pos[None, :] - pos[:, None]).abs().float()).masked_fill(~causal, float("-inf"))
+        tri = self.tri[:, :, :T, :T] == 0
+        s, v_ = 1.0 / math.sqrt(hd), self.variant
+        for n1, qkv in zip(self.n1, self.qkv):
+            q, k, v = qkv(n1(x)).view(B, T, 3, H, hd).permute(2, 0, 3, 1, 4)
+            a = q @ k.transpose(-2, -1)
+            if v_ == "bias_before_scale":
+                att = (a + bias) * s
+            elif v_ == "bias_after_scale":
+                att = a * s + bias
+            elif v_ == "fill_before_softcap":
+                att = 2.0 * torch.tanh((a * s).masked_fill(tri, float("-inf")) / 2.0)
+            elif v_ == "fill_after_softcap":
+                att = (2.0 * torch.tanh((a * s) / 2.0)).masked_fill(tri, float("-inf"))
+            elif v_ == "bias_before_softcap":
+                att = 2.0 * torch.tanh((a * s + bias) / 2.0)
+            elif v_ == "fill_before_scale":  # -inf · s = -inf: commutes
+                att = a.masked_fill(tri, float("-inf")) / math.sqrt(hd)
+            elif v_ == "causal_buffer":
+                att = (a / math.sqrt(hd)).masked_fill(tri, float("-inf"))
+            else:  # band_buffer: a sliding window, not causal
+                att = (a / math.sqrt(hd)).masked_fill(self.band[:, :, :T, :T] == 0, float("-inf"))
+            x = x + (torch.softmax(att, dim=-1) @ v).transpose(1, 2).reshape(B, T, D)
+        return self.norm(x)
+
+
+@pytest.mark.parametrize("variant, node, why", [
+    ("bias_before_scale", "add", "an additive mask below the scale"),
+    ("fill_before_softcap", "masked_fill", "masked_fill below the c·tanh(·/c) soft-cap"),
+    ("bias_before_softcap", "add", "an additive mask below the c·tanh(·/c) soft-cap"),
+])
+def test_a_mask_below_the_scale_or_softcap_is_refused(variant, node, why):
+    """moda_attn applies the mask after scale and soft-cap: a mask the model scales or caps is refused, naming the
+    node and the order (these converted silently wrong before: 0.36 / 0.58 relative error at λ = 0)."""
+    with pytest.raises(AttentionPatternError) as ei:
+        dr.convert(ScoreOrder(variant), "moda", preserve_init=True, example_inputs=(torch.randint(0, 32, (2, 8)),))
+    msg = str(ei.value)
+    assert ei.value.node.startswith(node) and f"`{ei.value.node}`" in msg and why in msg
+    assert "[mask] -> [c·tanh(·/c) soft-cap] -> [scale] -> matmul" in msg
+
+
+@pytest.mark.parametrize("variant, causal, softcap", [
+    ("bias_after_scale", False, 0.0), ("fill_after_softcap", True, 2.0), ("fill_before_scale", True, 0.0),
+    ("causal_buffer", True, 0.0), ("band_buffer", False, 0.0),
+])
+def test_mask_scale_softcap_in_order_are_exact(variant, causal, softcap):
+    torch.manual_seed(0)
+    model = ScoreOrder(variant).eval()
+    with torch.no_grad():
+        for p in model.qkv.parameters():
+            p.mul_(4.0)  # sharp attention: a misplaced mask would show
+    conv = dr.convert(model, "moda", preserve_init=True, example_inputs=(torch.randint(1, 32, (2, 8)),)).eval()
+    attn = [n for n in conv.graph.nodes if n.target is torch.ops.depthrewrite.moda_attn.default]
+    assert attn and all(n.args[8] is causal and n.args[11] == softcap for n in attn)
+    for shape in ((2, 8), (1, 1), (3, 5)):
+        idx = torch.randint(1, 32, shape)
+        with torch.no_grad():
+            assert rel_err(conv(idx), model(idx)) <= INIT_RTOL
+
+
+class FlatStream(torch.nn.Module):
+    """The residual stream is [B·T, D] from the embedding on; attention views it as [B, T, D] inside its branch."""
+
+    def __init__(self, vocab=32, d=16, layers=2, heads=2):
+        super().__init__()
+        self.emb, self.heads = torch.nn.Embedding(vocab, d), heads
+        self.n1 = torch.nn.ModuleList([torch.nn.LayerNorm(d) for _ in range(layers)])
+        self.n2 = torch.nn.ModuleList([torch.nn.LayerNorm(d) for _ in range(layers)])
+        self.qkv = torch.nn.ModuleList([torch.nn.Linear(d, 3 * d) for _ in range(layers)])
+        self.mlp = torch.nn.ModuleList([torch.nn.Linear(d, d) for _ in range(layers)])
+        self.norm = torch.nn.LayerNorm(d)
+
+    def forward(self, idx):
+        B, T = idx.shape
+        x = self.emb(idx)
+        D = x.shape[-1]
+        x = x.reshape(B * T, D)
+        for n1, n2, qkv, mlp in zip(self.n1, self.n2, self.qkv, self.mlp):
+            q, k, v = qkv(n1(x)).view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + y.transpose(1, 2).reshape(B * T, D)
+            x = x + mlp(n2(x))
+        return self.norm(x).view(B, T, D)
+
+
+def test_a_flat_stream_is_refused_for_ffn_slots():
+    """A [B·T, D] stream: FFN slots are refused at conversion (the first forward used to crash in torch.stack);
+    attention slots only still convert exactly."""
+    torch.manual_seed(0)
+    model, idx = FlatStream().eval(), torch.randint(0, 32, (3, 6))
+    with pytest.raises(ConfigError, match=r"\[batch, sequence, hidden\] stream.*ffn_kv=False"):
+        dr.convert(model, "moda", example_inputs=(idx,))
+    conv = dr.convert(model, "moda", ffn_kv=False, preserve_init=True, example_inputs=(idx,)).eval()
+    with torch.no_grad():
+        assert rel_err(conv(idx), model(idx)) <= INIT_RTOL
+
+
+MIXED_ROTATION = {
+    "gemma3_text": dict(layer_types=["sliding_attention", "full_attention", "sliding_attention"], sliding_window=64,
+                        rope_local_base_freq=10.0),  # local / global RoPE bases
+    "smollm3": dict(no_rope_layers=[1, 0, 1], no_rope_layer_interval=2),  # a NoPE layer between RoPE layers
+}
+
+
+@pytest.mark.parametrize("name, pairs", [
+    ("gemma3_text", ["attn0 (rotation", "ffn1 (rotation", "attn2 (rotation", "ffn3 (rotation"]),
+    ("smollm3", ["attn0 (rotation", "-> attn2 (no positional key ops)", "ffn3 (no positional key ops) -> attn4"]),
+    ("llama", None),
+    ("qwen3", None),
+])
+def test_mixed_rotations_are_noted(name, pairs):
+    """Spec §8 Q1 caveat: where a slot's writer and its reader rotate keys differently, the report says the depth
+    scores depend on position and names the slot -> reader pairs; uniform RoPE (Llama, Qwen3 with k-norm) gets no
+    note."""
+    from depthrewrite.zoo import hf_model
+
+    model = hf_model(name, layers=3 if name in MIXED_ROTATION else 2, hidden=32, **MIXED_ROTATION.get(name, {}))
+    notes = [n for n in dr.convert(model, "moda").report().notes if "depend on position" in n]
+    if pairs is None:
+        assert notes == []
+    else:
+        assert len(notes) == 1 and "§8 Q1" in notes[0] and all(p in notes[0] for p in pairs)
+
+
+def test_no_ffn_slot_is_noted():
+    """Falcon's parallel attention + MLP is read as one attention branch: no FFN slot is written, and the report says
+    so (its header still names the configured variant)."""
+    from depthrewrite.zoo import hf_model
+
+    rep = dr.convert(hf_model("falcon", layers=2, hidden=32), "moda").report()
+    assert [s.sources for s in rep.sites if s.sources] == [("attn0",)]
+    assert any("no FFN slots were written" in n and "Falcon" in n for n in rep.notes)
+    rep = dr.convert(build_zoo_model("hf:llama"), "moda").report()
+    assert not any("no FFN slots" in n for n in rep.notes)
+
+
+def test_bloom_refusal_names_the_baddbmm_score_op():
+    """BLOOM's ALiBi scores are baddbmm(alibi, q, kᵀ) behind a view: the refusal names the score op, not the view."""
+    from depthrewrite.zoo import hf_model
+
+    with pytest.raises(AttentionPatternError) as ei:
+        dr.convert(hf_model("bloom", layers=2, hidden=32), "moda")
+    assert ei.value.node.startswith("baddbmm") and "ALiBi as baddbmm" in str(ei.value)

@@ -214,7 +214,7 @@ def test_op_uses_eps_mix_for_the_mixer_only(backend, monkeypatch):
         return out, torch.autograd.grad(out.square().sum(), leaves)
 
     want, gwant = run(msar_mix_ref, eps_mix=1e-6)
-    same, _ = run(msar_mix_ref)  # eps_mix = eps
+    same, _ = run(msar_mix_ref, eps_mix=1e-4)  # eps_mix = eps
     assert rel_err(same, want) > 1e-3
     from depthrewrite.kernels.msar import fused
 
@@ -228,3 +228,23 @@ def test_op_uses_eps_mix_for_the_mixer_only(backend, monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
     for a, b in zip(ggot, gwant):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
+
+
+def test_op_default_eps_mix_is_the_spec_value():
+    """msar.md §5: the mixer's RMS ε defaults to 1e-6 in the op and the reference too (it used to fall back to the key
+    norm's ε), matching MSARConfig.eps_mix."""
+    import inspect
+
+    from depthrewrite.kernels.msar import msar_mix, msar_mix_ref
+
+    g = torch.Generator().manual_seed(0)
+    K, T, D, ks = 3, 5, 6, (2, 3)
+    m = len(ks) + 1
+    src = [torch.randn(2, T, D, generator=g) * 3e-3 for _ in range(K)]
+    args = (torch.randn(m, D, generator=g), torch.rand(m, D, generator=g) + 0.5,
+            [torch.randn(D, k, generator=g) * 0.5 for k in ks], torch.randn(m * D, m, generator=g) * 0.3,
+            torch.randn(m, generator=g), torch.tensor(0.7), 1e-4, float(K), True, True)
+    want = msar_mix_ref(src, *args, eps_mix=1e-6)
+    torch.testing.assert_close(msar_mix_ref(src, *args), want, rtol=0, atol=0)
+    torch.testing.assert_close(msar_mix(src, *args), want, rtol=1e-6, atol=1e-9)
+    assert inspect.signature(msar_mix_ref).parameters["eps_mix"].default == dr.MSARConfig().eps_mix == 1e-6
