@@ -64,6 +64,8 @@ CASES: list[tuple[str, str, Callable[[], None]]] = [
      lambda: dr.convert(PlainMLP(), "attnres", example_inputs=(torch.randn(2, 32),))),
     ("MoDA on attention with a learned temperature", "The scores are scaled by a parameter before the softmax.",
      _temperature),
+    ("MoDA on BLOOM (`hf:bloom`)", "ALiBi written as `baddbmm(alibi, q, kᵀ)`.",
+     lambda: dr.convert(hf_model("bloom", layers=2), "moda")),
     ("MoDA on MPT (`hf:mpt`)", "An ALiBi bias and a causal `masked_fill`: two masks.",
      lambda: dr.convert(hf_model("mpt", layers=2), "moda")),
     ("PaliGemma, text only (`hf:paligemma`)", "Its eager prefix attends both ways; the exported trace is causal.",
