@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .errors import ConfigError, TrainingError
+from .passes.rewrite.registry import DEFAULT_BLOCKS
 
 __all__ = ["tiny_llama", "Variant", "VARIANTS", "parse_variants", "TrainConfig", "RunResult", "train_variant", "logits_of", "evaluate"]
 
@@ -54,9 +55,9 @@ VARIANTS: dict[str, Variant] = {
     for v in (
         Variant("vanilla", "Vanilla (PreNorm residual)", None, init_tol=None),
         Variant("attnres", "Full AttnRes", "attnres"),
-        Variant("block-attnres", "Block AttnRes (4 blocks)", "attnres", {"blocks": 4}),
+        Variant("block-attnres", f"Block AttnRes ({DEFAULT_BLOCKS} blocks)", "attnres", {"blocks": DEFAULT_BLOCKS}),
         Variant("msar", "Full MSAR", "msar"),
-        Variant("block-msar", "Block MSAR (4 blocks)", "msar", {"blocks": 4}),
+        Variant("block-msar", f"Block MSAR ({DEFAULT_BLOCKS} blocks)", "msar", {"blocks": DEFAULT_BLOCKS}),
         # mHC's default init (alpha = 0.01, phi ~ N(0, 1e-4)) is close to the original, not exact (docs/mhc.md)
         Variant("mhc", "mHC (n=4)", "mhc", init_tol=1e-4, note="default init: close, exact only with alpha_init=0"),
         # MoDA as in the paper (lambda = 1): depth logits compete in the softmax from step 0 (docs/moda.md)
