@@ -26,7 +26,7 @@ from .corpus import Corpus
 from .errors import ConfigError
 from .train import RunResult, TrainConfig, Variant, parse_variants, tiny_llama, train_variant
 
-__all__ = ["DEMO_SCHEMES", "DemoConfig", "run_demo", "results_table"]
+__all__ = ["DEMO_SCHEMES", "DemoConfig", "run_demo", "results_table", "timing_note"]
 
 #: the default variants: every scheme once (MSAR as Block MSAR, the cheaper of the two on CPU); all of them: --schemes all
 DEMO_SCHEMES = "vanilla,attnres,block-attnres,block-msar,mhc,moda"
@@ -63,7 +63,22 @@ def _init_check(r: RunResult) -> str:
     return f"{mark} {what} (Δ {r.init_error:.1e} ≤ {v.init_tol:.0e})"
 
 
+def timing_note(results: list[RunResult]) -> str:
+    """The conditions of the table's step times, as one footnote line."""
+    timings = [r.timing for r in results if r.timing is not None]
+    if not timings:
+        return "* step (ms): median training step time on this machine (conditions not recorded)"
+    t = timings[0]
+    loads = [x.load for x in timings if x.load is not None]
+    load = "" if not loads else (f", load average {min(loads):.1f}" if max(loads) - min(loads) < 0.05
+                                 else f", load average {min(loads):.1f}-{max(loads):.1f}")
+    return (f"* step (ms): median of {t.timed} timed training steps (forward, backward, AdamW) of {t.batch} x {t.seq} "
+            f"tokens after {t.warmup} untimed warm-up steps, every variant timed the same way after its training; "
+            f"{t.device}, {t.threads} torch threads{load}. Times are this machine's, and move with its load.")
+
+
 def results_table(results: list[RunResult], fmt: str = "simple") -> str:
+    """The results table, with the footnote that says how the step times were measured."""
     rows = [
         [
             r.variant.name,
@@ -75,8 +90,9 @@ def results_table(results: list[RunResult], fmt: str = "simple") -> str:
         ]
         for r in results
     ]
-    headers = ["scheme", "new params", "step (ms)", "train loss", "val loss", "init check"]
-    return tabulate(rows, headers=headers, tablefmt=fmt, disable_numparse=True)
+    headers = ["scheme", "new params", "step (ms)*", "train loss", "val loss", "init check"]
+    table = tabulate(rows, headers=headers, tablefmt=fmt, disable_numparse=True)
+    return f"{table}\n\n{timing_note(results)}"
 
 
 def _plot_losses(results: list[RunResult], path: Path) -> Path:
@@ -185,8 +201,7 @@ def run_demo(cfg: DemoConfig, say: Callable[[str], None] = print) -> list[RunRes
     picture = f"\n\n![loss curves]({plot.name})" if plot.exists() else ""
     (out / "results.md").write_text(
         f"# depthrewrite demo\n\nTiny Llama ({cfg.layers} blocks, hidden {cfg.hidden}), {corpus}; {cfg.steps} steps of "
-        f"{cfg.batch} x {cfg.seq} bytes per variant, seed {cfg.seed}. Losses in nats per byte; step time on this "
-        f"machine.\n\n{md}{picture}\n"
+        f"{cfg.batch} x {cfg.seq} bytes per variant, seed {cfg.seed}. Losses in nats per byte.\n\n{md}{picture}\n"
     )
     written.append(out / "results.md")
     drawn = next((r for r in results if r.variant.name == draw), None)

@@ -9,7 +9,9 @@ original or converted, with AdamW, warmup + cosine decay and gradient clipping, 
 
 from __future__ import annotations
 
+import copy
 import math
+import os
 import statistics
 import sys
 import time
@@ -23,7 +25,10 @@ import torch.nn.functional as F
 from .errors import ConfigError, TrainingError
 from .passes.rewrite.registry import DEFAULT_BLOCKS
 
-__all__ = ["tiny_llama", "Variant", "VARIANTS", "parse_variants", "TrainConfig", "RunResult", "train_variant", "logits_of", "evaluate"]
+__all__ = [
+    "tiny_llama", "Variant", "VARIANTS", "parse_variants", "TrainConfig", "RunResult", "StepTiming", "train_variant",
+    "time_steps", "logits_of", "evaluate",
+]
 
 
 def tiny_llama(seed: int = 0, layers: int = 4, hidden: int = 64) -> nn.Module:
@@ -93,17 +98,42 @@ class TrainConfig:
     grad_clip: float = 1.0
     eval_every: int = 0  # validation loss every N steps (0: only at the end)
     eval_batches: int = 8
+    #: the step time: after training, ``time_warmup`` untimed then ``timed_steps`` timed steps on one batch, weights and
+    #: optimizer state restored afterwards (so every variant is timed warm, and training is unchanged)
+    time_warmup: int = 3
+    timed_steps: int = 10
 
     def __post_init__(self):
-        for name in ("steps", "batch", "seq", "eval_batches"):
+        for name in ("steps", "batch", "seq", "eval_batches", "timed_steps"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if not isinstance(self.time_warmup, int) or self.time_warmup < 0:
+            raise ConfigError(f"time_warmup must be an integer >= 0, got {self.time_warmup!r}")
 
     def lr_at(self, step: int) -> float:
         if step < self.warmup:
             return self.lr * (step + 1) / self.warmup
         t = (step - self.warmup) / max(1, self.steps - self.warmup)
         return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """How a step time was measured: median of ``timed`` training steps (forward, backward, clip, AdamW) of
+    ``batch`` x ``seq`` after ``warmup`` untimed ones, on ``device`` with ``threads`` torch threads."""
+
+    warmup: int
+    timed: int
+    batch: int
+    seq: int
+    threads: int
+    device: str = "cpu"
+    load: float | None = None  # 1-minute load average when timed (None: unknown)
+
+    def describe(self) -> str:
+        load = f", load average {self.load:.1f}" if self.load is not None else ""
+        return (f"median of {self.timed} timed training steps (forward, backward, AdamW) of {self.batch} x {self.seq} "
+                f"after {self.warmup} untimed warm-up steps, {self.device}, {self.threads} torch threads{load}")
 
 
 @dataclass
@@ -113,12 +143,13 @@ class RunResult:
     new_params: int
     model_params: int
     init_error: float | None  # max|Δlogits| / max|logits| against the original at init (None for vanilla)
-    step_time: float  # median seconds per training step (first steps excluded)
+    step_time: float  # median seconds per training step, measured warm (see ``timing``)
     train_losses: list[float]
     val_points: list[tuple[int, float]]  # (step, validation loss)
     convert_time: float = 0.0
     tokens: int = 0
     model: nn.Module | None = field(default=None, repr=False)  # the trained model, with keep_model=True
+    timing: StepTiming | None = None  # how step_time was measured (None: loaded from an older record)
 
     @property
     def final_train(self) -> float:
@@ -158,6 +189,26 @@ def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]])
         model.train(was)
 
 
+def time_steps(step: Callable[[], Any], warmup: int, timed: int) -> list[float]:
+    """Call ``step()`` ``warmup`` times untimed (first-call costs: allocator, thread pools, caches), then ``timed``
+    times; the seconds of each timed call."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(timed):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def _load() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # pragma: no cover - not on every platform
+        return None
+
+
 def _progress(total: int, desc: str, enabled: bool | None):
     try:
         from tqdm.auto import tqdm
@@ -165,6 +216,34 @@ def _progress(total: int, desc: str, enabled: bool | None):
         return None
     # disable=None: a bar on a terminal, nothing when stderr is not a TTY (CI logs)
     return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True, disable=None if enabled is None else not enabled)
+
+
+def _train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, clip: float) -> torch.Tensor:
+    loss = _loss(model, x, y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    return loss
+
+
+def _time_variant(model, opt, x, y, cfg: TrainConfig) -> tuple[float, StepTiming]:
+    """The step time of a trained model, measured warm: the first steps of a process or a model pay one-off costs (the
+    first variant of a run paid them all, and looked slower than rewrites that add work to it). The weights and the
+    optimizer state are restored afterwards, so these steps do not change the result of training."""
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = copy.deepcopy(opt.state_dict())
+    try:
+        times = time_steps(lambda: _train_step(model, opt, x, y, cfg.grad_clip), cfg.time_warmup, cfg.timed_steps)
+    finally:
+        model.load_state_dict(weights)
+        opt.load_state_dict(state)
+        opt.zero_grad(set_to_none=True)
+    device = next((p.device.type for p in model.parameters()), "cpu")
+    timing = StepTiming(warmup=cfg.time_warmup, timed=cfg.timed_steps, batch=x.shape[0], seq=x.shape[1],
+                        threads=torch.get_num_threads(), device=device, load=_load())
+    return statistics.median(times), timing
 
 
 def train_variant(
@@ -207,22 +286,14 @@ def train_variant(
     gen = torch.Generator().manual_seed(10_000 + seed)
     model.train()
     losses: list[float] = []
-    times: list[float] = []
     val_points: list[tuple[int, float]] = []
     bar = _progress(cfg.steps, variant.name if seed == 0 else f"{variant.name} (seed {seed})", progress)
     try:
         for step in range(cfg.steps):
             x, y = corpus.batch("train", cfg.batch, cfg.seq, gen)
-            t = time.perf_counter()
             for group in opt.param_groups:
                 group["lr"] = cfg.lr_at(step)
-            loss = _loss(model, x, y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if cfg.grad_clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            opt.step()
-            times.append(time.perf_counter() - t)
+            loss = _train_step(model, opt, x, y, cfg.grad_clip)
             losses.append(loss.item())
             if not math.isfinite(losses[-1]):
                 raise TrainingError(
@@ -239,15 +310,16 @@ def train_variant(
     finally:
         if bar is not None:
             bar.close()
+    step_time, timing = _time_variant(model, opt, x, y, cfg)
     val_points.append((cfg.steps, evaluate(model, eval_set)))
-    steady = times[min(3, len(times) - 1):] or times
     return RunResult(
         variant=variant,
         seed=seed,
         new_params=new_params,
         model_params=model_params,
         init_error=init_error,
-        step_time=statistics.median(steady),
+        step_time=step_time,
+        timing=timing,
         train_losses=losses,
         val_points=val_points,
         convert_time=convert_time,

@@ -181,3 +181,45 @@ def test_rewritten_graph_is_read_from_the_converted_graph(scheme, options, expec
 def test_drawing_needs_a_converted_model():
     with pytest.raises(dr.ConfigError, match="depthrewrite.convert"):
         rewritten_networkx(nanogpt(n_layer=1))
+
+
+def test_time_steps_warms_up_before_timing():
+    from depthrewrite.train import time_steps
+
+    calls = []
+    times = time_steps(lambda: calls.append(1), warmup=3, timed=5)
+    assert len(calls) == 8 and len(times) == 5
+
+
+def test_every_variant_is_timed_warm_and_training_is_unchanged(tmp_path, monkeypatch):
+    """The step time comes from warm-up + timed steps after training; they leave the trained weights as they were."""
+    import depthrewrite.train as train_mod
+    from depthrewrite.train import TrainConfig, train_variant
+
+    corpus = Corpus.from_dir(_small_corpus(tmp_path / "corpus"))
+    calls = []
+    real = train_mod._train_step
+    monkeypatch.setattr(train_mod, "_train_step", lambda *a: calls.append(1) or real(*a))
+    runs = {}
+    for warm, timed in ((2, 3), (0, 1)):
+        cfg = TrainConfig(steps=4, batch=2, seq=16, eval_batches=1, time_warmup=warm, timed_steps=timed)
+        calls.clear()
+        runs[warm] = train_variant(lambda s: nanogpt(n_layer=2, n_embd=32), VARIANTS["block-attnres"], corpus, cfg)
+        assert len(calls) == 4 + warm + timed
+    r = runs[2]
+    assert r.timing.warmup == 2 and r.timing.timed == 3 and (r.timing.batch, r.timing.seq) == (2, 16)
+    assert r.step_time > 0 and r.timing.threads == torch.get_num_threads()
+    assert runs[2].final_val == runs[0].final_val and runs[2].train_losses == runs[0].train_losses
+
+
+def test_results_table_states_the_timing_conditions(tmp_path):
+    from depthrewrite.train import TrainConfig, train_variant
+
+    corpus = Corpus.from_dir(_small_corpus(tmp_path / "corpus"))
+    cfg = TrainConfig(steps=2, batch=2, seq=16, eval_batches=1, time_warmup=3, timed_steps=4)
+    results = [train_variant(lambda s: nanogpt(n_layer=1, n_embd=32), VARIANTS[n], corpus, cfg) for n in ("vanilla", "attnres")]
+    for fmt in ("simple", "github"):
+        text = demo_mod.results_table(results, fmt=fmt)
+        assert "step (ms)*" in text
+        assert "median of 4 timed training steps" in text and "2 x 16" in text and "after 3 untimed warm-up steps" in text
+        assert f"{torch.get_num_threads()} torch threads" in text
