@@ -7,13 +7,13 @@ table, and writes into the output folder:
 
 * ``results.md``       the table (scheme, new parameters, step time, final train and validation loss, init check)
 * ``loss_curves.png``  training and validation loss of every variant (matplotlib, Agg)
-* ``rewritten_<scheme>.svg`` / ``.png``  the rewritten graph of one scheme (``.txt`` and ``.dot`` without Graphviz)
+* ``rewritten_<scheme>.svg`` / ``.png`` / ``.txt``  the rewritten graph of one scheme (drawn by Graphviz when it is
+  installed, else by matplotlib; ``.dot`` only when neither is)
 * ``chain.txt``, ``chain.svg`` (or ``chain.dot``)  the detected chain of the original model
 """
 
 from __future__ import annotations
 
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,11 +138,7 @@ def _save_rewritten(model, name: str, out: Path, say: Callable[[str], None]) -> 
     from .draw import save_rewritten
 
     written = [save_rewritten(model, out / f"rewritten_{name}.txt")]
-    if shutil.which("dot") is None:
-        written.append(save_rewritten(model, out / f"rewritten_{name}.dot"))
-        say("(Graphviz's `dot` is not installed: the rewritten graph is written as text and .dot)")
-        return written
-    try:
+    try:  # Graphviz when installed, else matplotlib
         for suffix in (".svg", ".png"):
             written.append(save_rewritten(model, out / f"rewritten_{name}{suffix}"))
     except ConfigError as e:
