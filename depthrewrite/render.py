@@ -142,7 +142,8 @@ def _route(g: nx.DiGraph, pos, xy, size, cols, height: float) -> dict[tuple[Any,
         outer = pos[a][1] in (min(cols), max(cols))
         best = None
         # from an outer column (the stream, the sublayers), an edge past more than one row runs along a lane
-        for rad in _RADS if span <= 2 or not outer else ():
+        same_column = pos[a][1] == pos[b][1]
+        for rad in _RADS if span <= 2 or not outer else (0.0,) if same_column else ():
             h = _hits(xy[a], xy[b], rad, others, height)
             if h == 0:
                 best = ("arc", rad)
