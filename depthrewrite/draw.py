@@ -4,7 +4,7 @@
 the rewrite produced, read back from the converted graph itself (not from the report's summary)::
 
     g = rewritten_networkx(converted)        # networkx DiGraph: source, sublayers, stream values, depthrewrite ops
-    text = rewritten_text(converted)         # the same as lines of text (what the demo writes without Graphviz)
+    text = rewritten_text(converted)         # the same as lines of text (the demo writes it next to the picture)
     path = save_rewritten(converted, "attnres.svg")   # .svg/.png: Graphviz if installed, else matplotlib
 
 Contraction: every node of the converted graph is put in a group by the module that produced it — the stream source,
