@@ -74,7 +74,8 @@ def timing_note(results: list[RunResult]) -> str:
                                  else f", load average {min(loads):.1f}-{max(loads):.1f}")
     return (f"* step (ms): median of {t.timed} timed training steps (forward, backward, AdamW) of {t.batch} x {t.seq} "
             f"tokens after {t.warmup} untimed warm-up steps, every variant timed the same way after its training; "
-            f"{t.device}, {t.threads} torch threads{load}. Times are this machine's, and move with its load.")
+            f"{t.device}, {t.threads} torch thread{'s' if t.threads != 1 else ''}{load}. Times are this machine's, "
+            "and move with its load.")
 
 
 def results_table(results: list[RunResult], fmt: str = "simple") -> str:

@@ -102,11 +102,16 @@ class TrainConfig:
     #: optimizer state restored afterwards (so every variant is timed warm, and training is unchanged)
     time_warmup: int = 3
     timed_steps: int = 10
+    #: torch threads while timing (None: as set). One thread by default: on a shared or busy CPU, multi-threaded ops
+    #: stall on their busiest thread and the times jump by several times from one variant to the next
+    time_threads: int | None = 1
 
     def __post_init__(self):
         for name in ("steps", "batch", "seq", "eval_batches", "timed_steps"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.time_threads is not None and (not isinstance(self.time_threads, int) or self.time_threads < 1):
+            raise ConfigError(f"time_threads must be None or an integer >= 1, got {self.time_threads!r}")
         if not isinstance(self.time_warmup, int) or self.time_warmup < 0:
             raise ConfigError(f"time_warmup must be an integer >= 0, got {self.time_warmup!r}")
 
@@ -234,15 +239,20 @@ def _time_variant(model, opt, x, y, cfg: TrainConfig) -> tuple[float, StepTiming
     optimizer state are restored afterwards, so these steps do not change the result of training."""
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     state = copy.deepcopy(opt.state_dict())
+    threads = torch.get_num_threads()
     try:
+        if cfg.time_threads:
+            torch.set_num_threads(cfg.time_threads)
+        used = torch.get_num_threads()
         times = time_steps(lambda: _train_step(model, opt, x, y, cfg.grad_clip), cfg.time_warmup, cfg.timed_steps)
     finally:
+        torch.set_num_threads(threads)
         model.load_state_dict(weights)
         opt.load_state_dict(state)
         opt.zero_grad(set_to_none=True)
     device = next((p.device.type for p in model.parameters()), "cpu")
     timing = StepTiming(warmup=cfg.time_warmup, timed=cfg.timed_steps, batch=x.shape[0], seq=x.shape[1],
-                        threads=torch.get_num_threads(), device=device, load=_load())
+                        threads=used, device=device, load=_load())
     return statistics.median(times), timing
 
 
