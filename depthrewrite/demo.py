@@ -24,7 +24,7 @@ from tabulate import tabulate
 from . import api
 from .corpus import Corpus
 from .errors import ConfigError
-from .train import RunResult, TrainConfig, Variant, parse_variants, tiny_llama, train_variant
+from .train import RunResult, TrainConfig, Variant, parse_variants, time_interleaved, tiny_llama, train_variant
 
 __all__ = ["DEMO_SCHEMES", "DemoConfig", "run_demo", "results_table", "timing_note"]
 
@@ -73,8 +73,10 @@ def timing_note(results: list[RunResult]) -> str:
     load = "" if not loads else (f", load average {min(loads):.1f}" if max(loads) - min(loads) < 0.05
                                  else f", load average {min(loads):.1f}-{max(loads):.1f}")
     return (f"* step (ms): median of {t.timed} timed training steps (forward, backward, AdamW) of {t.batch} x {t.seq} "
-            f"tokens after {t.warmup} untimed warm-up steps, every variant timed the same way after its training; "
-            f"{t.device}, {t.threads} torch thread{'s' if t.threads != 1 else ''}{load}. Times are this machine's, "
+            f"tokens after {t.warmup} untimed warm-up steps, "
+            + ("the variants timed in turns (one step each per round) after training; " if t.interleaved
+               else "every variant timed the same way after its training; ")
+            + f"{t.device}, {t.threads} torch thread{'s' if t.threads != 1 else ''}{load}. Times are this machine's, "
             "and move with its load.")
 
 
@@ -180,10 +182,16 @@ def run_demo(cfg: DemoConfig, say: Callable[[str], None] = print) -> list[RunRes
     draw = next((name for name in _DRAW_PREFERENCE for v in variants if v.name == name), None)
     results: list[RunResult] = []
     for v in variants:
-        r = train_variant(build, v, corpus, train_cfg, seed=cfg.seed, progress=cfg.progress, keep_model=v.name == draw)
+        r = train_variant(build, v, corpus, train_cfg, seed=cfg.seed, progress=cfg.progress, keep_model=v.name == draw,
+                          time_later=True)
         results.append(r)
         what = "original model" if v.scheme is None else f"{v.label}: {r.new_params:,} new parameters, {_init_check(r)}"
         say(f"  {v.name:<14} {what}; val loss {r.final_val:.3f}")
+
+    # every variant's step time, measured in turns: a change of the machine's load lands on all of them alike
+    times, timing = time_interleaved([r.timer for r in results], train_cfg)
+    for r, t in zip(results, times):
+        r.step_time, r.timing, r.timer = t, timing, None
 
     say("")
     table = results_table(results)

@@ -27,7 +27,7 @@ from .passes.rewrite.registry import DEFAULT_BLOCKS
 
 __all__ = [
     "tiny_llama", "Variant", "VARIANTS", "parse_variants", "TrainConfig", "RunResult", "StepTiming", "train_variant",
-    "time_steps", "logits_of", "evaluate",
+    "time_steps", "time_interleaved", "StepTimer", "logits_of", "evaluate",
 ]
 
 
@@ -134,6 +134,7 @@ class StepTiming:
     threads: int
     device: str = "cpu"
     load: float | None = None  # 1-minute load average when timed (None: unknown)
+    interleaved: bool = False  # several models timed in turns, one step each per round
 
     def describe(self) -> str:
         load = f", load average {self.load:.1f}" if self.load is not None else ""
@@ -155,6 +156,7 @@ class RunResult:
     tokens: int = 0
     model: nn.Module | None = field(default=None, repr=False)  # the trained model, with keep_model=True
     timing: StepTiming | None = None  # how step_time was measured (None: loaded from an older record)
+    timer: StepTimer | None = field(default=None, repr=False)  # with time_later=True, until the caller has timed it
 
     @property
     def final_train(self) -> float:
@@ -233,27 +235,51 @@ def _train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y
     return loss
 
 
-def _time_variant(model, opt, x, y, cfg: TrainConfig) -> tuple[float, StepTiming]:
-    """The step time of a trained model, measured warm: the first steps of a process or a model pay one-off costs (the
-    first variant of a run paid them all, and looked slower than rewrites that add work to it). The weights and the
-    optimizer state are restored afterwards, so these steps do not change the result of training."""
-    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    state = copy.deepcopy(opt.state_dict())
+class StepTimer:
+    """Times training steps of one trained model on one batch; :meth:`close` restores its weights and optimizer state,
+    so the timed steps do not change the result of training."""
+
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig):
+        self.model, self.opt, self.x, self.y, self.cfg = model, opt, x, y, cfg
+        self.weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self.state = copy.deepcopy(opt.state_dict())
+
+    def step(self) -> float:
+        t = time.perf_counter()
+        _train_step(self.model, self.opt, self.x, self.y, self.cfg.grad_clip)
+        return time.perf_counter() - t
+
+    def close(self) -> None:
+        self.model.load_state_dict(self.weights)
+        self.opt.load_state_dict(self.state)
+        self.opt.zero_grad(set_to_none=True)
+
+
+def time_interleaved(timers: list[StepTimer], cfg: TrainConfig) -> tuple[list[float], StepTiming]:
+    """Median step time of every timer, measured warm and in turns: ``time_warmup`` untimed steps each, then
+    ``timed_steps`` rounds of one timed step per model, on ``time_threads`` threads. Taking turns spreads a change of
+    the machine's load over every model, instead of landing on whichever was being timed (the first steps of a process
+    or a model pay one-off costs; with several threads on a busy CPU, ops stall on their slowest thread)."""
     threads = torch.get_num_threads()
+    times: list[list[float]] = [[] for _ in timers]
     try:
         if cfg.time_threads:
             torch.set_num_threads(cfg.time_threads)
         used = torch.get_num_threads()
-        times = time_steps(lambda: _train_step(model, opt, x, y, cfg.grad_clip), cfg.time_warmup, cfg.timed_steps)
+        for timer in timers:
+            time_steps(timer.step, cfg.time_warmup, 0)
+        for _ in range(cfg.timed_steps):
+            for i, timer in enumerate(timers):
+                times[i].append(timer.step())
     finally:
         torch.set_num_threads(threads)
-        model.load_state_dict(weights)
-        opt.load_state_dict(state)
-        opt.zero_grad(set_to_none=True)
-    device = next((p.device.type for p in model.parameters()), "cpu")
+        for timer in timers:
+            timer.close()
+    x = timers[0].x if timers else torch.empty(0, 0)
+    device = next((p.device.type for p in timers[0].model.parameters()), "cpu") if timers else "cpu"
     timing = StepTiming(warmup=cfg.time_warmup, timed=cfg.timed_steps, batch=x.shape[0], seq=x.shape[1],
-                        threads=used, device=device, load=_load())
-    return statistics.median(times), timing
+                        threads=used, device=device, load=_load(), interleaved=len(timers) > 1)
+    return [statistics.median(t) for t in times], timing
 
 
 def train_variant(
@@ -264,6 +290,7 @@ def train_variant(
     seed: int = 0,
     progress: bool | None = None,
     keep_model: bool = False,
+    time_later: bool = False,
 ) -> RunResult:
     """Build the model with ``build(seed)``, convert it (unless vanilla), check init equivalence, train and evaluate.
 
@@ -320,7 +347,12 @@ def train_variant(
     finally:
         if bar is not None:
             bar.close()
-    step_time, timing = _time_variant(model, opt, x, y, cfg)
+    timer = StepTimer(model, opt, x, y, cfg)
+    if time_later:  # the caller times every variant in turns (time_interleaved) and fills in step_time
+        step_time, timing = float("nan"), None
+    else:
+        (step_time,), timing = time_interleaved([timer], cfg)
+        timer = None
     val_points.append((cfg.steps, evaluate(model, eval_set)))
     return RunResult(
         variant=variant,
@@ -335,4 +367,5 @@ def train_variant(
         convert_time=convert_time,
         tokens=cfg.steps * cfg.batch * cfg.seq,
         model=model if keep_model else None,
+        timer=timer,
     )

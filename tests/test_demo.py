@@ -229,3 +229,20 @@ def test_results_table_states_the_timing_conditions(tmp_path):
         assert "step (ms)*" in text
         assert "median of 4 timed training steps" in text and "2 x 16" in text and "after 3 untimed warm-up steps" in text
         assert "1 torch thread," in text and "load average" in text
+
+
+def test_demo_times_the_variants_in_turns(tmp_path, monkeypatch):
+    """The demo times every variant after training, one step each per round, and says so under the table."""
+    import depthrewrite.train as train_mod
+
+    order = []
+    real = train_mod.StepTimer.step
+    monkeypatch.setattr(train_mod.StepTimer, "step", lambda self: order.append(id(self)) or real(self))
+    cfg = demo_mod.DemoConfig(out=tmp_path / "out", steps=1, schemes="vanilla,attnres", batch=2, seq=16, layers=2,
+                              hidden=32, eval_every=0, eval_batches=1, progress=False,
+                              corpus_dir=_small_corpus(tmp_path / "corpus"))
+    results = demo_mod.run_demo(cfg, say=lambda line: None)
+    a, b = order[0], order[-1]
+    assert a != b and order == [a] * 3 + [b] * 3 + [a, b] * 10  # warm-up each, then turns
+    assert all(r.timer is None and r.timing.interleaved and r.step_time > 0 for r in results)
+    assert "timed in turns" in (tmp_path / "out" / "results.md").read_text()
