@@ -15,6 +15,7 @@ from .passes.analyse.chain import detect_chain
 from .passes.rewrite import SchemeConfig, get_handler, scheme_config
 from .passes.rewrite.depth import PARAM_PREFIX, block_size_for
 from .report import ChainReport, ConvertReport, SiteInfo
+from .zoo import resolve
 
 __all__ = ["inspect", "convert"]
 
@@ -22,7 +23,7 @@ log = logging.getLogger(__name__)
 
 
 def inspect(
-    model: nn.Module | fx.GraphModule,
+    model: nn.Module | fx.GraphModule | str,
     example_inputs: tuple | None = None,
     example_kwargs: dict | None = None,
 ) -> ChainReport | ConvertReport:
@@ -31,7 +32,8 @@ def inspect(
     Args:
         model (nn.Module | fx.GraphModule): a model (captured with :func:`~depthrewrite.capture`), a graph that is
             already captured (``torch.export`` or a Dynamo graph as a ``torch.compile`` backend receives it), or a
-            model returned by :func:`convert`.
+            model returned by :func:`convert`; or a model spec as the CLI takes it (``"hf:llama"``,
+            ``"timm:vit_tiny_patch16_224"``, ``"package.module:factory"``; see :func:`depthrewrite.zoo.build`).
         example_inputs (tuple, optional): positional inputs for capture; built for HF and timm models when None.
         example_kwargs (dict, optional): keyword inputs for capture.
 
@@ -41,6 +43,7 @@ def inspect(
     Raises:
         CaptureError, NotPreNormError, NoResidualChainError (all :class:`DepthRewriteError`).
     """
+    model = resolve(model)
     if isinstance(model, ConvertedGraphModule):
         return model.report()
     gm = capture(model, example_inputs, example_kwargs)
@@ -50,7 +53,7 @@ def inspect(
 
 
 def convert(
-    model: nn.Module,
+    model: nn.Module | str,
     scheme: str | SchemeConfig = "attnres",
     *,
     example_inputs: tuple | None = None,
@@ -61,10 +64,12 @@ def convert(
     """Rewrite the PreNorm residual chain of ``model`` into ``scheme``.
 
     Args:
-        model (nn.Module): the model; it is not modified, and the converted model shares its parameters.
-        scheme (str | SchemeConfig): ``"attnres"``, ``"msar"``, ``"mhc"`` or ``"moda"``, with that scheme's options as
-            keywords (see :class:`AttnResConfig`, :class:`MSARConfig`, :class:`MHCConfig`, :class:`MoDAConfig`), or a
-            config instance such as ``AttnResConfig(blocks=8)``.
+        model (nn.Module | str): the model; it is not modified, and the converted model shares its parameters. Or a
+            model spec as the CLI takes it (``"hf:llama"``, ``"timm:vit_tiny_patch16_224"``, ``"pkg.module:factory"``).
+        scheme (str | SchemeConfig): ``"attnres"``, ``"msar"``, ``"mhc"`` or ``"moda"`` (any case), or
+            ``"block-attnres"`` / ``"block-msar"`` (the same with ``blocks=4``; an explicit ``blocks=`` wins), with
+            that scheme's options as keywords (see :class:`AttnResConfig`, :class:`MSARConfig`, :class:`MHCConfig`,
+            :class:`MoDAConfig`), or a config instance such as ``AttnResConfig(blocks=8)``.
         example_inputs, example_kwargs: inputs for capture, as for :func:`capture`.
         pipeline_stages (int, optional): place ``pipeline_stages - 1`` stage boundaries
             (``torch.ops.pippy._pipe_split``) in both graphs, balanced by parameter count and on block boundaries for
@@ -77,6 +82,7 @@ def convert(
         call signature and output type. ``converted.report()`` describes the rewrite.
     """
     config = scheme_config(scheme, **options)
+    model = resolve(model)
     if pipeline_stages is not None and (not isinstance(pipeline_stages, int) or isinstance(pipeline_stages, bool) or pipeline_stages < 1):
         raise ConfigError(f"pipeline_stages must be an integer >= 1, got {pipeline_stages!r}")
     if isinstance(model, fx.GraphModule):

@@ -58,7 +58,16 @@ def example_inputs_for(model: nn.Module, batch: int = DEFAULT_BATCH, seq: int = 
             kwargs[name] = ids
         return (), kwargs
     if _is_timm(model):
+        # pretrained_cfg keeps the registered size (224) when the model is built with another img_size; the patch
+        # embedding (ViT, DeiT, BEiT, Swin, ...) holds the size the model was built for.
         c, h, w = model.pretrained_cfg.get("input_size", (3, 224, 224))
+        patch = getattr(model, "patch_embed", None)
+        size = getattr(patch, "img_size", None)
+        if isinstance(size, int):
+            size = (size, size)
+        if isinstance(size, (tuple, list)) and len(size) == 2 and all(isinstance(v, int) for v in size):
+            h, w = size
+        c = getattr(getattr(patch, "proj", None), "in_channels", c)
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
         return (torch.randn(batch, c, h, w, device=device, dtype=dtype),), {}
     emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)

@@ -1,9 +1,12 @@
-"""``depthrewrite`` command line: parse arguments, call the API, print a report. Nothing else lives here.
+"""``depthrewrite`` command line: parse arguments, call the API, print a report.
+
+The argparse description and epilog are :data:`DESCRIPTION` and :data:`EXAMPLES` (not this docstring)::
 
     depthrewrite inspect hf:llama [--layers N] [--hidden D] [--graph] [--save chain.svg]
     depthrewrite inspect timm:vit_tiny_patch16_224
     depthrewrite inspect depthrewrite.testing:nanogpt
     depthrewrite convert hf:llama --scheme attnres --blocks 4
+    depthrewrite convert hf:llama --scheme block-attnres
     depthrewrite convert hf:qwen2 --scheme msar [--streams 4] [-o conv_on=k]
     depthrewrite convert hf:qwen2 --scheme mhc [--streams 4] [-o sinkhorn_iters=20]
     depthrewrite convert hf:llama --scheme moda [-o preserve_init=True]
@@ -21,6 +24,19 @@ from . import api, zoo
 from .errors import ConfigError, DepthRewriteError
 
 __all__ = ["main"]
+
+DESCRIPTION = (
+    "Detect the PreNorm residual chain of a PyTorch transformer (captured with torch.export)\n"
+    "and rewrite it into a depth-mixing scheme: AttnRes / Block AttnRes, MSAR / Block MSAR, mHC, MoDA."
+)
+EXAMPLES = """examples:
+  depthrewrite inspect hf:llama --graph
+  depthrewrite inspect timm:vit_tiny_patch16_224 --save chain.png
+  depthrewrite inspect mymodels:build            (mymodels.py in the current folder)
+  depthrewrite convert hf:llama --scheme block-attnres
+  depthrewrite convert hf:qwen2 --scheme mhc --streams 4
+  depthrewrite demo --steps 120
+"""
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -75,19 +91,23 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="depthrewrite", description=__doc__.split("\n")[0])
+    from .passes.rewrite.registry import scheme_names
+
+    parser = argparse.ArgumentParser(prog="depthrewrite", description=DESCRIPTION, epilog=EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("inspect", help="detect and print the PreNorm residual chain of a model")
     _add_model_args(p)
     p.add_argument("--graph", action="store_true", help="also print the chain's nodes in the captured graph")
     p.add_argument("--full-graph", action="store_true", help="with --graph: print every op, chain nodes marked")
-    p.add_argument("--save", default=None, help="write the chain diagram (.svg/.png need the viz extra; .dot always)")
+    p.add_argument("--save", default=None, help="write the chain diagram (.png/.svg: Graphviz, else matplotlib; .dot always)")
     p.set_defaults(func=_cmd_inspect)
 
     p = sub.add_parser("convert", help="rewrite the chain into a depth-mixing scheme and print what changed")
     _add_model_args(p)
-    p.add_argument("--scheme", default="attnres", choices=["attnres", "msar", "mhc", "moda"], help="default: attnres")
+    p.add_argument("--scheme", default="attnres", type=str.lower, choices=scheme_names(),
+                   help="any case; block-attnres / block-msar = attnres / msar with --blocks 4 (default: attnres)")
     p.add_argument("--blocks", type=int, default=None, help="Block AttnRes / Block MSAR: number of blocks N")
     p.add_argument("--block-size", type=int, default=None, help="sublayers per block S (wins over --blocks)")
     p.add_argument("--mix-scale", choices=["count", "mean"], default=None, help="count (default, exact at init) or mean")

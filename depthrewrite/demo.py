@@ -7,13 +7,13 @@ table, and writes into the output folder:
 
 * ``results.md``       the table (scheme, new parameters, step time, final train and validation loss, init check)
 * ``loss_curves.png``  training and validation loss of every variant (matplotlib, Agg)
-* ``rewritten_<scheme>.svg`` / ``.png``  the rewritten graph of one scheme (``.txt`` and ``.dot`` without Graphviz)
+* ``rewritten_<scheme>.svg`` / ``.png`` / ``.txt``  the rewritten graph of one scheme (drawn by Graphviz when it is
+  installed, else by matplotlib; ``.dot`` only when neither is)
 * ``chain.txt``, ``chain.svg`` (or ``chain.dot``)  the detected chain of the original model
 """
 
 from __future__ import annotations
 
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,9 +24,9 @@ from tabulate import tabulate
 from . import api
 from .corpus import Corpus
 from .errors import ConfigError
-from .train import RunResult, TrainConfig, Variant, parse_variants, tiny_llama, train_variant
+from .train import RunResult, TrainConfig, Variant, parse_variants, time_interleaved, tiny_llama, train_variant
 
-__all__ = ["DEMO_SCHEMES", "DemoConfig", "run_demo", "results_table"]
+__all__ = ["DEMO_SCHEMES", "DemoConfig", "run_demo", "results_table", "timing_note"]
 
 #: the default variants: every scheme once (MSAR as Block MSAR, the cheaper of the two on CPU); all of them: --schemes all
 DEMO_SCHEMES = "vanilla,attnres,block-attnres,block-msar,mhc,moda"
@@ -63,7 +63,25 @@ def _init_check(r: RunResult) -> str:
     return f"{mark} {what} (Δ {r.init_error:.1e} ≤ {v.init_tol:.0e})"
 
 
+def timing_note(results: list[RunResult]) -> str:
+    """The conditions of the table's step times, as one footnote line."""
+    timings = [r.timing for r in results if r.timing is not None]
+    if not timings:
+        return "* step (ms): median training step time on this machine (conditions not recorded)"
+    t = timings[0]
+    loads = [x.load for x in timings if x.load is not None]
+    load = "" if not loads else (f", load average {min(loads):.1f}" if max(loads) - min(loads) < 0.05
+                                 else f", load average {min(loads):.1f}-{max(loads):.1f}")
+    return (f"* step (ms): median of {t.timed} timed training steps (forward, backward, AdamW) of {t.batch} x {t.seq} "
+            f"tokens after {t.warmup} untimed warm-up steps, "
+            + ("the variants timed in turns (one step each per round) after training; " if t.interleaved
+               else "every variant timed the same way after its training; ")
+            + f"{t.device}, {t.threads} torch thread{'s' if t.threads != 1 else ''}{load}. Times are this machine's, "
+            "and move with its load.")
+
+
 def results_table(results: list[RunResult], fmt: str = "simple") -> str:
+    """The results table, with the footnote that says how the step times were measured."""
     rows = [
         [
             r.variant.name,
@@ -75,8 +93,9 @@ def results_table(results: list[RunResult], fmt: str = "simple") -> str:
         ]
         for r in results
     ]
-    headers = ["scheme", "new params", "step (ms)", "train loss", "val loss", "init check"]
-    return tabulate(rows, headers=headers, tablefmt=fmt, disable_numparse=True)
+    headers = ["scheme", "new params", "step (ms)*", "train loss", "val loss", "init check"]
+    table = tabulate(rows, headers=headers, tablefmt=fmt, disable_numparse=True)
+    return f"{table}\n\n{timing_note(results)}"
 
 
 def _plot_losses(results: list[RunResult], path: Path) -> Path:
@@ -122,11 +141,7 @@ def _save_rewritten(model, name: str, out: Path, say: Callable[[str], None]) -> 
     from .draw import save_rewritten
 
     written = [save_rewritten(model, out / f"rewritten_{name}.txt")]
-    if shutil.which("dot") is None:
-        written.append(save_rewritten(model, out / f"rewritten_{name}.dot"))
-        say("(Graphviz's `dot` is not installed: the rewritten graph is written as text and .dot)")
-        return written
-    try:
+    try:  # Graphviz when installed, else matplotlib
         for suffix in (".svg", ".png"):
             written.append(save_rewritten(model, out / f"rewritten_{name}{suffix}"))
     except ConfigError as e:
@@ -167,10 +182,16 @@ def run_demo(cfg: DemoConfig, say: Callable[[str], None] = print) -> list[RunRes
     draw = next((name for name in _DRAW_PREFERENCE for v in variants if v.name == name), None)
     results: list[RunResult] = []
     for v in variants:
-        r = train_variant(build, v, corpus, train_cfg, seed=cfg.seed, progress=cfg.progress, keep_model=v.name == draw)
+        r = train_variant(build, v, corpus, train_cfg, seed=cfg.seed, progress=cfg.progress, keep_model=v.name == draw,
+                          time_later=True)
         results.append(r)
         what = "original model" if v.scheme is None else f"{v.label}: {r.new_params:,} new parameters, {_init_check(r)}"
         say(f"  {v.name:<14} {what}; val loss {r.final_val:.3f}")
+
+    # every variant's step time, measured in turns: a change of the machine's load lands on all of them alike
+    times, timing = time_interleaved([r.timer for r in results], train_cfg)
+    for r, t in zip(results, times):
+        r.step_time, r.timing, r.timer = t, timing, None
 
     say("")
     table = results_table(results)
@@ -185,8 +206,7 @@ def run_demo(cfg: DemoConfig, say: Callable[[str], None] = print) -> list[RunRes
     picture = f"\n\n![loss curves]({plot.name})" if plot.exists() else ""
     (out / "results.md").write_text(
         f"# depthrewrite demo\n\nTiny Llama ({cfg.layers} blocks, hidden {cfg.hidden}), {corpus}; {cfg.steps} steps of "
-        f"{cfg.batch} x {cfg.seq} bytes per variant, seed {cfg.seed}. Losses in nats per byte; step time on this "
-        f"machine.\n\n{md}{picture}\n"
+        f"{cfg.batch} x {cfg.seq} bytes per variant, seed {cfg.seed}. Losses in nats per byte.\n\n{md}{picture}\n"
     )
     written.append(out / "results.md")
     drawn = next((r for r in results if r.variant.name == draw), None)

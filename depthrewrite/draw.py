@@ -4,8 +4,8 @@
 the rewrite produced, read back from the converted graph itself (not from the report's summary)::
 
     g = rewritten_networkx(converted)        # networkx DiGraph: source, sublayers, stream values, depthrewrite ops
-    text = rewritten_text(converted)         # the same as lines of text (what the demo writes without Graphviz)
-    path = save_rewritten(converted, "attnres.svg")   # .svg/.png need pydot + Graphviz; .dot and .txt always work
+    text = rewritten_text(converted)         # the same as lines of text (the demo writes it next to the picture)
+    path = save_rewritten(converted, "attnres.svg")   # .svg/.png: Graphviz if installed, else matplotlib
 
 Contraction: every node of the converted graph is put in a group by the module that produced it — the stream source,
 one group per sublayer (its branch modules and norms), the final norm — or is one of the scheme's own
@@ -167,9 +167,9 @@ def _live_nodes(graph: fx.Graph) -> set[fx.Node]:
     return live
 
 
-def rewritten_dot(converted: fx.GraphModule) -> str:
-    """Graphviz DOT text of :func:`rewritten_networkx`."""
-    g = rewritten_networkx(converted)
+def rewritten_dot(converted: fx.GraphModule, g: nx.DiGraph | None = None) -> str:
+    """Graphviz DOT text of :func:`rewritten_networkx` (``g``: that graph, when already built)."""
+    g = rewritten_networkx(converted) if g is None else g
     title = f"{g.graph['model']} -> {g.graph['scheme']}".replace('"', '\\"')
     lines = [
         'digraph "rewritten" {',
@@ -202,16 +202,20 @@ def rewritten_text(converted: fx.GraphModule) -> str:
 
 
 def save_rewritten(converted: fx.GraphModule, path: str | Path) -> Path:
-    """Write the rewritten graph: ``.txt`` and ``.dot`` always work; ``.svg`` / ``.png`` need pydot and Graphviz."""
+    """Write the rewritten graph: ``.txt`` and ``.dot`` always work; ``.svg`` / ``.png`` are rendered by Graphviz
+    (pydot and ``dot``) when installed, else drawn with matplotlib."""
     path = Path(path)
     if path.suffix == ".txt":
         path.write_text(rewritten_text(converted))
         return path
+    g = rewritten_networkx(converted)
     return write_dot(
-        rewritten_dot(converted),
+        rewritten_dot(converted, g),
         path,
         what="a rewritten graph",
         formats=".svg, .png, .dot or .txt",
-        no_pydot="; .dot and .txt work without it",
-        no_graphviz="; .dot and .txt work without it",
+        no_pydot=" (and Graphviz's `dot`), or matplotlib; .dot and .txt work without them",
+        no_graphviz="; .dot and .txt work without either",
+        graph=g,
+        title=f"{g.graph['model']} -> {g.graph['scheme']}",
     )

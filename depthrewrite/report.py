@@ -15,11 +15,28 @@ from tabulate import tabulate
 from .errors import ConfigError
 from .passes.analyse.chain import Chain
 
-__all__ = ["ChainReport", "ConvertReport", "SiteInfo", "write_dot"]
+__all__ = ["ChainReport", "ConvertReport", "SiteInfo", "write_dot", "graphviz_dot"]
 
 
-def write_dot(dot: str, path: Path, *, what: str, formats: str, no_pydot: str, no_graphviz: str) -> Path:
-    """Write DOT text to ``path``: ``.dot`` as is; ``.svg`` / ``.png`` rendered through pydot and Graphviz's ``dot``.
+def graphviz_dot() -> str | None:
+    """The path of Graphviz's ``dot`` program, or None (tests replace this to check the matplotlib fallback)."""
+    return shutil.which("dot")
+
+
+def write_dot(
+    dot: str,
+    path: Path,
+    *,
+    what: str,
+    formats: str,
+    no_pydot: str,
+    no_graphviz: str,
+    graph: nx.DiGraph | None = None,
+    title: str = "",
+) -> Path:
+    """Write DOT text to ``path``: ``.dot`` as is; ``.svg`` / ``.png`` rendered through pydot and Graphviz's ``dot``,
+    or, where either is missing and ``graph`` is given, drawn from ``graph`` with matplotlib
+    (:func:`depthrewrite.render.draw_layered`).
 
     ``what`` and ``formats`` name the picture and the suffixes the caller accepts; ``no_pydot`` / ``no_graphviz``
     end the error messages with what works without them. Raises :class:`ConfigError` for anything else."""
@@ -31,11 +48,26 @@ def write_dot(dot: str, path: Path, *, what: str, formats: str, no_pydot: str, n
     try:
         import pydot
     except ImportError as e:
-        raise ConfigError(f"saving {path.name} needs pydot: `pip install 'depthrewrite[viz]'`{no_pydot}") from e
-    if shutil.which("dot") is None:
-        raise ConfigError(f"saving {path.name} needs Graphviz's `dot` program (e.g. `apt-get install graphviz`){no_graphviz}")
-    (graph,) = pydot.graph_from_dot_data(dot)
-    getattr(graph, f"write_{path.suffix[1:]}")(str(path))
+        pydot, missing = None, ConfigError(f"saving {path.name} needs pydot: `pip install 'depthrewrite[viz]'`{no_pydot}")
+        missing.__cause__ = e
+    else:
+        missing = None
+        if graphviz_dot() is None:
+            missing = ConfigError(
+                f"saving {path.name} needs Graphviz's `dot` program (e.g. `apt-get install graphviz`) or matplotlib"
+                f"{no_graphviz}"
+            )
+    if missing is not None:
+        if graph is None:
+            raise missing
+        from .render import draw_layered
+
+        try:
+            return draw_layered(graph, path, title=title)
+        except ConfigError:
+            raise missing from None
+    (parsed,) = pydot.graph_from_dot_data(dot)
+    getattr(parsed, f"write_{path.suffix[1:]}")(str(path))
     return path
 
 
@@ -130,11 +162,11 @@ class ChainReport:
                     g.add_edge(h_in, nid)
                     entry = nid
                 g.add_node(bid, role="branch", kind=b.kind, node=b.output, module=b.module, label=f"{b.kind}: {b.module}")
-                g.add_edge(entry, bid)
+                g.add_edge(entry, bid, lateral=entry != h_in)  # lateral: drawn beside its norm (render.py)
                 if b.post_norm is not None:
                     pid = f"{bid}.post"
                     g.add_node(pid, role="post_norm", node=b.post_norm.output, module=b.post_norm.module, label=f"{b.post_norm.module}\\n{b.post_norm.short}")
-                    g.add_edge(bid, pid)
+                    g.add_edge(bid, pid, lateral=True)
                     bid = pid
                 g.add_edge(bid, h_out, kind="branch")
         last = f"h{len(c.sublayers)}"
@@ -159,15 +191,18 @@ class ChainReport:
         return "\n".join(lines) + "\n"
 
     def save(self, path: str | Path) -> Path:
-        """Write the diagram: ``.dot`` always works; ``.svg`` / ``.png`` need the ``viz`` extra (pydot) and Graphviz."""
+        """Write the diagram: ``.dot`` always works; ``.svg`` / ``.png`` are rendered by Graphviz (pydot and ``dot``)
+        when installed, else drawn with matplotlib (the ``viz`` extra)."""
         return write_dot(
             self.to_dot(),
             Path(path),
             what="a chain diagram",
             formats=".svg, .png or .dot",
-            no_pydot=" (and Graphviz's `dot`, e.g. `apt-get install graphviz`). report.to_dot() and "
+            no_pydot=" (and Graphviz's `dot`, e.g. `apt-get install graphviz`), or matplotlib. report.to_dot() and "
             "report.save('chain.dot') work without them.",
-            no_graphviz="; report.save('chain.dot') works without it.",
+            no_graphviz="; report.save('chain.dot') works without either.",
+            graph=self.to_networkx(),
+            title=f"{self.model_class}: detected PreNorm residual chain ({self.num_sublayers} sublayers)",
         )
 
     def graph_text(self, only_chain: bool = False) -> str:
@@ -283,3 +318,107 @@ class ConvertReport:
 
     def __repr__(self) -> str:
         return f"ConvertReport({self.model_class}, {self.config!r}, sites={len(self.sites)})"
+
+    # -- pictures -----------------------------------------------------------------------------------------------------
+    def to_networkx(self) -> nx.DiGraph:
+        """The conversion as a graph: stream source, one box per sublayer (its norm inside), one node per mixing site
+        before the sublayer (or final norm) it feeds, and what each site reads: ``emb`` from the source, ``out<k>``
+        from sublayer k, a completed block ``b<j>`` from its block-sum node, an open block ``partial b<j>`` from its
+        sublayers so far. Sources without a node of their own (mHC's streams ``x0..``) are named in the site's label.
+        For the graph the rewrite actually produced, see :func:`depthrewrite.draw.rewritten_networkx`."""
+        c = self.chain
+        g = nx.DiGraph(model=self.model_class, scheme=self.config.describe(self.block_size))
+        g.add_node("source", role="source", label=f"stream source\\n{c.source_module or c.source}")
+        sites = {s.site: s for s in self.sites}
+        S = self.block_size or 1
+        prev = "source"
+
+        def add_site(key: int | str, info: SiteInfo, before: str) -> str:
+            sid = f"site:{key}"
+            reads = list(info.sources)
+            names = ", ".join(reads) if reads else "-"
+            wrapped = "\\n".join(", ".join(reads[i:i + 6]) for i in range(0, len(reads), 6)) if reads else "(no stored sources)"
+            g.add_node(sid, role="site", label=f"mix at site {key} (K={len(reads)})\\n{wrapped}", reads=names)
+            linked = False
+            here = len(c.sublayers) if key == "output" else int(key)
+            for src in reads:
+                tails = _site_sources(src, S, here)
+                if tails is None:
+                    continue
+                for t in tails:
+                    if isinstance(t, str) and t.startswith("b") and t not in g:
+                        j = int(t[1:])
+                        g.add_node(t, role="stream", label=f"block sum {t}")
+                        for k in range((j - 1) * S, min(j * S, len(c.sublayers))):
+                            g.add_edge(f"sub{k}", t)
+                    if t in g:
+                        g.add_edge(t, sid)
+                        linked = True
+            if not linked:
+                g.add_edge(before, sid)
+            return sid
+
+        for sub in c.sublayers:
+            sid = f"sub{sub.index}"
+            kind = sub.kind if sub.kind in ("attention", "mlp") else "other"
+            if sub.index in sites:
+                entry = add_site(sub.index, sites[sub.index], prev)
+            else:
+                entry = prev
+            g.add_node(sid, role=kind, label=f"{sub.index}: {sub.kind}\\n{sub.branch_module or sub.module}")
+            g.add_edge(entry, sid)
+            prev = sid
+        entry = add_site("output", sites["output"], prev) if "output" in sites else prev
+        g.add_node("final_norm", role="final_norm", label=f"final norm\\n{c.final_norm.module or c.final_norm.output}")
+        g.add_edge(entry, "final_norm")
+        return g
+
+    def to_dot(self) -> str:
+        """Graphviz DOT text of :meth:`to_networkx`."""
+        g = self.to_networkx()
+        fills = dict(source="#cfe2ff", stream="#e9ecef", final_norm="#ffe69c", site="#ffc078", attention="#d1e7dd",
+                     mlp="#f8d7da", other="#e2d9f3")
+        title = _esc(f"{self.model_class} -> {g.graph['scheme']}")
+        lines = ['digraph "converted" {', "  rankdir=TB;", f'  labelloc=t; label="{title}"; fontname="Helvetica";',
+                 '  node [shape=box, style="rounded,filled", fontname="Helvetica", fontsize=10];']
+        for n, d in g.nodes(data=True):
+            shape = "hexagon" if d["role"] == "site" else ("ellipse" if d["role"] == "stream" else "box")
+            lines.append(f'  "{n}" [label="{_esc(d["label"])}", fillcolor="{fills.get(d["role"], "#ffffff")}", shape={shape}];')
+        for a, b in g.edges():
+            lines.append(f'  "{a}" -> "{b}";')
+        lines.append("}")
+        return "\n".join(lines) + "\n"
+
+    def save(self, path: str | Path) -> Path:
+        """Write the conversion diagram (:meth:`to_networkx`): ``.dot`` always; ``.svg`` / ``.png`` through Graphviz
+        when installed, else matplotlib. :func:`depthrewrite.draw.save_rewritten` draws the rewritten graph itself."""
+        g = self.to_networkx()
+        return write_dot(
+            self.to_dot(),
+            Path(path),
+            what="a conversion diagram",
+            formats=".svg, .png or .dot",
+            no_pydot=" (and Graphviz's `dot`), or matplotlib; report.save('conversion.dot') works without them.",
+            no_graphviz="; report.save('conversion.dot') works without either.",
+            graph=g,
+            title=f"{self.model_class} -> {g.graph['scheme']}",
+        )
+
+
+def _site_sources(src: str, S: int, here: int) -> list[str] | None:
+    """Graph nodes a site source name stands for, at the site before sublayer ``here``: ``emb`` -> source, ``out3`` ->
+    sub3, ``b2`` -> the block-sum node, ``partial b2`` -> the block-sum node once the block is complete, else its
+    sublayers so far; None: no node (mHC's streams x0..)."""
+    name = src.strip()
+    if name == "emb":
+        return ["source"]
+    if name.startswith("out") and name[3:].isdigit():
+        return [f"sub{int(name[3:])}"]
+    if name.startswith("partial b") and name[9:].isdigit():
+        j = int(name[9:])
+        if j * S <= here:
+            return [f"b{j}"]
+        return [f"sub{k}" for k in range((j - 1) * S, min(j * S, here))]
+    if name.startswith("b") and name[1:].isdigit():
+        return [name]
+    return None

@@ -9,7 +9,9 @@ original or converted, with AdamW, warmup + cosine decay and gradient clipping, 
 
 from __future__ import annotations
 
+import copy
 import math
+import os
 import statistics
 import sys
 import time
@@ -21,8 +23,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .errors import ConfigError, TrainingError
+from .passes.rewrite.registry import DEFAULT_BLOCKS
 
-__all__ = ["tiny_llama", "Variant", "VARIANTS", "parse_variants", "TrainConfig", "RunResult", "train_variant", "logits_of", "evaluate"]
+__all__ = [
+    "tiny_llama", "Variant", "VARIANTS", "parse_variants", "TrainConfig", "RunResult", "StepTiming", "train_variant",
+    "time_steps", "time_interleaved", "StepTimer", "logits_of", "evaluate",
+]
 
 
 def tiny_llama(seed: int = 0, layers: int = 4, hidden: int = 64) -> nn.Module:
@@ -54,9 +60,9 @@ VARIANTS: dict[str, Variant] = {
     for v in (
         Variant("vanilla", "Vanilla (PreNorm residual)", None, init_tol=None),
         Variant("attnres", "Full AttnRes", "attnres"),
-        Variant("block-attnres", "Block AttnRes (4 blocks)", "attnres", {"blocks": 4}),
+        Variant("block-attnres", f"Block AttnRes ({DEFAULT_BLOCKS} blocks)", "attnres", {"blocks": DEFAULT_BLOCKS}),
         Variant("msar", "Full MSAR", "msar"),
-        Variant("block-msar", "Block MSAR (4 blocks)", "msar", {"blocks": 4}),
+        Variant("block-msar", f"Block MSAR ({DEFAULT_BLOCKS} blocks)", "msar", {"blocks": DEFAULT_BLOCKS}),
         # mHC's default init (alpha = 0.01, phi ~ N(0, 1e-4)) is close to the original, not exact (docs/mhc.md)
         Variant("mhc", "mHC (n=4)", "mhc", init_tol=1e-4, note="default init: close, exact only with alpha_init=0"),
         # MoDA as in the paper (lambda = 1): depth logits compete in the softmax from step 0 (docs/moda.md)
@@ -92,17 +98,48 @@ class TrainConfig:
     grad_clip: float = 1.0
     eval_every: int = 0  # validation loss every N steps (0: only at the end)
     eval_batches: int = 8
+    #: the step time: after training, ``time_warmup`` untimed then ``timed_steps`` timed steps on one batch, weights and
+    #: optimizer state restored afterwards (so every variant is timed warm, and training is unchanged)
+    time_warmup: int = 3
+    timed_steps: int = 10
+    #: torch threads while timing (None: as set). One thread by default: on a shared or busy CPU, multi-threaded ops
+    #: stall on their busiest thread and the times jump by several times from one variant to the next
+    time_threads: int | None = 1
 
     def __post_init__(self):
-        for name in ("steps", "batch", "seq", "eval_batches"):
+        for name in ("steps", "batch", "seq", "eval_batches", "timed_steps"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.time_threads is not None and (not isinstance(self.time_threads, int) or self.time_threads < 1):
+            raise ConfigError(f"time_threads must be None or an integer >= 1, got {self.time_threads!r}")
+        if not isinstance(self.time_warmup, int) or self.time_warmup < 0:
+            raise ConfigError(f"time_warmup must be an integer >= 0, got {self.time_warmup!r}")
 
     def lr_at(self, step: int) -> float:
         if step < self.warmup:
             return self.lr * (step + 1) / self.warmup
         t = (step - self.warmup) / max(1, self.steps - self.warmup)
         return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """How a step time was measured: median of ``timed`` training steps (forward, backward, clip, AdamW) of
+    ``batch`` x ``seq`` after ``warmup`` untimed ones, on ``device`` with ``threads`` torch threads."""
+
+    warmup: int
+    timed: int
+    batch: int
+    seq: int
+    threads: int
+    device: str = "cpu"
+    load: float | None = None  # 1-minute load average when timed (None: unknown)
+    interleaved: bool = False  # several models timed in turns, one step each per round
+
+    def describe(self) -> str:
+        load = f", load average {self.load:.1f}" if self.load is not None else ""
+        return (f"median of {self.timed} timed training steps (forward, backward, AdamW) of {self.batch} x {self.seq} "
+                f"after {self.warmup} untimed warm-up steps, {self.device}, {self.threads} torch threads{load}")
 
 
 @dataclass
@@ -112,12 +149,14 @@ class RunResult:
     new_params: int
     model_params: int
     init_error: float | None  # max|Δlogits| / max|logits| against the original at init (None for vanilla)
-    step_time: float  # median seconds per training step (first steps excluded)
+    step_time: float  # median seconds per training step, measured warm (see ``timing``)
     train_losses: list[float]
     val_points: list[tuple[int, float]]  # (step, validation loss)
     convert_time: float = 0.0
     tokens: int = 0
     model: nn.Module | None = field(default=None, repr=False)  # the trained model, with keep_model=True
+    timing: StepTiming | None = None  # how step_time was measured (None: loaded from an older record)
+    timer: StepTimer | None = field(default=None, repr=False)  # with time_later=True, until the caller has timed it
 
     @property
     def final_train(self) -> float:
@@ -157,6 +196,26 @@ def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]])
         model.train(was)
 
 
+def time_steps(step: Callable[[], Any], warmup: int, timed: int) -> list[float]:
+    """Call ``step()`` ``warmup`` times untimed (first-call costs: allocator, thread pools, caches), then ``timed``
+    times; the seconds of each timed call."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(timed):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def _load() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # pragma: no cover - not on every platform
+        return None
+
+
 def _progress(total: int, desc: str, enabled: bool | None):
     try:
         from tqdm.auto import tqdm
@@ -164,6 +223,63 @@ def _progress(total: int, desc: str, enabled: bool | None):
         return None
     # disable=None: a bar on a terminal, nothing when stderr is not a TTY (CI logs)
     return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True, disable=None if enabled is None else not enabled)
+
+
+def _train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, clip: float) -> torch.Tensor:
+    loss = _loss(model, x, y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    return loss
+
+
+class StepTimer:
+    """Times training steps of one trained model on one batch; :meth:`close` restores its weights and optimizer state,
+    so the timed steps do not change the result of training."""
+
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig):
+        self.model, self.opt, self.x, self.y, self.cfg = model, opt, x, y, cfg
+        self.weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self.state = copy.deepcopy(opt.state_dict())
+
+    def step(self) -> float:
+        t = time.perf_counter()
+        _train_step(self.model, self.opt, self.x, self.y, self.cfg.grad_clip)
+        return time.perf_counter() - t
+
+    def close(self) -> None:
+        self.model.load_state_dict(self.weights)
+        self.opt.load_state_dict(self.state)
+        self.opt.zero_grad(set_to_none=True)
+
+
+def time_interleaved(timers: list[StepTimer], cfg: TrainConfig) -> tuple[list[float], StepTiming]:
+    """Median step time of every timer, measured warm and in turns: ``time_warmup`` untimed steps each, then
+    ``timed_steps`` rounds of one timed step per model, on ``time_threads`` threads. Taking turns spreads a change of
+    the machine's load over every model, instead of landing on whichever was being timed (the first steps of a process
+    or a model pay one-off costs; with several threads on a busy CPU, ops stall on their slowest thread)."""
+    threads = torch.get_num_threads()
+    times: list[list[float]] = [[] for _ in timers]
+    try:
+        if cfg.time_threads:
+            torch.set_num_threads(cfg.time_threads)
+        used = torch.get_num_threads()
+        for timer in timers:
+            time_steps(timer.step, cfg.time_warmup, 0)
+        for _ in range(cfg.timed_steps):
+            for i, timer in enumerate(timers):
+                times[i].append(timer.step())
+    finally:
+        torch.set_num_threads(threads)
+        for timer in timers:
+            timer.close()
+    x = timers[0].x if timers else torch.empty(0, 0)
+    device = next((p.device.type for p in timers[0].model.parameters()), "cpu") if timers else "cpu"
+    timing = StepTiming(warmup=cfg.time_warmup, timed=cfg.timed_steps, batch=x.shape[0], seq=x.shape[1],
+                        threads=used, device=device, load=_load(), interleaved=len(timers) > 1)
+    return [statistics.median(t) for t in times], timing
 
 
 def train_variant(
@@ -174,6 +290,7 @@ def train_variant(
     seed: int = 0,
     progress: bool | None = None,
     keep_model: bool = False,
+    time_later: bool = False,
 ) -> RunResult:
     """Build the model with ``build(seed)``, convert it (unless vanilla), check init equivalence, train and evaluate.
 
@@ -206,22 +323,14 @@ def train_variant(
     gen = torch.Generator().manual_seed(10_000 + seed)
     model.train()
     losses: list[float] = []
-    times: list[float] = []
     val_points: list[tuple[int, float]] = []
     bar = _progress(cfg.steps, variant.name if seed == 0 else f"{variant.name} (seed {seed})", progress)
     try:
         for step in range(cfg.steps):
             x, y = corpus.batch("train", cfg.batch, cfg.seq, gen)
-            t = time.perf_counter()
             for group in opt.param_groups:
                 group["lr"] = cfg.lr_at(step)
-            loss = _loss(model, x, y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if cfg.grad_clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            opt.step()
-            times.append(time.perf_counter() - t)
+            loss = _train_step(model, opt, x, y, cfg.grad_clip)
             losses.append(loss.item())
             if not math.isfinite(losses[-1]):
                 raise TrainingError(
@@ -238,18 +347,25 @@ def train_variant(
     finally:
         if bar is not None:
             bar.close()
+    timer = StepTimer(model, opt, x, y, cfg)
+    if time_later:  # the caller times every variant in turns (time_interleaved) and fills in step_time
+        step_time, timing = float("nan"), None
+    else:
+        (step_time,), timing = time_interleaved([timer], cfg)
+        timer = None
     val_points.append((cfg.steps, evaluate(model, eval_set)))
-    steady = times[min(3, len(times) - 1):] or times
     return RunResult(
         variant=variant,
         seed=seed,
         new_params=new_params,
         model_params=model_params,
         init_error=init_error,
-        step_time=statistics.median(steady),
+        step_time=step_time,
+        timing=timing,
         train_losses=losses,
         val_points=val_points,
         convert_time=convert_time,
         tokens=cfg.steps * cfg.batch * cfg.seq,
         model=model if keep_model else None,
+        timer=timer,
     )

@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Any
+import os
+import sys
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
 
 from .errors import ConfigError
 
-__all__ = ["build", "hf_model", "timm_model", "HF_TYPES"]
+__all__ = ["build", "resolve", "hf_model", "timm_model", "HF_TYPES"]
 
 #: model types the CLI and the test zoo exercise; any other transformers model type is tried the same way.
 HF_TYPES = (
@@ -128,7 +131,12 @@ def timm_model(name: str, layers: int | None = None, hidden: int | None = None, 
 
 
 def build(spec: str, layers: int | None = None, hidden: int | None = None) -> nn.Module:
-    """Build the model a CLI spec names: ``hf:llama``, ``timm:vit_tiny_patch16_224``, ``pkg.module:factory``."""
+    """Build the model a CLI spec names: ``hf:llama``, ``timm:vit_tiny_patch16_224``, ``pkg.module:factory``.
+
+    A ``module:factory`` spec is imported the way ``python -m`` would: a ``module.py`` (or package) in the current
+    folder is found even when the current folder is not on ``sys.path`` (as under the ``depthrewrite`` script)."""
+    if not isinstance(spec, str):
+        raise ConfigError(f"a model spec is a string such as 'hf:llama', got {type(spec).__name__}")
     kind, sep, name = spec.partition(":")
     if not sep or not name:
         raise ConfigError(f"model spec {spec!r} must look like hf:<model_type>, timm:<name> or package.module:factory")
@@ -136,20 +144,44 @@ def build(spec: str, layers: int | None = None, hidden: int | None = None) -> nn
         return hf_model(name, layers=layers or 4, hidden=hidden or 64)
     if kind == "timm":
         return timm_model(name, layers=layers, hidden=hidden)
-    try:
-        mod = importlib.import_module(kind)
-    except ImportError as e:
-        raise ConfigError(f"cannot import {kind!r} from spec {spec!r}: {e}") from e
-    factory = getattr(mod, name, None)
-    if factory is None:
-        raise ConfigError(f"module {kind!r} has no attribute {name!r} (spec {spec!r})")
-    if isinstance(factory, nn.Module):
-        model = factory
-    else:
-        model = factory(**_size_kwargs(factory, spec, layers, hidden))
+    with _cwd_on_path():
+        try:
+            mod = importlib.import_module(kind)
+        except ImportError as e:
+            raise ConfigError(f"cannot import {kind!r} from spec {spec!r} (looked in the current folder too): {e}") from e
+        factory = getattr(mod, name, None)
+        if factory is None:
+            raise ConfigError(f"module {kind!r} has no attribute {name!r} (spec {spec!r})")
+        if isinstance(factory, nn.Module):
+            model = factory
+        else:
+            model = factory(**_size_kwargs(factory, spec, layers, hidden))
     if not isinstance(model, nn.Module):
         raise ConfigError(f"{spec!r} did not give an nn.Module (got {type(model).__name__})")
     return model
+
+
+def resolve(model: nn.Module | str) -> nn.Module:
+    """The model itself, or the model a spec string names (:func:`build` at its default sizes): what lets
+    ``depthrewrite.inspect("hf:llama")`` and ``convert("timm:vit_tiny_patch16_224", ...)`` take the CLI's specs."""
+    return build(model) if isinstance(model, str) else model
+
+
+@contextmanager
+def _cwd_on_path() -> Iterator[None]:
+    """The current folder first on ``sys.path`` while importing and calling a factory, as ``python -m`` has it."""
+    cwd = os.getcwd()
+    if "" in sys.path or cwd in sys.path:
+        yield
+        return
+    sys.path.insert(0, cwd)
+    try:
+        yield
+    finally:
+        try:
+            sys.path.remove(cwd)
+        except ValueError:  # the factory removed it itself
+            pass
 
 
 _LAYER_NAMES = ("n_layer", "layers", "num_layers", "n_layers", "depth")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,10 @@ from depthrewrite.testing import nanogpt
 from depthrewrite.train import VARIANTS, parse_variants
 
 
-def test_demo_tiny_writes_table_and_pictures(tmp_path, capsys):
+def test_demo_tiny_writes_table_and_pictures(tmp_path, capsys, monkeypatch):
+    import depthrewrite.report as report_mod
+
+    monkeypatch.setattr(report_mod, "graphviz_dot", lambda: None)  # a fresh machine: no Graphviz
     assert main(["demo", "--steps", "3", "--schemes", "vanilla,block-attnres", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "LlamaForCausalLM: 8 sublayers (4 attention, 4 mlp)" in out
@@ -29,8 +31,10 @@ def test_demo_tiny_writes_table_and_pictures(tmp_path, capsys):
     assert (tmp_path / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "chain.txt").read_text().startswith("LlamaForCausalLM: 8 sublayers")
     assert "depth_attn (site output)" in (tmp_path / "rewritten_block-attnres.txt").read_text()
-    picture = "rewritten_block-attnres.svg" if shutil.which("dot") else "rewritten_block-attnres.dot"
-    assert (tmp_path / picture).exists()
+    # a picture with or without Graphviz (matplotlib draws it when `dot` is missing)
+    assert (tmp_path / "rewritten_block-attnres.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "rewritten_block-attnres.svg").read_text().lstrip().startswith(("<?xml", "<svg"))
+    assert (tmp_path / "chain.svg").exists()
 
 
 @pytest.mark.parametrize(
@@ -181,3 +185,64 @@ def test_rewritten_graph_is_read_from_the_converted_graph(scheme, options, expec
 def test_drawing_needs_a_converted_model():
     with pytest.raises(dr.ConfigError, match="depthrewrite.convert"):
         rewritten_networkx(nanogpt(n_layer=1))
+
+
+def test_time_steps_warms_up_before_timing():
+    from depthrewrite.train import time_steps
+
+    calls = []
+    times = time_steps(lambda: calls.append(1), warmup=3, timed=5)
+    assert len(calls) == 8 and len(times) == 5
+
+
+def test_every_variant_is_timed_warm_and_training_is_unchanged(tmp_path, monkeypatch):
+    """The step time comes from warm-up + timed steps after training; they leave the trained weights as they were."""
+    import depthrewrite.train as train_mod
+    from depthrewrite.train import TrainConfig, train_variant
+
+    corpus = Corpus.from_dir(_small_corpus(tmp_path / "corpus"))
+    threads = torch.get_num_threads()
+    calls = []
+    real = train_mod._train_step
+    monkeypatch.setattr(train_mod, "_train_step", lambda *a: calls.append(1) or real(*a))
+    runs = {}
+    for warm, timed in ((2, 3), (0, 1)):
+        cfg = TrainConfig(steps=4, batch=2, seq=16, eval_batches=1, time_warmup=warm, timed_steps=timed)
+        calls.clear()
+        runs[warm] = train_variant(lambda s: nanogpt(n_layer=2, n_embd=32), VARIANTS["block-attnres"], corpus, cfg)
+        assert len(calls) == 4 + warm + timed
+    r = runs[2]
+    assert r.timing.warmup == 2 and r.timing.timed == 3 and (r.timing.batch, r.timing.seq) == (2, 16)
+    assert r.step_time > 0 and r.timing.threads == 1  # timed on one thread, the setting restored afterwards
+    assert torch.get_num_threads() == threads
+    assert runs[2].final_val == runs[0].final_val and runs[2].train_losses == runs[0].train_losses
+
+
+def test_results_table_states_the_timing_conditions(tmp_path):
+    from depthrewrite.train import TrainConfig, train_variant
+
+    corpus = Corpus.from_dir(_small_corpus(tmp_path / "corpus"))
+    cfg = TrainConfig(steps=2, batch=2, seq=16, eval_batches=1, time_warmup=3, timed_steps=4)
+    results = [train_variant(lambda s: nanogpt(n_layer=1, n_embd=32), VARIANTS[n], corpus, cfg) for n in ("vanilla", "attnres")]
+    for fmt in ("simple", "github"):
+        text = demo_mod.results_table(results, fmt=fmt)
+        assert "step (ms)*" in text
+        assert "median of 4 timed training steps" in text and "2 x 16" in text and "after 3 untimed warm-up steps" in text
+        assert "1 torch thread," in text and "load average" in text
+
+
+def test_demo_times_the_variants_in_turns(tmp_path, monkeypatch):
+    """The demo times every variant after training, one step each per round, and says so under the table."""
+    import depthrewrite.train as train_mod
+
+    order = []
+    real = train_mod.StepTimer.step
+    monkeypatch.setattr(train_mod.StepTimer, "step", lambda self: order.append(id(self)) or real(self))
+    cfg = demo_mod.DemoConfig(out=tmp_path / "out", steps=1, schemes="vanilla,attnres", batch=2, seq=16, layers=2,
+                              hidden=32, eval_every=0, eval_batches=1, progress=False,
+                              corpus_dir=_small_corpus(tmp_path / "corpus"))
+    results = demo_mod.run_demo(cfg, say=lambda line: None)
+    a, b = order[0], order[-1]
+    assert a != b and order == [a] * 3 + [b] * 3 + [a, b] * 10  # warm-up each, then turns
+    assert all(r.timer is None and r.timing.interleaved and r.step_time > 0 for r in results)
+    assert "timed in turns" in (tmp_path / "out" / "results.md").read_text()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import builtins
-import shutil
 
 import networkx as nx
 import pytest
@@ -58,27 +57,96 @@ def test_to_dot_and_save_dot(report, tmp_path):
     assert p.read_text() == dot
 
 
-def test_save_svg_or_clear_message(report, tmp_path):
-    if shutil.which("dot") is None:
-        with pytest.raises(ConfigError, match="Graphviz"):
-            report.save(tmp_path / "chain.svg")
-    else:
-        pytest.importorskip("pydot")
-        p = report.save(tmp_path / "chain.svg")
-        assert p.read_text().lstrip().startswith(("<?xml", "<svg"))
+def test_save_svg_with_graphviz_or_matplotlib(report, tmp_path):
+    p = report.save(tmp_path / "chain.svg")
+    assert p.read_text().lstrip().startswith(("<?xml", "<svg"))
 
 
-def test_save_without_pydot_names_the_viz_extra(report, tmp_path, monkeypatch):
+@pytest.fixture
+def no_graphviz(monkeypatch):
+    """As on a fresh machine: no `dot` program (whatever this machine has)."""
+    import depthrewrite.report as report_mod
+
+    monkeypatch.setattr(report_mod, "graphviz_dot", lambda: None)
+
+
+def _hide(monkeypatch, *modules):
     real_import = builtins.__import__
 
-    def no_pydot(name, *a, **k):
-        if name == "pydot":
-            raise ImportError("no pydot")
+    def fake(name, *a, **k):
+        if name.split(".")[0] in modules:
+            raise ImportError(f"no {name}")
         return real_import(name, *a, **k)
 
-    monkeypatch.setattr(builtins, "__import__", no_pydot)
+    monkeypatch.setattr(builtins, "__import__", fake)
+
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_save_png_without_graphviz_draws_with_matplotlib(report, tmp_path, no_graphviz):
+    pytest.importorskip("matplotlib")
+    p = report.save(tmp_path / "chain.png")
+    assert p.read_bytes()[:8] == PNG and p.stat().st_size > 10_000
+    assert report.save(tmp_path / "chain.svg").read_text().lstrip().startswith(("<?xml", "<svg"))
+
+
+def test_save_png_without_pydot_draws_with_matplotlib(report, tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    _hide(monkeypatch, "pydot")
+    assert report.save(tmp_path / "chain.png").read_bytes()[:8] == PNG
+
+
+def test_save_without_pydot_or_matplotlib_names_the_viz_extra(report, tmp_path, monkeypatch):
+    _hide(monkeypatch, "pydot", "matplotlib")
     with pytest.raises(ConfigError, match=r"depthrewrite\[viz\]"):
         report.save(tmp_path / "chain.png")
+    assert report.save(tmp_path / "chain.dot").exists()
+
+
+def test_layout_puts_the_chain_top_to_bottom(report):
+    from depthrewrite.render import layered_positions
+
+    g = report.to_networkx()
+    pos, keys = layered_positions(g)
+    rows = [pos[f"h{i}"][0] for i in range(report.num_sublayers + 1)]
+    assert rows == sorted(rows) and len(set(rows)) == len(rows)
+    assert pos["final_norm"][0] > rows[-1]
+    for i in range(report.num_sublayers):  # a norm sits beside the branch it feeds, between h_i and h_i+1
+        norm, branch = pos[f"s{i}.0.norm"], pos[f"s{i}.0"]
+        assert norm[0] == branch[0] and rows[i] < branch[0] < rows[i + 1] and norm[1] < branch[1]
+    assert keys["h0"] == "source" and keys["s0.0"] == "branch:attention" and keys["s1.0"] == "branch:mlp"
+
+
+@pytest.mark.parametrize("scheme, options", [("attnres", {"blocks": 2}), ("msar", {}), ("mhc", {})])
+def test_converted_pictures_without_graphviz(scheme, options, tmp_path, no_graphviz):
+    pytest.importorskip("matplotlib")
+    from depthrewrite.draw import save_rewritten
+    from depthrewrite.zoo import hf_model
+
+    converted = dr.convert(hf_model("llama", layers=2), scheme, **options)
+    conv = converted.report()
+    for p in (conv.save(tmp_path / "conversion.png"), save_rewritten(converted, tmp_path / "rewritten.png")):
+        assert p.read_bytes()[:8] == PNG and p.stat().st_size > 10_000
+    assert save_rewritten(converted, tmp_path / "rewritten.svg").read_text().lstrip().startswith(("<?xml", "<svg"))
+    assert conv.save(tmp_path / "conversion.dot").read_text().startswith('digraph "converted"')
+
+
+def test_convert_report_graph_shows_sites_and_what_they_read():
+    from depthrewrite.zoo import hf_model
+
+    model = hf_model("llama", layers=2)
+    full = dr.convert(model, "attnres").report().to_networkx()
+    sites = [n for n, d in full.nodes(data=True) if d["role"] == "site"]
+    assert sites == ["site:1", "site:2", "site:3", "site:output"]
+    assert set(full.predecessors("site:3")) == {"source", "sub0", "sub1", "sub2"}
+    assert full.has_edge("site:3", "sub3") and full.has_edge("site:output", "final_norm")
+    block = dr.convert(model, "block-attnres", blocks=2).report().to_networkx()
+    assert set(block.predecessors("site:3")) == {"source", "b1", "sub2"}  # emb, b1, partial b2
+    assert set(block.predecessors("b1")) == {"sub0", "sub1"}
+    mhc = dr.convert(model, "mhc").report().to_networkx()
+    assert "x0, x1, x2, x3" in mhc.nodes["site:2"]["label"] and mhc.has_edge("sub1", "site:2")
+    assert nx.is_directed_acyclic_graph(full) and nx.is_directed_acyclic_graph(block)
 
 
 def test_save_unknown_suffix(report, tmp_path):
