@@ -31,11 +31,15 @@ from depthrewrite.errors import DepthRewriteError  # noqa: E402
 
 SCHEMES = ("attnres", "msar", "mhc", "moda")
 #: models the detection tests assert are refused, with the test that asserts it
-REFUSED = {"hf:bert": "test_bert_postnorm_is_refused", "hf:opt": "test_opt_reshaped_stream_is_refused_with_a_named_node"}
+REFUSED = {
+    "hf:bert": "test_bert_postnorm_is_refused",
+    "hf:inkling2_text": "test_inkling2_is_refused_as_already_depth_mixed",
+    "hf:dory": "test_dory_is_refused_as_an_interpolating_normalised_stream",
+}
 
 
 def zoo_names() -> list[str]:
-    names = [p.values[0] for p in test_chain.ZOO] + [f"hf:{t}" for t in test_chain.MORE_HF]
+    names = [p.values[0] for p in test_chain.ZOO] + [f"hf:{t}" for t in test_chain.MORE_HF] + list(test_contract.ZOO)
     return list(dict.fromkeys(names))
 
 
