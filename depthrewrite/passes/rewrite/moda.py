@@ -397,10 +397,16 @@ def _reads_hidden_states(ed: ChainEditor, n: fx.Node, limit: int = 2000) -> bool
     """Whether ``n`` depends on the hidden states, i.e. on the chain's stream source (every hidden state descends from
     it). Walks ``n``'s inputs; past ``limit`` nodes it answers True (a RoPE table or a norm weight is a short walk)."""
     source = ed.nodes[ed.chain.source]
+    return _any_ancestor(n, lambda x: x is source, limit)
+
+
+def _any_ancestor(n: fx.Node, hit, limit: int) -> bool:
+    """Whether ``hit(x)`` holds for ``n`` or one of its ancestors; past ``limit`` visited nodes the answer is True
+    (the callers ask conservative questions: "may this depend on ...")."""
     stack, seen = [n], {n}
     while stack:
         x = stack.pop()
-        if x is source:
+        if hit(x):
             return True
         for i in x.all_input_nodes:
             if i not in seen:
@@ -512,20 +518,13 @@ def _root(n: fx.Node) -> fx.Node:
 def _positional(gm: fx.GraphModule, n: fx.Node, limit: int = 500) -> bool:
     """Whether ``n`` (an input of a key path) depends on anything but parameters and constants: a RoPE cos/sin table
     (buffers, position ids, aranges) does; a k-norm weight (or 1 + weight) does not."""
-    stack, seen = [n], {n}
-    while stack:
-        x = stack.pop()
+
+    def hit(x: fx.Node) -> bool:
         if x.op == "placeholder" or (x.op == "get_attr" and not _is_param(gm, x)):
             return True
-        if x.op == "call_function" and not x.all_input_nodes and tensor_val(x) is not None:
-            return True  # a factory (arange, ones, ...)
-        for i in x.all_input_nodes:
-            if i not in seen:
-                seen.add(i)
-                stack.append(i)
-        if len(seen) > limit:
-            return True
-    return False
+        return x.op == "call_function" and not x.all_input_nodes and tensor_val(x) is not None  # arange, ones, ...
+
+    return _any_ancestor(n, hit, limit)
 
 
 def _structure(gm: fx.GraphModule, n: fx.Node, memo: dict, depth: int = 0):
