@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch.fx as fx
 import torch.nn as nn
@@ -20,6 +20,8 @@ from .zoo import resolve
 __all__ = ["inspect", "convert"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def inspect(
@@ -50,6 +52,20 @@ def inspect(
     chain = detect_chain(gm)
     name = gm.meta.get("depthrewrite_model_class") or type(model).__name__
     return ChainReport(model_class=name, chain=chain, graph=gm)
+
+
+def _run_pass(pass_name: str, where: str, fn: Callable[..., T], *args: Any) -> T:
+    """Run one phase of :func:`convert`; a crash that is not already a :class:`DepthRewriteError` becomes one that
+    names the pass and the graph, chained to the cause (a bug in depthrewrite: the text asks for a report)."""
+    try:
+        return fn(*args)
+    except DepthRewriteError:
+        raise
+    except Exception as e:
+        raise DepthRewriteError(
+            f"the {pass_name} pass failed on the {where}: {type(e).__name__}: {e}. This is a bug in depthrewrite, not "
+            "in your model; please report it with the model's config (the cause is chained below)."
+        ) from e
 
 
 def convert(
@@ -101,12 +117,14 @@ def convert(
             graphs[mode] = capture(model, example_inputs, example_kwargs)
     finally:
         model.train(was_training)
+    name = type(model).__name__
     for mode in (True, False):
-        chains[mode] = detect_chain(graphs[mode])
+        where = f"{'training' if mode else 'eval'} graph of {name}"
+        chains[mode] = _run_pass("detect_chain", where, detect_chain, graphs[mode])
         if not mode:  # share the new parameters with the training graph
             graphs[False].add_submodule(PARAM_PREFIX, getattr(graphs[True], PARAM_PREFIX))
-        results[mode] = handler(graphs[mode], chains[mode], config)
-        drop_dead_code(graphs[mode])
+        results[mode] = _run_pass(f"rewrite[{config.name}]", where, handler, graphs[mode], chains[mode], config)
+        _run_pass("drop_dead_code", where, drop_dead_code, graphs[mode])
         if not results[mode].modified:
             raise DepthRewriteError(
                 f"{config.name}: the rewrite changed nothing on {type(model).__name__}; not returning an unconverted model"
