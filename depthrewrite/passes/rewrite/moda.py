@@ -400,6 +400,18 @@ def _reads_hidden_states(ed: ChainEditor, n: fx.Node, limit: int = 2000) -> bool
     return _any_ancestor(n, lambda x: x is source, limit)
 
 
+def _reached_within(root: fx.Node, allowed: set[fx.Node]) -> set[fx.Node]:
+    """``root`` and every node of ``allowed`` reached from it along user edges that stay inside ``allowed``."""
+    reached, stack = {root}, [root]
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u in allowed and u not in reached:
+                reached.add(u)
+                stack.append(u)
+    return reached
+
+
 def _any_ancestor(n: fx.Node, hit, limit: int) -> bool:
     """Whether ``hit(x)`` holds for ``n`` or one of its ancestors; past ``limit`` visited nodes the answer is True
     (the callers ask conservative questions: "may this depend on ...")."""
@@ -443,13 +455,7 @@ def key_path(ed: ChainEditor, a: AttentionOp) -> tuple[KeyPath | None, str]:
         return None, "no k projection (a linear layer with a multiple of Hk·d outputs) before the attention's key input"
     proj = max(wide, key=ed.order.__getitem__)
     # 2. the nodes on a path proj -> end
-    path, stack = {proj}, [proj]
-    while stack:
-        n = stack.pop()
-        for u in n.users:
-            if u in seen and u not in path:
-                path.add(u)
-                stack.append(u)
+    path = _reached_within(proj, seen)
     if end not in path:
         return None, f"the key input `{end.name}` does not come from the k projection `{proj.name}`"
     # 3. skip the layout prefix (split of a fused qkv, head reshape, transpose) up to the first real op
@@ -462,13 +468,7 @@ def key_path(ed: ChainEditor, a: AttentionOp) -> tuple[KeyPath | None, str]:
             break
     if start is end:
         return KeyPath(proj, end, "bhtd", (), end, ()), ""
-    below, stack = {start}, [start]
-    while stack:
-        n = stack.pop()
-        for u in n.users:
-            if u in path and u not in below:
-                below.add(u)
-                stack.append(u)
+    below = _reached_within(start, path)
     nodes = tuple(sorted(below - {start}, key=ed.order.__getitem__))
     # 4. where the keys are alone at ``start``: flat, token-major or head-major
     B, hk, T, d = (str(x) for x in _shape(end))
