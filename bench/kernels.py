@@ -105,7 +105,7 @@ def run_case(case: Case, device: str, copy_gbs: float, rep: int) -> list[dict[st
 def model_step_rows(device: str, dtype: torch.dtype, rep: int, layers: int, hidden: int, tokens: int) -> list[dict]:
     """One training step (forward, backward, AdamW) of a Llama, vanilla vs each converted scheme, measured side by side."""
     import depthrewrite as dr
-    from depthrewrite.zoo import hf_model
+    from depthrewrite.demo.zoo import hf_model
 
     B, T = max(1, tokens // 2048), min(tokens, 2048)
     N = min(8, 2 * layers)

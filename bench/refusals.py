@@ -24,7 +24,7 @@ if str(ROOT) not in sys.path:  # the tests package lives at the repository root
 import depthrewrite as dr  # noqa: E402
 from depthrewrite.errors import DepthRewriteError  # noqa: E402
 from depthrewrite.testing import PlainMLP  # noqa: E402
-from depthrewrite.zoo import hf_model, timm_model  # noqa: E402
+from depthrewrite.demo.zoo import hf_model, timm_model  # noqa: E402
 
 
 def _ids(vocab: int = 32) -> tuple:

@@ -23,7 +23,7 @@ from .errors import (
     NoResidualChainError,
     NotPreNormError,
 )
-from .explain import Explanation, explain
+from .views.explain import Explanation, explain
 from .passes.analyse.chain import Branch, Chain, Sublayer, detect_chain
 from .passes.analyse.norms import NormSite
 from .passes.rewrite import SchemeConfig
@@ -31,7 +31,7 @@ from .passes.rewrite.attnres import AttnResConfig
 from .passes.rewrite.mhc import MHCConfig
 from .passes.rewrite.moda import MoDAConfig
 from .passes.rewrite.msar import MSARConfig
-from .report import ChainReport, ConvertReport
+from .views.report import ChainReport, ConvertReport
 
 __version__ = "0.1.0"
 

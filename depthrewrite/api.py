@@ -13,9 +13,10 @@ from .converted import ConvertedGraphModule, as_converted, drop_dead_code, graft
 from .errors import ConfigError, DepthRewriteError
 from .passes.analyse.chain import detect_chain
 from .passes.rewrite import SchemeConfig, get_handler, scheme_config
-from .passes.rewrite.depth import PARAM_PREFIX, block_size_for
-from .report import ChainReport, ConvertReport, SiteInfo
-from .zoo import resolve
+from .passes.rewrite.blocks import block_size_for
+from .passes.rewrite.editor import PARAM_PREFIX
+from .views.report import ChainReport, ConvertReport, SiteInfo
+from .demo.zoo import resolve
 
 __all__ = ["inspect", "convert"]
 
@@ -28,19 +29,20 @@ def inspect(
     model: nn.Module | fx.GraphModule | str,
     example_inputs: tuple | None = None,
     example_kwargs: dict | None = None,
-) -> ChainReport | ConvertReport:
+) -> ChainReport:
     """Capture ``model`` and detect its PreNorm residual chain; for a converted model, its conversion report.
 
     Args:
         model (nn.Module | fx.GraphModule): a model (captured with :func:`~depthrewrite.capture`), a graph that is
             already captured (``torch.export`` or a Dynamo graph as a ``torch.compile`` backend receives it), or a
             model returned by :func:`convert`; or a model spec as the CLI takes it (``"hf:llama"``,
-            ``"timm:vit_tiny_patch16_224"``, ``"package.module:factory"``; see :func:`depthrewrite.zoo.build`).
+            ``"timm:vit_tiny_patch16_224"``, ``"package.module:factory"``; see :func:`depthrewrite.demo.zoo.build`).
         example_inputs (tuple, optional): positional inputs for capture; built for HF and timm models when None.
         example_kwargs (dict, optional): keyword inputs for capture.
 
     Returns:
-        A :class:`ChainReport` (or the :class:`ConvertReport` of a converted model); ``print()`` shows a table.
+        A :class:`ChainReport`; for a converted model its :class:`ConvertReport` (a ``ChainReport`` subclass with the
+        conversion's sites and totals). ``print()`` shows a table.
 
     Raises:
         CaptureError, NotPreNormError, NoResidualChainError (all :class:`DepthRewriteError`).

@@ -157,7 +157,7 @@ def _device_of(example_inputs) -> str:
 def _is_converted(gm: fx.GraphModule, ops: Counter) -> bool:
     if ops:
         return True
-    from .passes.rewrite.depth import PARAM_PREFIX
+    from .passes.rewrite.editor import PARAM_PREFIX
 
     return any(PARAM_PREFIX in str(n.target) for n in gm.graph.nodes if n.op in ("placeholder", "get_attr"))
 
@@ -256,7 +256,7 @@ def _two_phase(gm: fx.GraphModule, record: GraphRecord, opts: BackendOptions) ->
 
 def _detect(gm: fx.GraphModule, record: GraphRecord, opts: BackendOptions) -> None:
     from .passes.analyse.chain import detect_chain
-    from .report import ChainReport
+    from .views.report import ChainReport
 
     try:
         chain = detect_chain(gm)

@@ -20,7 +20,8 @@ import ast
 import sys
 from pathlib import Path
 
-from . import api, zoo
+from . import api
+from .demo import zoo
 from .errors import ConfigError, DepthRewriteError
 
 __all__ = ["main"]
@@ -117,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_convert)
 
     from .demo import DEMO_SCHEMES
-    from .train import VARIANTS
+    from .demo.train import VARIANTS
 
     p = sub.add_parser("demo", help="convert a built-in tiny Llama into every scheme, train each on the Python stdlib, "
                        "print a table and write pictures")

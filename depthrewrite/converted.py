@@ -39,7 +39,7 @@ class ConvertedGraphModule(fx.GraphModule):
     _dr_report: Any
 
     def report(self):
-        """The :class:`~depthrewrite.report.ConvertReport` of this conversion."""
+        """The :class:`~depthrewrite.views.report.ConvertReport` of this conversion."""
         return self._dr_report
 
     def __repr__(self) -> str:

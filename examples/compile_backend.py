@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 import depthrewrite as dr
-from depthrewrite.zoo import hf_model
+from depthrewrite.demo.zoo import hf_model
 
 
 def main(out: Path, steps: int, inner: str) -> None:

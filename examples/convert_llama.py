@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 import depthrewrite as dr
-from depthrewrite.corpus import Corpus
-from depthrewrite.zoo import hf_model
+from depthrewrite.demo.corpus import Corpus
+from depthrewrite.demo.zoo import hf_model
 
 
 def main(out: Path, steps: int) -> None:

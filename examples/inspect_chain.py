@@ -10,9 +10,9 @@ import argparse
 from pathlib import Path
 
 import depthrewrite as dr
-from depthrewrite.draw import rewritten_text, save_rewritten
+from depthrewrite.views.draw import rewritten_text, save_rewritten
 from depthrewrite.testing import nanogpt
-from depthrewrite.zoo import hf_model
+from depthrewrite.demo.zoo import hf_model
 
 
 def main(out: Path) -> None:

@@ -31,7 +31,7 @@ def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def train(rank: int, world: int, args) -> None:
     import depthrewrite as dr
     from depthrewrite import pipeline as pp
-    from depthrewrite.zoo import hf_model
+    from depthrewrite.demo.zoo import hf_model
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     torch.set_num_threads(1)

@@ -17,7 +17,7 @@ torch.backends.cudnn.allow_tf32 = False
 
 from depthrewrite import capture
 from depthrewrite.testing import nanogpt
-from depthrewrite.zoo import hf_model, timm_model
+from depthrewrite.demo.zoo import hf_model, timm_model
 
 LAYERS = 2
 

@@ -16,7 +16,7 @@ import torch
 import depthrewrite as dr
 from depthrewrite.backend import BackendOptions, clear_records, depthrewrite_backend, records_for
 from depthrewrite.errors import ConfigError
-from depthrewrite.zoo import hf_model
+from depthrewrite.demo.zoo import hf_model
 
 IDS = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
 SCHEMES = {

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import depthrewrite as dr
 from depthrewrite.capture import unalias_inputs
-from depthrewrite.zoo import hf_model
+from depthrewrite.demo.zoo import hf_model
 
 
 def test_unalias_inputs_copies_only_shared_storage():

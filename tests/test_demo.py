@@ -10,14 +10,14 @@ import torch
 import depthrewrite as dr
 from depthrewrite import demo as demo_mod
 from depthrewrite.cli import main
-from depthrewrite.corpus import Corpus, split_of
-from depthrewrite.draw import rewritten_networkx, rewritten_text, save_rewritten
+from depthrewrite.demo.corpus import Corpus, split_of
+from depthrewrite.views.draw import rewritten_networkx, rewritten_text, save_rewritten
 from depthrewrite.testing import nanogpt
-from depthrewrite.train import VARIANTS, parse_variants
+from depthrewrite.demo.train import VARIANTS, parse_variants
 
 
 def test_demo_tiny_writes_table_and_pictures(tmp_path, capsys, monkeypatch):
-    import depthrewrite.report as report_mod
+    import depthrewrite.views.report as report_mod
 
     monkeypatch.setattr(report_mod, "graphviz_dot", lambda: None)  # a fresh machine: no Graphviz
     assert main(["demo", "--steps", "3", "--schemes", "vanilla,block-attnres", "--out", str(tmp_path)]) == 0
@@ -125,7 +125,7 @@ def test_demo_without_matplotlib_links_no_plot_and_keeps_one_model(tmp_path, mon
 
 def test_demo_divergence_is_a_training_error(tmp_path, monkeypatch, capsys):
     """A loss that becomes NaN ends the demo with exit code 2 and a message, not a traceback."""
-    import depthrewrite.train as train_mod
+    import depthrewrite.demo.train as train_mod
 
     monkeypatch.setattr(train_mod, "_loss", lambda model, x, y: torch.tensor(float("nan"), requires_grad=True))
     corpus = _small_corpus(tmp_path / "corpus")
@@ -188,7 +188,7 @@ def test_drawing_needs_a_converted_model():
 
 
 def test_time_steps_warms_up_before_timing():
-    from depthrewrite.train import time_steps
+    from depthrewrite.demo.train import time_steps
 
     calls = []
     times = time_steps(lambda: calls.append(1), warmup=3, timed=5)
@@ -197,8 +197,8 @@ def test_time_steps_warms_up_before_timing():
 
 def test_every_variant_is_timed_warm_and_training_is_unchanged(tmp_path, monkeypatch):
     """The step time comes from warm-up + timed steps after training; they leave the trained weights as they were."""
-    import depthrewrite.train as train_mod
-    from depthrewrite.train import TrainConfig, train_variant
+    import depthrewrite.demo.train as train_mod
+    from depthrewrite.demo.train import TrainConfig, train_variant
 
     corpus = Corpus.from_dir(_small_corpus(tmp_path / "corpus"))
     threads = torch.get_num_threads()
@@ -219,7 +219,7 @@ def test_every_variant_is_timed_warm_and_training_is_unchanged(tmp_path, monkeyp
 
 
 def test_results_table_states_the_timing_conditions(tmp_path):
-    from depthrewrite.train import TrainConfig, train_variant
+    from depthrewrite.demo.train import TrainConfig, train_variant
 
     corpus = Corpus.from_dir(_small_corpus(tmp_path / "corpus"))
     cfg = TrainConfig(steps=2, batch=2, seq=16, eval_batches=1, time_warmup=3, timed_steps=4)
@@ -233,7 +233,7 @@ def test_results_table_states_the_timing_conditions(tmp_path):
 
 def test_demo_times_the_variants_in_turns(tmp_path, monkeypatch):
     """The demo times every variant after training, one step each per round, and says so under the table."""
-    import depthrewrite.train as train_mod
+    import depthrewrite.demo.train as train_mod
 
     order = []
     real = train_mod.StepTimer.step

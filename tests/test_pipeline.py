@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import depthrewrite as dr
 from depthrewrite import pipeline as pp
 from depthrewrite.errors import ConfigError, DepthRewriteError, PipelineError
-from depthrewrite.zoo import hf_model
+from depthrewrite.demo.zoo import hf_model
 
 RTOL, ATOL = 1e-5, 1e-6
 CASES = {  # scheme -> (options, layers): Block AttnRes / Block MSAR with 2 blocks, mHC with 4 streams

@@ -65,7 +65,7 @@ def test_save_svg_with_graphviz_or_matplotlib(report, tmp_path):
 @pytest.fixture
 def no_graphviz(monkeypatch):
     """As on a fresh machine: no `dot` program (whatever this machine has)."""
-    import depthrewrite.report as report_mod
+    import depthrewrite.views.report as report_mod
 
     monkeypatch.setattr(report_mod, "graphviz_dot", lambda: None)
 
@@ -105,7 +105,7 @@ def test_save_without_pydot_or_matplotlib_names_the_viz_extra(report, tmp_path, 
 
 
 def test_layout_puts_the_chain_top_to_bottom(report):
-    from depthrewrite.render import layered_positions
+    from depthrewrite.views.render import layered_positions
 
     g = report.to_networkx()
     pos, keys = layered_positions(g)
@@ -121,8 +121,8 @@ def test_layout_puts_the_chain_top_to_bottom(report):
 @pytest.mark.parametrize("scheme, options", [("attnres", {"blocks": 2}), ("msar", {}), ("mhc", {})])
 def test_converted_pictures_without_graphviz(scheme, options, tmp_path, no_graphviz):
     pytest.importorskip("matplotlib")
-    from depthrewrite.draw import save_rewritten
-    from depthrewrite.zoo import hf_model
+    from depthrewrite.views.draw import save_rewritten
+    from depthrewrite.demo.zoo import hf_model
 
     converted = dr.convert(hf_model("llama", layers=2), scheme, **options)
     conv = converted.report()
@@ -133,7 +133,7 @@ def test_converted_pictures_without_graphviz(scheme, options, tmp_path, no_graph
 
 
 def test_convert_report_graph_shows_sites_and_what_they_read():
-    from depthrewrite.zoo import hf_model
+    from depthrewrite.demo.zoo import hf_model
 
     model = hf_model("llama", layers=2)
     full = dr.convert(model, "attnres").report().to_networkx()

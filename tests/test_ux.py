@@ -12,7 +12,7 @@ from depthrewrite.capture import example_inputs_for
 from depthrewrite.cli import main
 from depthrewrite.testing import nanogpt
 from depthrewrite.passes.rewrite import scheme_config
-from depthrewrite.zoo import build, timm_model
+from depthrewrite.demo.zoo import build, timm_model
 
 
 # -- 1. the Python API takes the CLI's model specs ------------------------------------------------------------------
@@ -100,7 +100,7 @@ def test_unknown_scheme_lists_the_aliases():
 
 
 def test_convert_with_an_alias_matches_the_demo_variant():
-    from depthrewrite.train import VARIANTS
+    from depthrewrite.demo.train import VARIANTS
 
     v = VARIANTS["block-attnres"]
     assert scheme_config("block-attnres") == scheme_config(v.scheme, **v.options)

@@ -20,7 +20,8 @@ import torch.nn as nn
 
 from ..analyse.chain import Chain
 from ..result import PassResult
-from .depth import PARAM_PREFIX, ChainEditor, DepthMixConfig, block_size_for, rewrite_depth_mix, sources_at
+from .blocks import DepthMixConfig, block_size_for, rewrite_depth_mix, sources_at
+from .editor import PARAM_PREFIX, ChainEditor
 from .registry import register_scheme
 
 __all__ = ["AttnResConfig", "PARAM_PREFIX", "block_size_for", "sources_at"]

@@ -27,7 +27,7 @@ from ..analyse.chain import Chain
 from ..analyse.ops import tensor_val
 from ..meta import NodeRole, inherit_meta
 from ..result import Change, PassResult
-from .depth import ChainEditor
+from .editor import ChainEditor
 from .registry import SchemeConfig, register_scheme
 
 __all__ = ["MHCConfig"]

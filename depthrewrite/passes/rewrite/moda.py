@@ -30,7 +30,7 @@ from ..analyse.graph import module_path_of
 from ..analyse.ops import op_of, strip_alias, tensor_val
 from ..meta import NodeRole, inherit_meta
 from ..result import Change, PassResult
-from .depth import ChainEditor
+from .editor import ChainEditor
 from .registry import SchemeConfig, register_scheme
 
 __all__ = ["MoDAConfig", "AttentionOp", "find_attention"]

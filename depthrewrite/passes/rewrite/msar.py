@@ -22,7 +22,8 @@ from ...errors import ConfigError
 from ..analyse.chain import Chain
 from ..analyse.ops import tensor_val
 from ..result import PassResult
-from .depth import ChainEditor, DepthMixConfig, rewrite_depth_mix
+from .blocks import DepthMixConfig, rewrite_depth_mix
+from .editor import ChainEditor
 from .registry import register_scheme
 
 __all__ = ["MSARConfig"]

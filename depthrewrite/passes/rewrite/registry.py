@@ -8,11 +8,29 @@ defaults (``convert(model, "block-attnres", blocks=8)``)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ...errors import ConfigError
 
-__all__ = ["SchemeConfig", "register_scheme", "get_handler", "scheme_config", "scheme_names", "SCHEME_ALIASES", "DEFAULT_BLOCKS"]
+if TYPE_CHECKING:
+    import torch.fx as fx
+
+__all__ = [
+    "SchemeConfig",
+    "Scheme",
+    "DepthState",
+    "StageHookError",
+    "register",
+    "schemes",
+    "scheme",
+    "scheme_of_op",
+    "register_scheme",
+    "get_handler",
+    "scheme_config",
+    "scheme_names",
+    "SCHEME_ALIASES",
+    "DEFAULT_BLOCKS",
+]
 
 _HANDLERS: dict[type, Callable] = {}
 _NAMES: dict[str, type] = {}
@@ -82,3 +100,111 @@ def scheme_config(scheme: str | SchemeConfig, **options: Any) -> SchemeConfig:
     if unknown:
         raise ConfigError(f"scheme {scheme!r} has no option(s) {unknown}; its options are {sorted(fields)}")
     return cls(**options)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the scheme record: everything the rest of the tree needs to know about one scheme, registered once in its own file
+
+
+@dataclasses.dataclass(frozen=True)
+class DepthState:
+    """The depth state a converted model holds per token where a stage boundary cuts the chain (before sublayer j).
+
+    Attributes:
+        elements: values per token that cross the boundary (bytes = ``elements * report.bytes_per_element``).
+        formula: how ``elements`` is made up, for reports: ``"(N_done+1)·d = 3·256"``, ``"n·d = 4·256"``.
+    """
+
+    elements: int
+    formula: str
+
+
+class StageHookError(ConfigError):
+    """A stage (pipeline planning, boundary reports, ...) needs a hook the scheme's record does not provide."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheme:
+    """One depth-mixing scheme, as registered by its rewrite file with :func:`register`.
+
+    Attributes:
+        name: the registry name (lower case), equal to ``config.name``.
+        title: the human name for tables and docs (``"AttnRes"``, ``"mHC"``).
+        config: its :class:`SchemeConfig` subclass.
+        handler: ``handler(gm, chain, config) -> PassResult``: the rewrite.
+        ops: the ``depthrewrite::<op>`` ops its rewrite inserts (names without the namespace); the first one marks a
+            graph as converted to this scheme (the compile backend's ``scheme=`` check reads it).
+        block_form: whether the config takes ``blocks`` / ``block_size`` (Block AttnRes, Block MSAR): pipeline cuts
+            then fall on block boundaries, and ``block-<name>`` is an alias with ``blocks=DEFAULT_BLOCKS``.
+        doc: its docs page, relative to the repository root (``"docs/attnres.md"``).
+        variants: demo / bench variants as ``(key, label, options)``: ``("block-attnres", "Block AttnRes (4 blocks)",
+            {"blocks": 4})``.
+        stage_anchor: ``stage_anchor(graph, report, j) -> fx.Node``: the first node of the pipeline stage that begins
+            with sublayer j (1 <= j < L) in a converted graph.
+        boundary_labels: ``boundary_labels(graph, report, j) -> dict[fx.Node, str]``: readable names of the depth-state
+            values crossing a cut before sublayer j.
+        state_at: ``state_at(report, j) -> DepthState``: the depth state per token crossing a cut before sublayer j.
+
+    A stage that needs a hook the record leaves ``None`` asks :meth:`hook`, which raises :class:`StageHookError`
+    naming the scheme and the hook — never another scheme's behaviour.
+    """
+
+    name: str
+    title: str
+    config: type
+    handler: Callable
+    ops: tuple[str, ...]
+    block_form: bool = False
+    doc: str = ""
+    variants: tuple[tuple[str, str, dict[str, Any]], ...] = ()
+    stage_anchor: Callable[..., "fx.Node"] | None = None
+    boundary_labels: Callable[..., dict] | None = None
+    state_at: Callable[..., DepthState] | None = None
+
+    def hook(self, name: str, stage: str) -> Callable:
+        """The hook ``name`` for ``stage`` (e.g. ``"pipeline planning"``), or a :class:`StageHookError` saying the
+        scheme does not provide it."""
+        fn = getattr(self, name)
+        if fn is None:
+            raise StageHookError(
+                f"{stage}: scheme {self.name!r} registers no {name!r} hook; add one to its Scheme record "
+                f"(see CONTRIBUTING.md) to use it with {stage}"
+            )
+        return fn
+
+
+_SCHEMES: dict[str, Scheme] = {}
+
+
+def register(record: Scheme) -> Scheme:
+    """Register a scheme (called once, at import, by the scheme's rewrite file); returns the record."""
+    if record.name != record.config.name:
+        raise ConfigError(f"Scheme {record.name!r}: its config {record.config.__name__} is named {record.config.name!r}")
+    _SCHEMES[record.name] = record
+    _HANDLERS[record.config] = record.handler
+    _NAMES[record.name] = record.config
+    if record.block_form:
+        SCHEME_ALIASES.setdefault(f"block-{record.name}", (record.name, {"blocks": DEFAULT_BLOCKS}))
+    return record
+
+
+def schemes() -> dict[str, Scheme]:
+    """Every registered scheme by name, in registration order."""
+    return dict(_SCHEMES)
+
+
+def scheme(name_or_config: str | SchemeConfig) -> Scheme:
+    """The record of a scheme by name (any case, aliases too) or config instance."""
+    if isinstance(name_or_config, SchemeConfig):
+        key = name_or_config.name
+    else:
+        key = str(name_or_config).strip().lower().replace("_", "-")
+        key = SCHEME_ALIASES.get(key, (key, {}))[0] if key not in _SCHEMES else key
+    if key not in _SCHEMES:
+        raise ConfigError(f"unknown scheme {name_or_config!r}: choose one of {scheme_names()}")
+    return _SCHEMES[key]
+
+
+def scheme_of_op(op: str) -> Scheme | None:
+    """The scheme whose rewrite inserts ``depthrewrite::<op>``, or None."""
+    return next((s for s in _SCHEMES.values() if op in s.ops), None)

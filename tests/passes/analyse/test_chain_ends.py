@@ -10,7 +10,7 @@ import torch
 
 from depthrewrite import NotPreNormError, capture, detect_chain
 from depthrewrite.passes.analyse.ops import op_of
-from depthrewrite.zoo import timm_model
+from depthrewrite.demo.zoo import timm_model
 
 from ...conftest import LAYERS, zoo_graph
 from .nanochat_like import NanoChatLike

@@ -103,7 +103,7 @@ FORMS = [
 
 def _build(name, extra):
     if extra:
-        from depthrewrite.zoo import hf_model
+        from depthrewrite.demo.zoo import hf_model
 
         from ...conftest import LAYERS
 
@@ -386,7 +386,7 @@ def test_refusal_names_the_node_and_the_expected_form():
 
 
 def test_refusal_of_an_hf_model_suggests_attn_implementation():
-    from depthrewrite.zoo import hf_model
+    from depthrewrite.demo.zoo import hf_model
 
     from ...conftest import LAYERS
 
@@ -653,7 +653,7 @@ def test_mixed_rotations_are_noted(name, pairs):
     """Spec §8 Q1 caveat: where a slot's writer and its reader rotate keys differently, the report says the depth
     scores depend on position and names the slot -> reader pairs; uniform RoPE (Llama, Qwen3 with k-norm) gets no
     note."""
-    from depthrewrite.zoo import hf_model
+    from depthrewrite.demo.zoo import hf_model
 
     model = hf_model(name, layers=3 if name in MIXED_ROTATION else 2, hidden=32, **MIXED_ROTATION.get(name, {}))
     notes = [n for n in dr.convert(model, "moda").report().notes if "depend on position" in n]
@@ -666,7 +666,7 @@ def test_mixed_rotations_are_noted(name, pairs):
 def test_no_ffn_slot_is_noted():
     """Falcon's parallel attention + MLP is read as one attention branch: no FFN slot is written, and the report says
     so (its header still names the configured variant)."""
-    from depthrewrite.zoo import hf_model
+    from depthrewrite.demo.zoo import hf_model
 
     rep = dr.convert(hf_model("falcon", layers=2, hidden=32), "moda").report()
     assert [s.sources for s in rep.sites if s.sources] == [("attn0",)]
@@ -677,7 +677,7 @@ def test_no_ffn_slot_is_noted():
 
 def test_bloom_refusal_names_the_baddbmm_score_op():
     """BLOOM's ALiBi scores are baddbmm(alibi, q, kᵀ) behind a view: the refusal names the score op, not the view."""
-    from depthrewrite.zoo import hf_model
+    from depthrewrite.demo.zoo import hf_model
 
     with pytest.raises(AttentionPatternError) as ei:
         dr.convert(hf_model("bloom", layers=2, hidden=32), "moda")

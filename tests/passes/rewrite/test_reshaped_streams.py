@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import depthrewrite as dr
-from depthrewrite.zoo import timm_model
+from depthrewrite.demo.zoo import timm_model
 
 from ...conftest import LAYERS, build_zoo_model
 from .helpers import INIT_RTOL, MHC_DEFAULT_RTOL, logits, rel_err

@@ -12,8 +12,8 @@ import networkx as nx
 import torch.fx as fx
 from tabulate import tabulate
 
-from .errors import ConfigError
-from .passes.analyse.chain import Chain
+from ..errors import ConfigError
+from ..passes.analyse.chain import Chain
 
 __all__ = ["ChainReport", "ConvertReport", "SiteInfo", "write_dot", "graphviz_dot"]
 
@@ -36,7 +36,7 @@ def write_dot(
 ) -> Path:
     """Write DOT text to ``path``: ``.dot`` as is; ``.svg`` / ``.png`` rendered through pydot and Graphviz's ``dot``,
     or, where either is missing and ``graph`` is given, drawn from ``graph`` with matplotlib
-    (:func:`depthrewrite.render.draw_layered`).
+    (:func:`depthrewrite.views.render.draw_layered`).
 
     ``what`` and ``formats`` name the picture and the suffixes the caller accepts; ``no_pydot`` / ``no_graphviz``
     end the error messages with what works without them. Raises :class:`ConfigError` for anything else."""
@@ -253,13 +253,14 @@ class SiteInfo:
     detail: str = ""  # scheme-specific, e.g. mHC's coefficient shapes
 
 
-@dataclass(frozen=True)
-class ConvertReport:
-    """What :func:`depthrewrite.convert` did: per mixing site its sources and parameters, and the totals."""
+@dataclass(frozen=True, kw_only=True)
+class ConvertReport(ChainReport):
+    """What :func:`depthrewrite.convert` did: per mixing site its sources and parameters, and the totals.
 
-    model_class: str
+    A :class:`ChainReport` too (the chain it rewrote; ``rows()``), so :func:`depthrewrite.inspect` returns one type.
+    Fields are keyword-only."""
+
     config: Any  # the SchemeConfig that ran
-    chain: Chain
     sites: tuple[SiteInfo, ...]
     new_params: int
     model_params: int
@@ -325,7 +326,7 @@ class ConvertReport:
         before the sublayer (or final norm) it feeds, and what each site reads: ``emb`` from the source, ``out<k>``
         from sublayer k, a completed block ``b<j>`` from its block-sum node, an open block ``partial b<j>`` from its
         sublayers so far. Sources without a node of their own (mHC's streams ``x0..``) are named in the site's label.
-        For the graph the rewrite actually produced, see :func:`depthrewrite.draw.rewritten_networkx`."""
+        For the graph the rewrite actually produced, see :func:`depthrewrite.views.draw.rewritten_networkx`."""
         c = self.chain
         g = nx.DiGraph(model=self.model_class, scheme=self.config.describe(self.block_size))
         g.add_node("source", role="source", label=f"stream source\\n{c.source_module or c.source}")
@@ -391,7 +392,7 @@ class ConvertReport:
 
     def save(self, path: str | Path) -> Path:
         """Write the conversion diagram (:meth:`to_networkx`): ``.dot`` always; ``.svg`` / ``.png`` through Graphviz
-        when installed, else matplotlib. :func:`depthrewrite.draw.save_rewritten` draws the rewritten graph itself."""
+        when installed, else matplotlib. :func:`depthrewrite.views.draw.save_rewritten` draws the rewritten graph itself."""
         g = self.to_networkx()
         return write_dot(
             self.to_dot(),

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .backend import GraphRecord, records_for
-from .kernels.dispatch import get_kernel_backend, interpreting, kernel_info, triton_available, triton_supported_device
+from ..backend import GraphRecord, records_for
+from ..kernels.dispatch import get_kernel_backend, interpreting, kernel_info, triton_available, triton_supported_device
 
 __all__ = ["explain", "Explanation", "implementation_of"]
 
@@ -102,7 +102,7 @@ class Explanation:
         )
 
     def __str__(self) -> str:
-        lines = [f"depthrewrite.explain: {self.model}"]
+        lines = [f"depthrewrite.views.explain: {self.model}"]
         state = "compiled with backend='depthrewrite'" if self.compiled else "not compiled (what the backend would do)"
         lines.append(f"  {state}; device {self.device}; kernel backend {get_kernel_backend()!r}")
         if self.graph_breaks is not None:
@@ -176,8 +176,8 @@ def explain(model: nn.Module, *args: Any, graph_breaks: bool = False, **kwargs: 
     """
     from torch._dynamo.eval_frame import OptimizedModule
 
-    from .converted import ConvertedGraphModule
-    from .errors import ConfigError
+    from ..converted import ConvertedGraphModule
+    from ..errors import ConfigError
 
     if not isinstance(model, nn.Module):
         raise ConfigError(
@@ -204,8 +204,8 @@ def explain(model: nn.Module, *args: Any, graph_breaks: bool = False, **kwargs: 
         exp.break_reasons = [str(getattr(b, "reason", b)).split("\n")[0] for b in out.break_reasons]
     if not graphs:
         if isinstance(module, ConvertedGraphModule):
-            from .backend import _depth_ops
-            from .passes.lower.two_phase import find_two_phase_groups
+            from ..backend import _depth_ops
+            from ..passes.lower.two_phase import find_two_phase_groups
 
             exp.static_ops = _depth_ops(module.graph)
             exp.static_two_phase = find_two_phase_groups(module.graph)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["Corpus", "stdlib_root", "split_of"]
 

@@ -1,22 +1,17 @@
-"""What every depth-mixing rewrite shares: the chain's stream values and their readers, sublayer outputs as sources,
-the K3 block ordering of sources (AttnRes, MSAR), and where new parameters live.
+"""The chain editor every scheme's rewrite uses: the chain's stream values and their readers, sublayer outputs as
+sources, where new parameters live, and redirecting a stream value to its replacement.
 
     sources  v_0 = h_0 (stream source), v_{k+1} = raw output of sublayer k (the residual add's addend)
     site j   a new node before sublayer j's pre-norm (and before the final norm) replaces the stream value h_j
-    Block    sources at site j = completed block sums b_0 (= embedding) .. b_{n-1} + the open partial sum
 
 Streams that change shape (OPT's [B·T, D] sublayers) are mixed in the stream source's shape: sources are reshaped to
 it, and each mix is reshaped back to the shape of the value it replaces; reshapes and pooling the model applies to a
-stream value (``Chain.paths``) are kept and read the mix.
-
-Spec: shared/specs/attnres.md §4 (ordering), §6 (real graphs). The old residual adds become dead and are removed
+stream value (``Chain.paths``) are kept and read the mix. The old residual adds become dead and are removed
 (detection guarantees that nothing else, graph outputs included, reads a stream value).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from typing import Callable
 
 import torch
@@ -28,57 +23,11 @@ from ..analyse.chain import Chain
 from ..analyse.ops import shape_str, strip_alias, tensor_val
 from ..meta import NodeRole, inherit_meta
 from ..result import Change, PassResult
-from .registry import SchemeConfig
 
-__all__ = ["PARAM_PREFIX", "DepthMixConfig", "ChainEditor", "block_size_for", "sources_at", "rewrite_depth_mix"]
+__all__ = ["PARAM_PREFIX", "ChainEditor", "Emit"]
 
 #: every new parameter of a converted model lives under this state-dict prefix
 PARAM_PREFIX = "depthrewrite"
-
-
-@dataclasses.dataclass(frozen=True)
-class DepthMixConfig(SchemeConfig):
-    """Options shared by the schemes that mix stored depth sources (AttnRes, MSAR). See each scheme's docstring."""
-
-    blocks: int | None = None
-    block_size: int | None = None
-    mix_scale: str = "count"
-    eps: float | None = None
-
-    def __post_init__(self):
-        cls = type(self).__name__
-        for field in ("blocks", "block_size"):
-            v = getattr(self, field)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ConfigError(f"{cls}.{field} must be an integer >= 1, got {v!r}")
-        if self.mix_scale not in ("count", "mean"):
-            raise ConfigError(f"{cls}.mix_scale must be 'count' or 'mean', got {self.mix_scale!r}")
-        if self.eps is not None and (not isinstance(self.eps, (int, float)) or isinstance(self.eps, bool) or not self.eps > 0):
-            raise ConfigError(f"{cls}.eps must be > 0, got {self.eps!r}")
-
-    @property
-    def full(self) -> bool:
-        return self.blocks is None and self.block_size is None
-
-
-def block_size_for(config: SchemeConfig, num_sublayers: int) -> int:
-    """S for this config and L sublayers (S = 1 is the Full scheme). Raises ConfigError past L."""
-    L = num_sublayers
-    block_size, blocks = getattr(config, "block_size", None), getattr(config, "blocks", None)
-    if block_size is not None:
-        if block_size > L:
-            raise ConfigError(f"block_size={block_size} is larger than the model's {L} sublayers; use 1..{L}")
-        return block_size
-    if blocks is not None:
-        if blocks > L:
-            raise ConfigError(f"blocks={blocks} is larger than the model's {L} sublayers; use 1..{L}")
-        return math.ceil(L / blocks)
-    return 1
-
-
-def sources_at(j: int, S: int) -> int:
-    """Number of sources at the site before sublayer j (j = L: the output site), K3 ordering (spec §4)."""
-    return 1 if j == 0 else (j - 1) // S + 2
 
 
 class ChainEditor:
@@ -209,50 +158,3 @@ class ChainEditor:
 #: emit(editor, site_name, sources, eps, scale) -> the node computing the mix (inserted at the current point)
 Emit = Callable[[ChainEditor, str, list[fx.Node], float, float], fx.Node]
 
-
-def rewrite_depth_mix(gm: fx.GraphModule, chain: Chain, config: DepthMixConfig, emit: Emit) -> PassResult:
-    """Replace every stream value h_j (j >= 1) by a mix of stored sources, K3 ordering, and h_L before the final norm.
-
-    Before (one step)::                         After (site j, Full)::
-
-        h_j ──┬─────────────── add ── h_{j+1}       v_0 .. v_j ── mix_j ── Norm_j ── f_j ── v_{j+1}
-              └─ Norm_j ── f_j ──┘
-    """
-    ed = ChainEditor(gm, chain, config.name)
-    L = ed.L
-    S = block_size_for(config, L)
-    graph = ed.graph
-    changes: list[Change] = []
-    blocks: list[tuple[fx.Node, str]] = []
-    prefix: tuple[fx.Node, str] | None = (ed.nodes[chain.source], "emb")
-    n_block = 0
-    for j in range(L + 1):
-        srcs = blocks + ([prefix] if prefix is not None else [])
-        if len(srcs) > 1:  # a single source (sublayer 0) is read as it is: no mix, no parameters
-            site = "output" if j == L else j
-            scale = float(len(srcs)) if config.mix_scale == "count" else 1.0
-            old = ed.stream(j)
-            with graph.inserting_before(ed.readers_of(j)[0]):
-                mixed = emit(ed, f"mix_{site}", [s for s, _ in srcs], ed.eps_at(config, j), scale)
-            inherit_meta(mixed, old, NodeRole("mix", site, config.name), val_from=srcs[0][0])
-            ed.redirect(j, mixed)
-            changes.append(
-                Change(site=site, module=chain.sublayers[j - 1].module if j else None, created=(mixed.name,),
-                       replaced=old.name, sources=tuple(label for _, label in srcs), params=f"mix_{site}")
-            )
-        if j == L:
-            break
-        if j % S == 0:  # block boundary: snapshot the finished block after the mix (K3 ordering)
-            # with S = 1 (Full) every "block" is one sublayer output and keeps its out{k} name
-            blocks.append((prefix[0], "emb" if n_block == 0 else (prefix[1] if S == 1 else f"b{n_block}")))
-            n_block += 1
-            prefix = None
-        out = ed.output_of(j)
-        if prefix is None:
-            prefix = (out, f"out{j}" if S == 1 else f"partial b{n_block}")
-        else:
-            with graph.inserting_after(out):
-                acc = graph.call_function(torch.ops.aten.add.Tensor, (prefix[0], out))
-            inherit_meta(acc, ed.nodes[chain.sublayers[j].residual_add], NodeRole("partial_sum", j, config.name), val_from=out)
-            prefix = (acc, f"partial b{n_block}")
-    return ed.finish(changes)

@@ -1,6 +1,6 @@
 """Pictures of a *converted* model: its rewritten FX graph, contracted to the parts a reader cares about.
 
-``depthrewrite.report.ChainReport`` draws the chain that detection found in the original model. This module draws what
+``depthrewrite.views.report.ChainReport`` draws the chain that detection found in the original model. This module draws what
 the rewrite produced, read back from the converted graph itself (not from the report's summary)::
 
     g = rewritten_networkx(converted)        # networkx DiGraph: source, sublayers, stream values, depthrewrite ops
@@ -22,8 +22,8 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from .errors import ConfigError
-from .passes.analyse.graph import module_path_of
+from ..errors import ConfigError
+from ..passes.analyse.graph import module_path_of
 from .report import write_dot
 
 __all__ = ["rewritten_networkx", "rewritten_dot", "rewritten_text", "save_rewritten"]

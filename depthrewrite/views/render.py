@@ -1,7 +1,7 @@
 """Draw a chain or rewritten-graph diagram with matplotlib: the picture when Graphviz's ``dot`` is not installed.
 
 :func:`draw_layered` takes the networkx graphs of :meth:`ChainReport.to_networkx`,
-:meth:`ConvertReport.to_networkx` and :func:`depthrewrite.draw.rewritten_networkx` (nodes with ``role`` and ``label``)
+:meth:`ConvertReport.to_networkx` and :func:`depthrewrite.views.draw.rewritten_networkx` (nodes with ``role`` and ``label``)
 and lays them out in layers, top to bottom in dataflow order: one row per step of the longest path from the stream
 source (a *lateral* edge keeps its head on its tail's row: a norm and the branch it feeds sit side by side), and one
 column per role (the stream on the left, depth-mixing ops in the middle, sublayers on the right). Boxes are coloured by
@@ -16,7 +16,7 @@ from typing import Any
 
 import networkx as nx
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["ROLE_STYLE", "draw_layered", "layered_positions"]
 

@@ -1,6 +1,6 @@
 """A small, deterministic training loop shared by ``depthrewrite demo`` and ``python -m bench.quality``.
 
-It trains a byte-level causal LM (any model whose output is logits or has ``.logits``) on a :class:`~depthrewrite.corpus.Corpus`,
+It trains a byte-level causal LM (any model whose output is logits or has ``.logits``) on a :class:`~depthrewrite.demo.corpus.Corpus`,
 original or converted, with AdamW, warmup + cosine decay and gradient clipping, and records the losses and step time::
 
     variants = parse_variants("vanilla,attnres,mhc")
@@ -22,8 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .errors import ConfigError, TrainingError
-from .passes.rewrite.registry import DEFAULT_BLOCKS
+from ..errors import ConfigError, TrainingError
+from ..passes.rewrite.registry import DEFAULT_BLOCKS
 
 __all__ = [
     "tiny_llama", "Variant", "VARIANTS", "parse_variants", "TrainConfig", "RunResult", "StepTiming", "train_variant",
@@ -297,7 +297,7 @@ def train_variant(
     Every variant with the same ``seed`` starts from the same original weights and sees the same batches in the same
     order: the comparison is at matched steps and tokens.
     """
-    from . import api
+    from .. import api
 
     torch.manual_seed(seed)
     original = build(seed)

@@ -21,9 +21,9 @@ from typing import Callable
 
 from tabulate import tabulate
 
-from . import api
+from .. import api
 from .corpus import Corpus
-from .errors import ConfigError
+from ..errors import ConfigError
 from .train import RunResult, TrainConfig, Variant, parse_variants, time_interleaved, tiny_llama, train_variant
 
 __all__ = ["DEMO_SCHEMES", "DemoConfig", "run_demo", "results_table", "timing_note"]
@@ -138,7 +138,7 @@ def _save_chain(report, out: Path, say: Callable[[str], None]) -> list[Path]:
 
 
 def _save_rewritten(model, name: str, out: Path, say: Callable[[str], None]) -> list[Path]:
-    from .draw import save_rewritten
+    from ..views.draw import save_rewritten
 
     written = [save_rewritten(model, out / f"rewritten_{name}.txt")]
     try:  # Graphviz when installed, else matplotlib

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["build", "resolve", "hf_model", "timm_model", "HF_TYPES"]
 
