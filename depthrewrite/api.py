@@ -144,7 +144,8 @@ def convert(
         mod = getattr(box, c.params) if c.params else None
         params = sum(p.numel() for p in mod.parameters()) if mod is not None else 0
         where = chain.sublayers[c.site].branch_module if isinstance(c.site, int) else chain.final_norm.module
-        sites.append(SiteInfo(site=c.site, module=where, sources=c.sources, params=params, detail=c.detail))
+        sites.append(SiteInfo(site=c.site, module=where, sources=c.sources, params=params, detail=c.detail,
+                              state_elements=c.state_elements))
     S = block_size_for(config, len(chain))
     ref = next((p for p in model.parameters() if p.is_floating_point()), None)
     report = ConvertReport(

@@ -38,6 +38,7 @@ import torch.utils._pytree as pytree
 from .converted import _resolve
 from .errors import ConfigError, PipelineError
 from .passes.meta import META_KEY, NodeRole
+from .passes.rewrite.registry import depth_state_ops, scheme
 
 __all__ = [
     "PIPE_SPLIT",
@@ -55,10 +56,6 @@ __all__ = [
 
 PIPE_SPLIT = torch.ops.pippy._pipe_split.default
 aten = torch.ops.aten
-_DEPTH_OPS = {
-    "depth_attn", "msar_mix", "mhc_coeffs", "mhc_pre", "mhc_post", "mhc_collapse", "moda_slots",
-}
-_BLOCK_SCHEMES = ("attnres", "msar")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -161,36 +158,19 @@ def _op_name(n: fx.Node) -> str | None:
 
 
 def _is_depth_op(n: fx.Node) -> bool:
-    return n.op == "call_function" and getattr(n.target, "namespace", None) == "depthrewrite" and _op_name(n) in _DEPTH_OPS
+    return n.op == "call_function" and getattr(n.target, "namespace", None) == "depthrewrite" and _op_name(n) in depth_state_ops()
 
 
 def _anchor(graph: fx.Graph, report, j: int) -> fx.Node:
-    """The first node of the stage that begins with sublayer j (1 <= j < L)."""
-    scheme = report.config.name
-    if scheme in _BLOCK_SCHEMES:
-        for n in graph.nodes:
-            r = _role(n)
-            if r is not None and r.role == "mix" and r.site == j:
-                return n
-    elif scheme == "mhc":
-        for n in graph.nodes:
-            r = _role(n)
-            if r is not None and r.role == "mhc_pre" and r.site == j:
-                return n.args[1].args[0]  # u = mhc_pre(X, getitem(mhc_coeffs(X, ...), 0)): the site starts at coeffs
-    else:  # MoDA keeps the stream: cut before sublayer j's first pre-norm reader of h_j
-        nodes = {n.name: n for n in graph.nodes}
-        s = report.chain.sublayers[j]
-        names = set()
-        for b in s.branches:
-            names |= set(b.pre_norm.readers) if b.pre_norm is not None else set(b.nodes)
-        found = [nodes[x] for x in names if x in nodes]
-        if found:
-            order = {n: i for i, n in enumerate(graph.nodes)}
-            return min(found, key=order.__getitem__)
-    raise ConfigError(
-        f"pipeline: cannot find where sublayer {j} begins in the converted {scheme} graph (a graph converted by "
-        "depthrewrite marks every mixing site); convert the model again and split the fresh conversion"
-    )
+    """The first node of the stage that begins with sublayer j (1 <= j < L): the scheme record's ``stage_anchor``."""
+    record = scheme(report.config)
+    node = record.hook("stage_anchor", "pipeline planning")(graph, report, j)
+    if node is None:
+        raise ConfigError(
+            f"pipeline: cannot find where sublayer {j} begins in the converted {record.name} graph (a graph converted by "
+            "depthrewrite marks every mixing site); convert the model again and split the fresh conversion"
+        )
+    return node
 
 
 def _segment_params(gm: fx.GraphModule, graph: fx.Graph, anchors: list[fx.Node]) -> list[int]:
@@ -236,13 +216,13 @@ def plan(converted, P: int, *, align_blocks: bool = True) -> tuple[int, ...]:
     report, L, S = _check(converted, P)
     if P == 1:
         return ()
-    scheme = report.config.name
-    aligned = align_blocks and scheme in _BLOCK_SCHEMES and S > 1
+    name = report.config.name
+    aligned = align_blocks and scheme(report.config).block_form and S > 1
     allowed = [j for j in range(1, L) if not aligned or j % S == 0]
     if len(allowed) < P - 1:
         n_eff = math.ceil(L / S)
         raise ConfigError(
-            f"pipeline_stages={P}: Block {scheme} with S={S} sublayers per block has {n_eff} blocks, so only "
+            f"pipeline_stages={P}: Block {name} with S={S} sublayers per block has {n_eff} blocks, so only "
             f"{len(allowed) + 1} stages can begin on a block boundary; use pipeline_stages <= {len(allowed) + 1}, more "
             "blocks (blocks=...), or align_blocks=False to cut inside a block (the open partial sum then crosses too)"
         )
@@ -491,37 +471,9 @@ def _crossings(g: fx.Graph) -> tuple[dict[fx.Node, int], list[list[fx.Node]]]:
 
 
 def _labels(converted, g: fx.Graph, j: int) -> dict[fx.Node, str]:
-    """Readable names of the depth-state values at a cut before sublayer j: the sources of site j (AttnRes, MSAR), the
-    streams (mHC), the residual stream and slots (MoDA)."""
+    """Readable names of the depth-state values at a cut before sublayer j: the scheme record's ``boundary_labels``."""
     report = converted.report()
-    scheme = report.config.name
-    labels: dict[fx.Node, str] = {}
-    sites = {s.site: s for s in report.sites}
-    for n in g.nodes:
-        r = _role(n)
-        if scheme in _BLOCK_SCHEMES and r is not None and r.role == "mix" and r.site == j and j in sites:
-            labels.update(zip(n.args[0], sites[j].sources))
-        elif scheme == "mhc" and r is not None and r.role in ("expand", "mhc_state"):
-            n_streams = report.config.streams
-            labels[n] = f"X ({n_streams} streams) after sublayer {r.site}" if r.role == "mhc_state" else \
-                f"X ({n_streams} streams) = {n_streams} copies of emb"
-        elif scheme == "moda" and _is_depth_op(n) and _op_name(n) == "moda_slots" and n.users:
-            attn = next(iter(n.users))
-            site = sites.get(_role(attn).site) if _role(attn) is not None else None
-            names = site.sources if site is not None else ()
-            kv = "K" if attn.args[4] is n else "V"
-            for i, src in enumerate(n.args[0]):
-                labels.setdefault(src, f"slot {kv} {names[i] if i < len(names) else i}")
-    if scheme == "moda":
-        chain = report.chain
-        stream = {chain.source} | {s.residual_add for s in chain.sublayers}
-        for n in g.nodes:
-            base = n
-            while base.op == "call_function" and _op_name(base) in ("to", "_to_copy", "clone", "alias") and base.args:
-                base = base.args[0]
-            if base.name in stream:
-                labels.setdefault(n, "h (residual stream)")
-    return labels
+    return scheme(report.config).hook("boundary_labels", "pipeline boundary report")(g, report, j)
 
 
 def _side_label(n: fx.Node, name: str | None = None) -> str:
@@ -532,25 +484,9 @@ def _side_label(n: fx.Node, name: str | None = None) -> str:
 
 
 def _formula(report, j: int) -> tuple[str, int]:
-    scheme, d = report.config.name, report.chain.hidden_size
-    b = report.bytes_per_element
-    if scheme in _BLOCK_SCHEMES:
-        S = report.block_size or 1
-        k = 1 if j == 0 else (j - 1) // S + 2
-        what = f"(j+1)·d = {k}·{d}" if S == 1 else f"(N_done+1)·d = {k}·{d}"
-        return what, k * d * b
-    if scheme == "mhc":
-        n = report.config.streams
-        return f"n·d = {n}·{d}", n * d * b
-    # MoDA: h plus every slot written before sublayer j that an attention at or after j reads
-    import re
-
-    site = next((x for x in report.sites if x.sources and isinstance(x.site, int) and x.site >= j and "depth KV" in x.detail), None)
-    if site is None:
-        return f"d = {d}", d * b
-    per_slot = int(site.detail.split("depth KV ")[1].split()[0].replace(",", "")) // len(site.sources)
-    n_slots = sum(1 for lab in site.sources if int(re.sub(r"\D", "", lab) or 0) < j)
-    return f"d + slots·2·Hk·dh = {d} + {n_slots}·{per_slot}", (d + n_slots * per_slot) * b
+    """The depth state per token at a cut before sublayer j (the scheme record's ``state_at``) and its bytes."""
+    state = scheme(report.config).hook("state_at", "pipeline boundary report")(report, j)
+    return state.formula, state.elements * report.bytes_per_element
 
 
 def boundary_info(converted, example_inputs: tuple | None = None, example_kwargs: dict | None = None) -> PipelineInfo:

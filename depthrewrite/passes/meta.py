@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-__all__ = ["META_KEY", "NodeRole", "inherit_meta"]
+__all__ = ["META_KEY", "NodeRole", "inherit_meta", "role_of", "depth_op_name"]
 
 META_KEY = "depthrewrite"
 
@@ -30,3 +30,17 @@ def inherit_meta(new: fx.Node, old: fx.Node, role: NodeRole | None = None, val_f
             new.meta[key] = src.meta[key]
     if role is not None:
         new.meta[META_KEY] = role
+
+
+def role_of(n: fx.Node) -> NodeRole | None:
+    """The role a rewrite gave node ``n`` (None for the model's own nodes)."""
+    r = n.meta.get(META_KEY)
+    return r if isinstance(r, NodeRole) else None
+
+
+def depth_op_name(n: fx.Node) -> str | None:
+    """``"moda_slots"`` for a call of ``torch.ops.depthrewrite.moda_slots``; None for any other node."""
+    if n.op != "call_function" or getattr(n.target, "namespace", None) != "depthrewrite":
+        return None
+    packet = getattr(n.target, "overloadpacket", None)
+    return getattr(packet, "__name__", None)

@@ -21,6 +21,7 @@ class Change:
     sources: tuple[str, ...] = ()  # what the site reads: "emb", "out3", "b1", "partial b2"; mHC: streams "x0".."x3"
     params: str | None = None  # the site's parameter module under ``depthrewrite.`` ("mix_3", "hc_0")
     detail: str = ""  # scheme-specific, for reports (mHC: coefficient shapes)
+    state_elements: int = 0  # depth-state values per token this site reads, when not d-sized sources (MoDA: depth KV)
 
 
 @dataclass(frozen=True)

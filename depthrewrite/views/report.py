@@ -251,6 +251,7 @@ class SiteInfo:
     sources: tuple[str, ...]  # what the site reads: "emb", "out3", "b1", "partial b2"; mHC: the n streams
     params: int
     detail: str = ""  # scheme-specific, e.g. mHC's coefficient shapes
+    state_elements: int = 0  # depth-state values per token the site reads when not d-sized sources (MoDA's depth KV)
 
 
 @dataclass(frozen=True, kw_only=True)

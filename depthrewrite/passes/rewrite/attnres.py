@@ -20,9 +20,17 @@ import torch.nn as nn
 
 from ..analyse.chain import Chain
 from ..result import PassResult
-from .blocks import DepthMixConfig, block_size_for, rewrite_depth_mix, sources_at
+from .blocks import (
+    DepthMixConfig,
+    block_size_for,
+    mix_site_anchor,
+    mix_site_labels,
+    rewrite_depth_mix,
+    sources_at,
+    stored_sources_state,
+)
 from .editor import PARAM_PREFIX, ChainEditor
-from .registry import register_scheme
+from .registry import DEFAULT_BLOCKS, Scheme, register
 
 __all__ = ["AttnResConfig", "PARAM_PREFIX", "block_size_for", "sources_at"]
 
@@ -62,6 +70,23 @@ def _emit(ed: ChainEditor, name: str, sources: list[fx.Node], eps: float, scale:
     return ed.graph.call_function(torch.ops.depthrewrite.depth_attn.default, (sources, q, g, eps, scale))
 
 
-@register_scheme(AttnResConfig)
 def _rewrite_attnres(gm: fx.GraphModule, chain: Chain, config: AttnResConfig) -> PassResult:
     return rewrite_depth_mix(gm, chain, config, _emit)
+
+
+SCHEME = register(Scheme(
+    name=AttnResConfig.name,
+    title="AttnRes",
+    config=AttnResConfig,
+    handler=_rewrite_attnres,
+    ops=("depth_attn",),
+    block_form=True,
+    doc="docs/attnres.md",
+    variants=(
+        ("attnres", "Full AttnRes", {}),
+        ("block-attnres", f"Block AttnRes ({DEFAULT_BLOCKS} blocks)", {"blocks": DEFAULT_BLOCKS}),
+    ),
+    stage_anchor=mix_site_anchor,
+    boundary_labels=mix_site_labels,
+    state_at=stored_sources_state,
+))

@@ -17,12 +17,13 @@ import torch.fx as fx
 
 from ...errors import ConfigError
 from ..analyse.chain import Chain
-from ..meta import NodeRole, inherit_meta
+from ..meta import NodeRole, inherit_meta, role_of
 from ..result import Change, PassResult
 from .editor import ChainEditor, Emit
-from .registry import SchemeConfig
+from .registry import DepthState, SchemeConfig
 
-__all__ = ["DepthMixConfig", "block_size_for", "sources_at", "rewrite_depth_mix"]
+__all__ = ["DepthMixConfig", "block_size_for", "sources_at", "rewrite_depth_mix", "mix_site_anchor", "mix_site_labels",
+           "stored_sources_state"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,3 +118,30 @@ def rewrite_depth_mix(gm: fx.GraphModule, chain: Chain, config: DepthMixConfig, 
             inherit_meta(acc, ed.nodes[chain.sublayers[j].residual_add], NodeRole("partial_sum", j, config.name), val_from=out)
             prefix = (acc, f"partial b{n_block}")
     return ed.finish(changes)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# stage hooks (Scheme record): a cut before sublayer j crosses the sources of site j
+
+
+def mix_site_anchor(graph: fx.Graph, report, j: int) -> fx.Node | None:
+    """A stage beginning with sublayer j begins at its mixing site (the ``mix`` node of site j)."""
+    return next((n for n in graph.nodes if (r := role_of(n)) is not None and r.role == "mix" and r.site == j), None)
+
+
+def mix_site_labels(graph: fx.Graph, report, j: int) -> dict[fx.Node, str]:
+    """The sources read by site j, named as the report names them (``emb``, ``b1``, ``partial b2``)."""
+    sites = {s.site: s for s in report.sites}
+    labels: dict[fx.Node, str] = {}
+    for n in graph.nodes:
+        r = role_of(n)
+        if r is not None and r.role == "mix" and r.site == j and j in sites:
+            labels.update(zip(n.args[0], sites[j].sources))
+    return labels
+
+
+def stored_sources_state(report, j: int) -> DepthState:
+    """Full: every source so far, (j+1)·d; Block: the completed block sums plus the open partial sum, (N_done+1)·d."""
+    S, d = report.block_size or 1, report.chain.hidden_size
+    k = sources_at(j, S)
+    return DepthState(k * d, f"(j+1)·d = {k}·{d}" if S == 1 else f"(N_done+1)·d = {k}·{d}")

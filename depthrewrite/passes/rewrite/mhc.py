@@ -25,10 +25,10 @@ import torch.nn as nn
 from ...errors import ConfigError
 from ..analyse.chain import Chain
 from ..analyse.ops import tensor_val
-from ..meta import NodeRole, inherit_meta
+from ..meta import NodeRole, inherit_meta, role_of
 from ..result import Change, PassResult
 from .editor import ChainEditor
-from .registry import SchemeConfig, register_scheme
+from .registry import DepthState, Scheme, SchemeConfig, register
 
 __all__ = ["MHCConfig"]
 
@@ -86,7 +86,6 @@ class _HCSite(nn.Module):
         self.alpha = nn.Parameter(torch.full((3,), float(config.alpha_init), **kw))
 
 
-@register_scheme(MHCConfig)
 def _rewrite_mhc(gm: fx.GraphModule, chain: Chain, config: MHCConfig) -> PassResult:
     ed = ChainEditor(gm, chain, config.name)
     graph, L, n = ed.graph, ed.L, config.streams
@@ -136,3 +135,45 @@ def _rewrite_mhc(gm: fx.GraphModule, chain: Chain, config: MHCConfig) -> PassRes
         f"{L + 1}·d = {(L + 1) * d}, Block AttnRes with 8 blocks {n8}·d = {n8 * d})",
     )
     return PassResult(result.graph_module, result.changes, notes)
+
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# stage hooks (Scheme record): a cut before sublayer j crosses the n streams
+
+
+def _stage_anchor(graph: fx.Graph, report, j: int) -> fx.Node | None:
+    """Site j starts at its coefficients: ``u = mhc_pre(X, getitem(mhc_coeffs(X, ...), 0))``."""
+    pre = next((n for n in graph.nodes if (r := role_of(n)) is not None and r.role == "mhc_pre" and r.site == j), None)
+    return pre.args[1].args[0] if pre is not None else None
+
+
+def _boundary_labels(graph: fx.Graph, report, j: int) -> dict[fx.Node, str]:
+    n = report.config.streams
+    labels: dict[fx.Node, str] = {}
+    for x in graph.nodes:
+        r = role_of(x)
+        if r is not None and r.role == "mhc_state":
+            labels[x] = f"X ({n} streams) after sublayer {r.site}"
+        elif r is not None and r.role == "expand":
+            labels[x] = f"X ({n} streams) = {n} copies of emb"
+    return labels
+
+
+def _state_at(report, j: int) -> DepthState:
+    n, d = report.config.streams, report.chain.hidden_size
+    return DepthState(n * d, f"n·d = {n}·{d}")
+
+
+SCHEME = register(Scheme(
+    name=MHCConfig.name,
+    title="mHC",
+    config=MHCConfig,
+    handler=_rewrite_mhc,
+    ops=("mhc_coeffs", "mhc_pre", "mhc_post", "mhc_collapse"),
+    doc="docs/mhc.md",
+    variants=(("mhc", "mHC (n=4)", {}),),
+    stage_anchor=_stage_anchor,
+    boundary_labels=_boundary_labels,
+    state_at=_state_at,
+))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import torch
 import torch.fx as fx
@@ -28,10 +29,10 @@ from ...errors import AttentionPatternError, ConfigError
 from ..analyse.chain import Branch, Chain
 from ..analyse.graph import module_path_of
 from ..analyse.ops import op_of, strip_alias, tensor_val
-from ..meta import NodeRole, inherit_meta
+from ..meta import NodeRole, depth_op_name, inherit_meta, role_of
 from ..result import Change, PassResult
 from .editor import ChainEditor
-from .registry import SchemeConfig, register_scheme
+from .registry import DepthState, Scheme, SchemeConfig, register
 
 __all__ = ["MoDAConfig", "AttentionOp", "find_attention"]
 
@@ -586,7 +587,6 @@ class _Lambda(nn.Module):
         self.depth_weight = nn.Parameter(torch.zeros(hq, dtype=dtype, device=device))
 
 
-@register_scheme(MoDAConfig)
 def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassResult:
     ed = ChainEditor(gm, chain, config.name)
     graph = ed.graph
@@ -660,6 +660,7 @@ def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassR
                 site=k, module=s.module, created=(Kd.name, Vd.name, new.name), replaced=a.node.name,
                 sources=tuple(labels), params=name if config.preserve_init else None,
                 detail=f"{a.form}; +{flops:,} FLOPs/token; depth KV {n * 2 * hk * d:,} values/token",
+                state_elements=n * 2 * hk * d,
             ))
         if k >= last_reader:
             continue  # nothing after this sublayer reads a slot
@@ -781,3 +782,74 @@ def _rotation_mismatches(changes: list[Change], rot_of: dict, rot_name: dict, li
             "reader stays in the depth logit, so a slot does not score as position-free content. Slots are kept as fed "
             "to attention (post-RoPE); no depth_rope='unrotated' variant is implemented. Slot -> readers: "
             + "; ".join(items[:limit]) + more)
+
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# stage hooks (Scheme record): MoDA keeps the residual stream; a cut crosses h and the depth slots still to be read
+
+
+def _stage_anchor(graph: fx.Graph, report, j: int) -> fx.Node | None:
+    """A stage beginning with sublayer j begins at that sublayer's first pre-norm reader of h_j."""
+    nodes = {n.name: n for n in graph.nodes}
+    names: set[str] = set()
+    for b in report.chain.sublayers[j].branches:
+        names |= set(b.pre_norm.readers) if b.pre_norm is not None else set(b.nodes)
+    found = [nodes[x] for x in names if x in nodes]
+    if not found:
+        return None
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return min(found, key=order.__getitem__)
+
+
+def _boundary_labels(graph: fx.Graph, report, j: int) -> dict[fx.Node, str]:
+    """The depth slots (named by the sublayer that wrote them) and the residual stream."""
+    sites = {s.site: s for s in report.sites}
+    labels: dict[fx.Node, str] = {}
+    for n in graph.nodes:
+        if depth_op_name(n) != "moda_slots" or not n.users:
+            continue
+        attn = next(iter(n.users))
+        r = role_of(attn)
+        site = sites.get(r.site) if r is not None else None
+        names = site.sources if site is not None else ()
+        kv = "K" if attn.args[4] is n else "V"
+        for i, src in enumerate(n.args[0]):
+            labels.setdefault(src, f"slot {kv} {names[i] if i < len(names) else i}")
+    chain = report.chain
+    stream = {chain.source} | {s.residual_add for s in chain.sublayers}
+    for n in graph.nodes:
+        base = n
+        while base.op == "call_function" and base.args and getattr(getattr(base.target, "overloadpacket", None), "__name__", None) in (
+            "to", "_to_copy", "clone", "alias"
+        ):
+            base = base.args[0]
+        if base.name in stream:
+            labels.setdefault(n, "h (residual stream)")
+    return labels
+
+
+def _state_at(report, j: int) -> DepthState:
+    """h plus every slot written before sublayer j that an attention at or after j reads."""
+    d = report.chain.hidden_size
+    site = next((x for x in report.sites if x.sources and isinstance(x.site, int) and x.site >= j and x.state_elements), None)
+    if site is None:
+        return DepthState(d, f"d = {d}")
+    per_slot = site.state_elements // len(site.sources)
+    n_slots = sum(1 for lab in site.sources if int(re.sub(r"\D", "", lab) or 0) < j)
+    return DepthState(d + n_slots * per_slot, f"d + slots·2·Hk·dh = {d} + {n_slots}·{per_slot}")
+
+
+SCHEME = register(Scheme(
+    name=MoDAConfig.name,
+    title="MoDA",
+    config=MoDAConfig,
+    handler=_rewrite_moda,
+    ops=("moda_attn", "moda_slots"),
+    state_ops=("moda_slots",),
+    doc="docs/moda.md",
+    variants=(("moda", "MoDA (paper, λ≡1)", {}),),
+    stage_anchor=_stage_anchor,
+    boundary_labels=_boundary_labels,
+    state_at=_state_at,
+))

@@ -22,9 +22,9 @@ from ...errors import ConfigError
 from ..analyse.chain import Chain
 from ..analyse.ops import tensor_val
 from ..result import PassResult
-from .blocks import DepthMixConfig, rewrite_depth_mix
+from .blocks import DepthMixConfig, mix_site_anchor, mix_site_labels, rewrite_depth_mix, stored_sources_state
 from .editor import ChainEditor
-from .registry import register_scheme
+from .registry import DEFAULT_BLOCKS, Scheme, register
 
 __all__ = ["MSARConfig"]
 
@@ -109,7 +109,6 @@ class _MSARSite(nn.Module):
             self.alpha = nn.Parameter(torch.full((1,), 0.01, **kw))
 
 
-@register_scheme(MSARConfig)
 def _rewrite_msar(gm: fx.GraphModule, chain: Chain, config: MSARConfig) -> PassResult:
     stream = tensor_val(_node(gm, chain.source))
     if stream is None or stream.dim() != 3:
@@ -128,3 +127,21 @@ def _rewrite_msar(gm: fx.GraphModule, chain: Chain, config: MSARConfig) -> PassR
         return ed.graph.call_function(torch.ops.depthrewrite.msar_mix.default, args)
 
     return rewrite_depth_mix(gm, chain, config, emit)
+
+
+SCHEME = register(Scheme(
+    name=MSARConfig.name,
+    title="MSAR",
+    config=MSARConfig,
+    handler=_rewrite_msar,
+    ops=("msar_mix",),
+    block_form=True,
+    doc="docs/msar.md",
+    variants=(
+        ("msar", "Full MSAR", {}),
+        ("block-msar", f"Block MSAR ({DEFAULT_BLOCKS} blocks)", {"blocks": DEFAULT_BLOCKS}),
+    ),
+    stage_anchor=mix_site_anchor,
+    boundary_labels=mix_site_labels,
+    state_at=stored_sources_state,
+))

@@ -1,4 +1,6 @@
-"""One registry from config type to rewrite handler (torchao's shape): ``convert(model, "attnres", blocks=4)`` maps
+"""One registry of schemes: each rewrite file registers one :class:`Scheme` record (config class, handler, the ops it
+inserts, its block form, docs page, demo variants and the hooks pipeline stages need). Config type to handler is
+torchao's shape: ``convert(model, "attnres", blocks=4)`` maps
 the name to its config class; ``convert(model, AttnResConfig(blocks=4))`` works too.
 
 Names are case-insensitive, and the Block variants have names of their own: ``"block-attnres"`` is ``"attnres"`` with
@@ -24,7 +26,7 @@ __all__ = [
     "schemes",
     "scheme",
     "scheme_of_op",
-    "register_scheme",
+    "depth_state_ops",
     "get_handler",
     "scheme_config",
     "scheme_names",
@@ -37,11 +39,9 @@ _NAMES: dict[str, type] = {}
 
 #: the block count of the ``block-*`` names (the demo's Block AttnRes / Block MSAR)
 DEFAULT_BLOCKS = 4
-#: other names of a scheme with some options preset: name -> (scheme, default options)
-SCHEME_ALIASES: dict[str, tuple[str, dict[str, Any]]] = {
-    "block-attnres": ("attnres", {"blocks": DEFAULT_BLOCKS}),
-    "block-msar": ("msar", {"blocks": DEFAULT_BLOCKS}),
-}
+#: other names of a scheme with some options preset: name -> (scheme, default options); :func:`register` adds
+#: ``block-<name>`` for every scheme with a block form
+SCHEME_ALIASES: dict[str, tuple[str, dict[str, Any]]] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,15 +57,6 @@ class SchemeConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {"scheme": self.name, "version": self.version, **dataclasses.asdict(self)}
-
-
-def register_scheme(config_cls: type) -> Callable:
-    def deco(fn: Callable) -> Callable:
-        _HANDLERS[config_cls] = fn
-        _NAMES[config_cls.name] = config_cls
-        return fn
-
-    return deco
 
 
 def get_handler(config: SchemeConfig) -> Callable:
@@ -134,13 +125,15 @@ class Scheme:
         handler: ``handler(gm, chain, config) -> PassResult``: the rewrite.
         ops: the ``depthrewrite::<op>`` ops its rewrite inserts (names without the namespace); the first one marks a
             graph as converted to this scheme (the compile backend's ``scheme=`` check reads it).
+        state_ops: the ops among ``ops`` whose tensor inputs are depth state (what a stage boundary carries); None: all
+            of ``ops``. MoDA's attention reads q/k/v and the mask too, so only its ``moda_slots`` count.
         block_form: whether the config takes ``blocks`` / ``block_size`` (Block AttnRes, Block MSAR): pipeline cuts
             then fall on block boundaries, and ``block-<name>`` is an alias with ``blocks=DEFAULT_BLOCKS``.
         doc: its docs page, relative to the repository root (``"docs/attnres.md"``).
         variants: demo / bench variants as ``(key, label, options)``: ``("block-attnres", "Block AttnRes (4 blocks)",
             {"blocks": 4})``.
-        stage_anchor: ``stage_anchor(graph, report, j) -> fx.Node``: the first node of the pipeline stage that begins
-            with sublayer j (1 <= j < L) in a converted graph.
+        stage_anchor: ``stage_anchor(graph, report, j) -> fx.Node | None``: the first node of the pipeline stage that
+            begins with sublayer j (1 <= j < L) in a converted graph; None when the graph has no such site.
         boundary_labels: ``boundary_labels(graph, report, j) -> dict[fx.Node, str]``: readable names of the depth-state
             values crossing a cut before sublayer j.
         state_at: ``state_at(report, j) -> DepthState``: the depth state per token crossing a cut before sublayer j.
@@ -154,6 +147,7 @@ class Scheme:
     config: type
     handler: Callable
     ops: tuple[str, ...]
+    state_ops: tuple[str, ...] | None = None
     block_form: bool = False
     doc: str = ""
     variants: tuple[tuple[str, str, dict[str, Any]], ...] = ()
@@ -203,6 +197,11 @@ def scheme(name_or_config: str | SchemeConfig) -> Scheme:
     if key not in _SCHEMES:
         raise ConfigError(f"unknown scheme {name_or_config!r}: choose one of {scheme_names()}")
     return _SCHEMES[key]
+
+
+def depth_state_ops() -> frozenset[str]:
+    """Every registered scheme's ``state_ops`` (the ops whose inputs are depth state)."""
+    return frozenset(op for s in _SCHEMES.values() for op in (s.ops if s.state_ops is None else s.state_ops))
 
 
 def scheme_of_op(op: str) -> Scheme | None:
