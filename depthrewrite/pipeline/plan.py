@@ -65,8 +65,8 @@ def check_stages(converted, P) -> tuple[Any, int, int]:
 
 def plan(converted, P: int, *, align_blocks: bool = True) -> tuple[int, ...]:
     """The sublayer index where each of stages 1..P-1 begins: balanced by parameter count (the embedding counts for
-    stage 0, the final norm and head for the last); for Block AttnRes / Block MSAR only block boundaries (sublayer
-    j with j % S == 0, where the state is smallest) unless ``align_blocks=False``."""
+    stage 0, the final norm and head for the last); for a scheme in block form (the record's ``block_form``, S > 1)
+    only block boundaries (sublayer j with j % S == 0, where the state is smallest) unless ``align_blocks=False``."""
     report, L, S = check_stages(converted, P)
     if P == 1:
         return ()
