@@ -16,8 +16,10 @@ What the captured graph needs before it can train like the original:
 
 from __future__ import annotations
 
+import dataclasses
 import inspect as _inspect
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Mapping
 
 import torch
 import torch.fx as fx
@@ -37,10 +39,46 @@ class ConvertedGraphModule(fx.GraphModule):
     _dr_signature: _inspect.Signature | None
     _dr_layout: tuple[int, tuple[str, ...]]
     _dr_report: Any
+    # set by depthrewrite.pipeline.split (through record_pipeline)
+    _dr_pipeline_cuts: tuple[int, ...]
 
     def report(self):
         """The :class:`~depthrewrite.views.report.ConvertReport` of this conversion."""
         return self._dr_report
+
+    @property
+    def graphs(self) -> Mapping[bool, fx.Graph]:
+        """Both graphs of the conversion, by training mode: ``graphs[True]`` runs in training mode, ``graphs[False]``
+        in eval mode (``self.graph`` is the one of the current mode). A read-only view; a pass that edits the graphs
+        in place calls :meth:`recompile` afterwards."""
+        return MappingProxyType(self.__dict__.get("_dr_graphs") or {self.training: self.graph})
+
+    @property
+    def pipeline_cuts(self) -> tuple[int, ...] | None:
+        """The sublayer index where each pipeline stage after the first begins, as placed by
+        :func:`depthrewrite.pipeline.split`; ``()`` for a one-stage split, None when the model was never split."""
+        return self.__dict__.get("_dr_pipeline_cuts")
+
+    def record_pipeline(self, cuts: tuple[int, ...], info: Any) -> None:
+        """Record a pipeline split whose boundaries are already placed in both :attr:`graphs`: :attr:`pipeline_cuts`
+        becomes ``cuts`` and the report's ``pipeline`` section ``info`` (a
+        :class:`~depthrewrite.pipeline.PipelineInfo`). Called by :func:`depthrewrite.pipeline.split`."""
+        self._dr_pipeline_cuts = tuple(cuts)
+        self._dr_report = dataclasses.replace(self._dr_report, pipeline=info)
+
+    def resolve_attr(self, target: str) -> Any:
+        """The parameter, buffer, submodule or constant at the dotted ``target`` of a ``get_attr`` node (None when
+        there is none)."""
+        return _resolve(self, target)
+
+    def bind_inputs(self, args: tuple = (), kwargs: dict | None = None) -> tuple[tuple, dict]:
+        """``(positional, keywords)``: a call ``self(*args, **kwargs)`` bound to the original forward's signature and
+        laid out as the graph was captured (what the forward pre-hook passes to the graph).
+
+        Raises:
+            ConfigError: the call lacks an input the model was converted with, or passes one it was not.
+        """
+        return _bind_inputs(self, tuple(args), dict(kwargs or {}))
 
     def __repr__(self) -> str:
         r = self._dr_report

@@ -279,6 +279,36 @@ def test_cross_stage_cache_errors_are_pipeline_errors():
             p.requires_grad_(True)
 
 
+def test_converted_model_surface_and_placement_pass():
+    """What the pipeline package reads of a converted model is public (graphs, pipeline_cuts, record_pipeline,
+    resolve_attr, bind_inputs), and the placement pass returns a PassResult with one Change per boundary."""
+    from depthrewrite.pipeline.place import place_boundaries
+
+    torch.manual_seed(0)
+    conv = dr.convert(_llama(), "attnres", blocks=2)
+    assert conv.pipeline_cuts is None
+    assert set(conv.graphs) == {True, False} and conv.graphs[conv.training] is conv.graph
+    with pytest.raises(TypeError):
+        conv.graphs[True] = conv.graph  # a read-only view
+    name, p = next(iter(conv.named_parameters()))
+    assert conv.resolve_attr(name) is p and conv.resolve_attr("no.such.attr") is None
+    x = torch.randint(0, 256, (2, 8))
+    assert conv.bind_inputs((x,)) == ((), {"input_ids": x})
+    ref = conv(x).logits
+    cuts = pp.plan(conv, 2)
+    results = [place_boundaries(conv, graph, conv.report(), cuts) for graph in conv.graphs.values()]
+    conv.recompile()
+    for graph, result in zip(conv.graphs.values(), results):
+        assert result.modified and result.graph_module is conv
+        (change,) = result.changes
+        assert change.site == cuts[0] and "stage 1 begins" in change.detail
+        names = {n.name for n in graph.nodes}
+        assert set(change.created) <= names and _splits(graph) == 1
+    torch.testing.assert_close(conv(x).logits, ref, rtol=0, atol=0)
+    pp.split(conv, 2)
+    assert conv.pipeline_cuts == cuts and conv.report().pipeline.cuts == cuts
+
+
 def test_specialise_keeps_shapes_not_activations():
     """The example run keeps scalars and each tensor's shape and dtype (meta tensors), not the activations; the
     converted graphs carry no export dtype asserts (convert() dropped them)."""
@@ -286,10 +316,12 @@ def test_specialise_keeps_shapes_not_activations():
     for graph in conv._dr_graphs.values():
         assert not any(n.target is torch.ops.aten._assert_tensor_metadata.default for n in graph.nodes)
     x = torch.randint(0, 256, (3, 8))
-    g, vals = pp._specialise(conv, conv.graph, pp._flat_inputs(conv, (x,), {}))
+    from depthrewrite.pipeline.measure import _tokens, flat_inputs, specialise
+
+    g, vals = specialise(conv, conv.graph, flat_inputs(conv, (x,), {}))
     tensors = [v for v in vals.values() if isinstance(v, torch.Tensor)]
     assert tensors and all(v.device.type == "meta" for v in tensors)
-    assert pp._tokens(vals, g) == 3 * 8
+    assert _tokens(vals, g) == 3 * 8
     assert not any(n.op == "call_function" and isinstance(vals.get(n), int) for n in g.nodes)  # sizes are constants
 
 
