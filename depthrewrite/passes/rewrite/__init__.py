@@ -4,7 +4,8 @@ from ...kernels import depth_attn as _depth_attn  # noqa: F401  (registers depth
 from ...kernels import mhc as _mhc  # noqa: F401  (registers depthrewrite::mhc_*)
 from ...kernels import moda as _moda  # noqa: F401  (registers depthrewrite::moda_*)
 from ...kernels import msar as _msar  # noqa: F401  (registers depthrewrite::msar_mix)
-from .registry import DepthState, Scheme, SchemeConfig, get_handler, register, scheme, scheme_config, scheme_of_op, schemes
+from .registry import (DepthState, Scheme, SchemeConfig, SchemeVariant, StageHookError, get_handler, register, scheme,
+                       scheme_config, scheme_of_op, schemes, unregister)
 
 from . import attnres, msar, mhc, moda  # noqa: E402,F401  (register the schemes, in this order)
 
@@ -12,10 +13,13 @@ __all__ = [
     "DepthState",
     "Scheme",
     "SchemeConfig",
+    "SchemeVariant",
+    "StageHookError",
     "get_handler",
     "register",
     "scheme",
     "scheme_config",
     "scheme_of_op",
     "schemes",
+    "unregister",
 ]
