@@ -24,12 +24,15 @@ class NodeRole:
     scheme: str
 
 
-def inherit_meta(new: fx.Node, old: fx.Node, role: NodeRole | None = None, val_from: fx.Node | None = None) -> None:
+def inherit_meta(new: fx.Node, old: fx.Node, role: NodeRole | None = None, val_from: fx.Node | None = None,
+                 copy_val: bool = True) -> None:
+    """``new`` takes ``old``'s place: its module stack and stack trace, ``role``, and the value metadata of
+    ``val_from`` (default ``old``); ``copy_val=False`` for a node whose value has no other node's shape."""
     for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
         if key in old.meta:
             new.meta[key] = old.meta[key]
     src = val_from if val_from is not None else old
-    for key in ("val", "example_value", "tensor_meta"):
+    for key in ("val", "example_value", "tensor_meta") if copy_val else ():
         if key in src.meta:
             new.meta[key] = src.meta[key]
     if role is not None:
