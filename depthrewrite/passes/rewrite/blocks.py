@@ -147,7 +147,9 @@ def mix_site_labels(graph: fx.Graph, report, j: int) -> dict[fx.Node, str]:
     labels: dict[fx.Node, str] = {}
     for n in graph.nodes:
         r = role_of(n)
-        if r is not None and r.role == "mix" and r.site == j and j in sites and n.args and isinstance(n.args[0], (list, tuple)):
+        if r is None or r.role != "mix" or r.site != j or j not in sites:
+            continue
+        if n.args and isinstance(n.args[0], (list, tuple)):
             labels.update(zip(n.args[0], sites[j].sources))
     return labels
 
