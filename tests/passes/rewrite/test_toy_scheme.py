@@ -170,3 +170,14 @@ def test_register_refuses_names_the_registry_cannot_hold(depthavg):
         register(_record("other", DepthAvgConfig))
     with pytest.raises(dr.ConfigError, match="no scheme named 'block-attnres'"):
         unregister("block-attnres")
+
+
+def test_every_registered_scheme_has_its_doc_page_in_the_docs_nav():
+    """CONTRIBUTING.md step 4: docs/<scheme>.md exists and mkdocs.yml lists it."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    nav = (root / "mkdocs.yml").read_text()
+    for s in dr.schemes().values():
+        assert s.doc.startswith("docs/") and (root / s.doc).is_file(), s.name
+        assert f": {s.doc.removeprefix('docs/')}" in nav, f"{s.doc} is not in mkdocs.yml's nav"
