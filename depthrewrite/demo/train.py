@@ -15,8 +15,8 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -27,8 +27,8 @@ from ..errors import ConfigError, TrainingError
 from ..passes.rewrite.registry import schemes
 
 __all__ = [
-    "tiny_llama", "Variant", "VANILLA", "VARIANTS", "default_variants", "parse_variants", "TrainConfig", "RunResult", "StepTiming", "train_variant",
-    "time_steps", "time_interleaved", "StepTimer", "logits_of", "evaluate",
+    "tiny_llama", "Variant", "VANILLA", "VARIANTS", "default_variants", "parse_variants", "TrainConfig", "RunResult",
+    "StepTiming", "train_variant", "time_steps", "time_interleaved", "StepTimer", "logits_of", "evaluate",
 ]
 
 
