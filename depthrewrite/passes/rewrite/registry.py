@@ -147,8 +147,9 @@ class Scheme:
         title: the human name for tables and docs (``"AttnRes"``, ``"mHC"``).
         config: its :class:`SchemeConfig` subclass.
         handler: ``handler(gm, chain, config) -> PassResult``: the rewrite.
-        ops: the ``depthrewrite::<op>`` ops its rewrite inserts (names without the namespace); the first one marks a
-            graph as converted to this scheme (the compile backend's ``scheme=`` check reads it).
+        ops: the ``depthrewrite::<op>`` ops its rewrite inserts (names without the namespace; ``()`` for a scheme of
+            aten ops only). Any of them marks a graph as converted to this scheme (:func:`scheme_of_op`, read by the
+            compile backend's ``scheme=`` check); the first is the one per mixing site (the contract test counts it).
         state_ops: the ops among ``ops`` whose tensor inputs are depth state (what a stage boundary carries); None: all
             of ``ops``. MoDA's attention reads q/k/v and the mask too, so only its ``moda_slots`` count.
         block_form: whether the config takes ``blocks`` / ``block_size`` (Block AttnRes, Block MSAR): pipeline cuts
