@@ -4,8 +4,9 @@ schemes whose init-equivalence tests run on it.
     python -m bench.architectures [--out docs/architectures.md] [--verify]
 
 The model lists are imported from the tests (``tests/passes/analyse/test_chain.py``: ZOO, MORE_HF and the refused
-models; ``tests/passes/rewrite/test_contract.py``: its ZOO, MORE_HF sweep, MODA_REFUSED and the SCHEMES it checks), so
-the table cannot drift from what CI asserts. Detection is run here for every row (a few seconds per model).
+models; ``tests/passes/rewrite/test_contract.py``: its ZOO, MORE_HF sweep, REFUSED and the SCHEMES it checks; the
+schemes themselves are the registry's, ``depthrewrite.schemes()``), so the table cannot drift from what CI asserts.
+Detection is run here for every row (a few seconds per model).
 ``--verify`` also converts every model into every listed scheme and checks init equivalence again (minutes).
 """
 
@@ -29,7 +30,8 @@ from tests.passes.rewrite import test_contract  # noqa: E402
 import depthrewrite as dr  # noqa: E402
 from depthrewrite.errors import DepthRewriteError  # noqa: E402
 
-SCHEMES = ("attnres", "msar", "mhc", "moda")
+#: every registered scheme, in registration order (a new scheme's rewrite file adds it here)
+SCHEMES = tuple(dr.schemes())
 #: models the detection tests assert are refused, with the test that asserts it
 REFUSED = {
     "hf:bert": "test_bert_postnorm_is_refused",
@@ -51,7 +53,7 @@ def tested_schemes(name: str) -> tuple[list[str], list[str]]:
     if name in contract_zoo:
         return [s for s in SCHEMES if s in checked], []
     if name in more:
-        refused = ["moda"] if name.removeprefix("hf:") in test_contract.MODA_REFUSED else []
+        refused = [s for s in SCHEMES if name.removeprefix("hf:") in test_contract.REFUSED.get(s, ())]
         return [s for s in SCHEMES if s not in refused], refused
     return [], []
 

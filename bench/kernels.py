@@ -109,13 +109,11 @@ def model_step_rows(device: str, dtype: torch.dtype, rep: int, layers: int, hidd
 
     B, T = max(1, tokens // 2048), min(tokens, 2048)
     N = min(8, 2 * layers)
-    schemes = [
-        ("vanilla", None, {}),
-        (f"Block AttnRes (N={N})", "attnres", dict(blocks=N)),
-        ("Full AttnRes", "attnres", {}),
-        (f"Block MSAR (N={N})", "msar", dict(blocks=N)),
-        ("mHC (n=4)", "mhc", {}),
-        ("MoDA", "moda", {}),
+    # the demo's default variants of every registered scheme (SchemeVariant.demo), Block forms with N blocks
+    schemes = [("vanilla", None, {})] + [
+        (f"Block {s.title} (N={N})", s.name, {**v.options, "blocks": N}) if "blocks" in v.options
+        else (v.label, s.name, v.options)
+        for s in dr.schemes().values() for v in s.variants if v.demo
     ]
     rows = []
     heads = max(1, hidden // 128)

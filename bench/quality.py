@@ -29,7 +29,7 @@ import torch
 
 from depthrewrite.demo.corpus import Corpus
 from depthrewrite.errors import ConfigError, DepthRewriteError
-from depthrewrite.demo.train import RunResult, TrainConfig, parse_variants, tiny_llama, train_variant
+from depthrewrite.demo.train import VARIANTS, RunResult, TrainConfig, parse_variants, tiny_llama, train_variant
 
 #: the MSAR paper's 10B-token ablation (validation loss), for the ordering comparison only
 PAPER = {"vanilla": 1.898, "mhc": 1.871, "attnres": 1.867, "msar": 1.847}
@@ -37,7 +37,8 @@ PAPER_LABEL = {"vanilla": "Vanilla", "mhc": "mHC", "attnres": "AttnRes", "msar":
 
 FULL = dict(steps=150, batch=16, seq=128, layers=4, hidden=64, seeds=3, eval_batches=16)
 QUICK = dict(steps=3, batch=2, seq=32, layers=2, hidden=32, seeds=1, eval_batches=2)
-DEFAULT_SCHEMES = "vanilla,attnres,block-attnres,mhc,msar,block-msar,moda"
+#: every variant of every registered scheme (``Scheme.variants``), after the original
+DEFAULT_SCHEMES = ",".join(VARIANTS)
 
 
 def _mean_std(xs: list[float]) -> tuple[float, float]:
@@ -236,8 +237,6 @@ def _to_json(results: dict[str, list[RunResult]]) -> list[dict]:
 
 
 def _from_json(rows: list[dict], order: list[str]) -> dict[str, list[RunResult]]:
-    from depthrewrite.demo.train import VARIANTS
-
     results: dict[str, list[RunResult]] = {name: [] for name in order}
     for d in sorted(rows, key=lambda d: d["seed"]):
         d = dict(d)

@@ -26,14 +26,15 @@ from .errors import (
 from .views.explain import Explanation, explain
 from .passes.analyse.chain import Branch, Chain, Sublayer, detect_chain
 from .passes.analyse.norms import NormSite
-from .passes.rewrite import SchemeConfig
-from .passes.rewrite.attnres import AttnResConfig
-from .passes.rewrite.mhc import MHCConfig
-from .passes.rewrite.moda import MoDAConfig
-from .passes.rewrite.msar import MSARConfig
+from .passes.rewrite import DepthState, Scheme, SchemeConfig, SchemeVariant, StageHookError, register, scheme, schemes
 from .views.report import ChainReport, ConvertReport
 
 __version__ = "0.1.0"
+
+#: every registered scheme's config class under its class name (``depthrewrite.AttnResConfig``, ``MSARConfig``,
+#: ``MHCConfig``, ``MoDAConfig``, ...): read from the registry, so a new scheme's rewrite file is all it takes
+_CONFIGS = {s.config.__name__: s.config for s in schemes().values()}
+globals().update(_CONFIGS)
 
 
 def __getattr__(name: str):
@@ -42,6 +43,10 @@ def __getattr__(name: str):
         import importlib
 
         return importlib.import_module(".pipeline", __name__)
+    # the config class of a scheme registered after this module was imported
+    config = next((s.config for s in schemes().values() if s.config.__name__ == name), None)
+    if config is not None:
+        return config
     raise AttributeError(f"module 'depthrewrite' has no attribute {name!r}")
 
 __all__ = [
@@ -51,10 +56,14 @@ __all__ = [
     "explain",
     "Explanation",
     "SchemeConfig",
-    "AttnResConfig",
-    "MSARConfig",
-    "MHCConfig",
-    "MoDAConfig",
+    *_CONFIGS,
+    "Scheme",
+    "SchemeVariant",
+    "DepthState",
+    "StageHookError",
+    "register",
+    "scheme",
+    "schemes",
     "ConvertReport",
     "detect_chain",
     "Chain",

@@ -84,10 +84,11 @@ def convert(
     Args:
         model (nn.Module | str): the model; it is not modified, and the converted model shares its parameters. Or a
             model spec as the CLI takes it (``"hf:llama"``, ``"timm:vit_tiny_patch16_224"``, ``"pkg.module:factory"``).
-        scheme (str | SchemeConfig): ``"attnres"``, ``"msar"``, ``"mhc"`` or ``"moda"`` (any case), or
-            ``"block-attnres"`` / ``"block-msar"`` (the same with ``blocks=4``; an explicit ``blocks=`` wins), with
-            that scheme's options as keywords (see :class:`AttnResConfig`, :class:`MSARConfig`, :class:`MHCConfig`,
-            :class:`MoDAConfig`), or a config instance such as ``AttnResConfig(blocks=8)``.
+        scheme (str | SchemeConfig): a registered scheme's name, any case (``depthrewrite.schemes()`` lists them;
+            today ``"attnres"``, ``"msar"``, ``"mhc"``, ``"moda"``), or ``"block-<name>"`` for a scheme with a block
+            form (the same with ``blocks=4``; an explicit ``blocks=`` wins), with that scheme's options as keywords
+            (see its config class: ``depthrewrite.scheme(name).config``, e.g. :class:`AttnResConfig`), or a config
+            instance such as ``AttnResConfig(blocks=8)``.
         example_inputs, example_kwargs: inputs for capture, as for :func:`capture`.
         pipeline_stages (int, optional): place ``pipeline_stages - 1`` stage boundaries
             (``torch.ops.pippy._pipe_split``) in both graphs, balanced by parameter count and on block boundaries for

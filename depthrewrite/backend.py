@@ -22,7 +22,10 @@ Options (``torch.compile(m, backend="depthrewrite", options={...})``):
   debugging and tests) or ``"eager"`` (the Dynamo graph as is).
 * ``two_phase``: batch Block AttnRes sites where the cost model says it moves fewer bytes (``True``, default),
   ``"always"``, or ``False``.
-* ``scheme``: assert the model was converted to this scheme (``"attnres"``, ``"msar"``, ``"mhc"``, ``"moda"``).
+* ``scheme``: assert the model was converted to this scheme: any registered name or alias, any case
+  (``depthrewrite.schemes()``: ``"attnres"``, ``"msar"``, ``"mhc"``, ``"moda"``, ...). A graph names its scheme by the
+  ``depthrewrite::*`` ops in it (each scheme's ``Scheme.ops``) or, for a scheme of aten ops only, by the tag its
+  rewrite leaves in ``node.meta["custom"]`` (:data:`depthrewrite.passes.meta.SCHEME_TAG`), which Dynamo keeps.
 * ``log_chain``: log the chain report of unconverted graphs (default True).
 
 ``depthrewrite.explain(compiled)`` shows what the backend did to each graph.
@@ -33,7 +36,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -46,7 +49,6 @@ __all__ = ["depthrewrite_backend", "BackendOptions", "GraphRecord", "AotGraphRec
 log = logging.getLogger("depthrewrite.backend")
 
 INNER = ("inductor", "aot_eager", "eager")
-SCHEMES = ("attnres", "msar", "mhc", "moda")
 
 
 @dataclass(frozen=True)
@@ -72,8 +74,15 @@ class BackendOptions:
             raise ConfigError(f"backend option inner={opts.inner!r} is not one of {INNER}")
         if opts.two_phase not in (True, False, "always"):
             raise ConfigError(f"backend option two_phase={opts.two_phase!r} is not one of True, False, 'always'")
-        if opts.scheme is not None and opts.scheme not in SCHEMES:
-            raise ConfigError(f"backend option scheme={opts.scheme!r} is not one of {SCHEMES}")
+        if opts.scheme is not None:
+            from .passes.rewrite.registry import scheme, scheme_names
+
+            try:  # aliases and any case, as convert() takes them: "block-attnres" checks for attnres
+                opts = replace(opts, scheme=scheme(opts.scheme).name)
+            except ConfigError:
+                raise ConfigError(
+                    f"backend option scheme={opts.scheme!r} is not a registered scheme: choose one of {scheme_names()}"
+                ) from None
         return opts
 
 
@@ -140,11 +149,13 @@ def _depth_ops(graph: fx.Graph) -> Counter:
     )
 
 
-_OP_SCHEME = {"depth_attn": "attnres", "msar_mix": "msar", "mhc_coeffs": "mhc", "moda_attn": "moda"}
+def _schemes_of(gm: fx.GraphModule, ops: Counter) -> set[str]:
+    """The registered schemes a converted graph was rewritten into: the owners of its ``depthrewrite::*`` ops
+    (``Scheme.ops``), and the scheme tags its rewritten nodes carry (the only sign of a scheme without ops of its own)."""
+    from .passes.meta import scheme_tags
+    from .passes.rewrite.registry import scheme_of_op
 
-
-def _schemes_of(ops: Counter) -> set[str]:
-    return {_OP_SCHEME[o] for o in ops if o in _OP_SCHEME}
+    return {s.name for s in map(scheme_of_op, ops) if s is not None} | scheme_tags(gm.graph)
 
 
 def _device_of(example_inputs) -> str:
@@ -155,11 +166,16 @@ def _device_of(example_inputs) -> str:
 
 
 def _is_converted(gm: fx.GraphModule, ops: Counter) -> bool:
+    """Whether Dynamo's graph comes from a converted model: it holds depth ops, new parameters (``depthrewrite.*``),
+    or nodes a scheme's rewrite tagged (a scheme of aten ops only and no parameters leaves nothing else)."""
     if ops:
         return True
+    from .passes.meta import scheme_tags
     from .passes.rewrite.editor import PARAM_PREFIX
 
-    return any(PARAM_PREFIX in str(n.target) for n in gm.graph.nodes if n.op in ("placeholder", "get_attr"))
+    return any(PARAM_PREFIX in str(n.target) for n in gm.graph.nodes if n.op in ("placeholder", "get_attr")) or bool(
+        scheme_tags(gm.graph)
+    )
 
 
 def _recording(stage: str, record: GraphRecord, compile_fn):
@@ -215,7 +231,7 @@ def depthrewrite_backend(gm: fx.GraphModule, example_inputs: list, *, options: d
         _params=[weakref.ref(t) for t in example_inputs if isinstance(t, torch.nn.Parameter)],
     )
     if converted:
-        schemes = _schemes_of(ops)
+        schemes = _schemes_of(gm, ops)
         if opts.scheme is not None and schemes and opts.scheme not in schemes:
             raise ConfigError(
                 f"torch.compile(backend='depthrewrite', options={{'scheme': {opts.scheme!r}}}): this model was converted "

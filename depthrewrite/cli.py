@@ -92,7 +92,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .passes.rewrite.registry import scheme_names
+    from .passes.rewrite.registry import SCHEME_ALIASES, scheme_names
 
     parser = argparse.ArgumentParser(prog="depthrewrite", description=DESCRIPTION, epilog=EXAMPLES,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -107,8 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("convert", help="rewrite the chain into a depth-mixing scheme and print what changed")
     _add_model_args(p)
+    aliases = "; ".join(f"{a} = {t} with " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in o.items())
+                        for a, (t, o) in SCHEME_ALIASES.items())
     p.add_argument("--scheme", default="attnres", type=str.lower, choices=scheme_names(),
-                   help="any case; block-attnres / block-msar = attnres / msar with --blocks 4 (default: attnres)")
+                   help=f"any case; {aliases} (default: attnres)")
     p.add_argument("--blocks", type=int, default=None, help="Block AttnRes / Block MSAR: number of blocks N")
     p.add_argument("--block-size", type=int, default=None, help="sublayers per block S (wins over --blocks)")
     p.add_argument("--mix-scale", choices=["count", "mean"], default=None, help="count (default, exact at init) or mean")
@@ -117,15 +119,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="any other scheme option, e.g. -o kernel_sizes=(4,8,12) -o conv_on=k -o sinkhorn_iters=10")
     p.set_defaults(func=_cmd_convert)
 
-    from .demo import DEMO_SCHEMES
-    from .demo.train import VARIANTS
+    from .demo.train import VARIANTS, default_variants
+
+    demo_default = default_variants()  # read now, so a scheme registered after import is in the default too
 
     p = sub.add_parser("demo", help="convert a built-in tiny Llama into every scheme, train each on the Python stdlib, "
                        "print a table and write pictures")
     p.add_argument("--out", default="depthrewrite-demo", help="output folder (default: ./depthrewrite-demo)")
     p.add_argument("--steps", type=int, default=120, help="training steps per variant (default: 120)")
-    p.add_argument("--schemes", default=DEMO_SCHEMES,
-                   help=f"comma-separated, from {', '.join(VARIANTS)}, or 'all' (default: {DEMO_SCHEMES})")
+    p.add_argument("--schemes", default=demo_default,
+                   help=f"comma-separated, from {', '.join(VARIANTS)}, or 'all' (default: {demo_default})")
     p.add_argument("--seed", type=int, default=0, help="model init and batch order (default: 0)")
     p.add_argument("--corpus", default=None, help="a folder of *.py files to train on (default: the standard library)")
     p.set_defaults(func=_cmd_demo)

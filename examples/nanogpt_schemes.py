@@ -14,13 +14,17 @@ from tabulate import tabulate
 import depthrewrite as dr
 from depthrewrite.testing import nanogpt
 
-SCHEMES = {
-    "attnres": {},
-    "attnres (4 blocks)": {"blocks": 4},
-    "msar (4 blocks)": {"blocks": 4},
-    "mhc": {},
-    "moda (preserve_init)": {"preserve_init": True},
-}
+
+def schemes() -> dict[str, tuple[str, dict]]:
+    """label -> (scheme, options): the demo's variants of every registered scheme (``Scheme.variants``); one that is
+    not function-preserving at init (MoDA as in the paper) runs with the scheme's exact options (``Scheme.exact``)."""
+    out = {}
+    for s in dr.schemes().values():
+        for v in s.variants:
+            if v.demo:
+                opts = dict(v.options) if v.init_tol is not None else {**v.options, **s.exact}
+                out[s.name + (f" ({', '.join(f'{k}={x}' for k, x in opts.items())})" if opts else "")] = (s.name, opts)
+    return out
 
 
 def main(out: Path, steps: int) -> None:
@@ -28,10 +32,10 @@ def main(out: Path, steps: int) -> None:
     data = torch.randint(0, 256, (8, 33), generator=torch.Generator().manual_seed(0))
     x, y = data[:, :-1], data[:, 1:]
     rows = []
-    for label, options in SCHEMES.items():
+    for label, (scheme, options) in schemes().items():
         torch.manual_seed(0)
         model = nanogpt(n_layer=4, n_embd=64)
-        conv = dr.convert(model, label.split()[0], **options)
+        conv = dr.convert(model, scheme, **options)
         with torch.no_grad():
             err = ((conv(x) - model(x)).abs().max() / model(x).abs().max()).item()
         opt = torch.optim.AdamW(conv.parameters(), lr=3e-3)

@@ -19,12 +19,11 @@ from depthrewrite.errors import ConfigError
 from depthrewrite.demo.zoo import hf_model
 
 IDS = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+#: every registered scheme at its defaults, and a block form with 2 blocks where the scheme has one
 SCHEMES = {
-    "block-attnres": ("attnres", dict(blocks=2)),
-    "full-attnres": ("attnres", {}),
-    "msar": ("msar", dict(blocks=2)),
-    "mhc": ("mhc", {}),
-    "moda": ("moda", {}),
+    key: case
+    for s in dr.schemes().values()
+    for key, case in ([(s.name, (s.name, {}))] + ([(f"block-{s.name}", (s.name, dict(blocks=2)))] if s.block_form else []))
 }
 
 
@@ -183,6 +182,13 @@ def test_bad_options_are_config_errors():
         BackendOptions.from_dict({"fuse_everything": True})
     with pytest.raises(ConfigError, match="inner="):
         BackendOptions.from_dict({"inner": "tvm"})
+    with pytest.raises(ConfigError, match="not a registered scheme: choose one of .*'moda'"):
+        BackendOptions.from_dict({"scheme": "resnet"})
+
+
+def test_the_scheme_option_takes_any_registered_name_or_alias():
+    assert [BackendOptions.from_dict({"scheme": s}).scheme for s in dr.schemes()] == list(dr.schemes())
+    assert BackendOptions.from_dict({"scheme": "Block-AttnRes"}).scheme == "attnres"
 
 
 def test_explain_a_converted_model_before_compiling():

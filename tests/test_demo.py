@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import depthrewrite as dr
-from depthrewrite import demo as demo_mod
+from depthrewrite.demo import run as demo_mod
 from depthrewrite.cli import main
 from depthrewrite.demo.corpus import Corpus, split_of
 from depthrewrite.views.draw import rewritten_networkx, rewritten_text, save_rewritten

@@ -24,14 +24,23 @@ from tabulate import tabulate
 from .. import api
 from .corpus import Corpus
 from ..errors import ConfigError
-from .train import RunResult, TrainConfig, Variant, parse_variants, time_interleaved, tiny_llama, train_variant
+from ..passes.rewrite.registry import schemes
+from .train import (RunResult, TrainConfig, Variant, default_variants, parse_variants, time_interleaved, tiny_llama,
+                    train_variant)
 
 __all__ = ["DEMO_SCHEMES", "DemoConfig", "run_demo", "results_table", "timing_note"]
 
-#: the default variants: every scheme once (MSAR as Block MSAR, the cheaper of the two on CPU); all of them: --schemes all
-DEMO_SCHEMES = "vanilla,attnres,block-attnres,block-msar,mhc,moda"
-#: the scheme whose rewritten graph is drawn, first one present
-_DRAW_PREFERENCE = ("block-attnres", "attnres", "block-msar", "msar", "mhc", "moda")
+#: the default variants: the original, then every registered variant marked ``demo`` (``SchemeVariant.demo``; MSAR
+#: as Block MSAR only, the cheaper of the two on CPU); all of them: --schemes all
+DEMO_SCHEMES = default_variants()
+
+
+def _draw_preference() -> list[str]:
+    """The variants whose rewritten graph may be drawn, best first: schemes in registration order, and within a
+    scheme its Block form first (its graph shows the block sums as well as the mixing sites)."""
+    ranked = [(i, "blocks" not in v.options, k, v.key)
+              for i, s in enumerate(schemes().values()) for k, v in enumerate(s.variants)]
+    return [key for *_, key in sorted(ranked)]
 
 
 @dataclass
@@ -179,7 +188,7 @@ def run_demo(cfg: DemoConfig, say: Callable[[str], None] = print) -> list[RunRes
         f"(same init, same batches) ==")
 
     # only the variant whose rewritten graph is drawn keeps its trained model (until it is drawn)
-    draw = next((name for name in _DRAW_PREFERENCE for v in variants if v.name == name), None)
+    draw = next((name for name in _draw_preference() for v in variants if v.name == name), None)
     results: list[RunResult] = []
     for v in variants:
         r = train_variant(build, v, corpus, train_cfg, seed=cfg.seed, progress=cfg.progress, keep_model=v.name == draw,

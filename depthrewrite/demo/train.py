@@ -15,6 +15,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -23,11 +24,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import ConfigError, TrainingError
-from ..passes.rewrite.registry import DEFAULT_BLOCKS
+from ..passes.rewrite.registry import schemes
 
 __all__ = [
-    "tiny_llama", "Variant", "VARIANTS", "parse_variants", "TrainConfig", "RunResult", "StepTiming", "train_variant",
-    "time_steps", "time_interleaved", "StepTimer", "logits_of", "evaluate",
+    "tiny_llama", "Variant", "VANILLA", "VARIANTS", "default_variants", "parse_variants", "TrainConfig", "RunResult",
+    "StepTiming", "train_variant", "time_steps", "time_interleaved", "StepTimer", "logits_of", "evaluate",
 ]
 
 
@@ -54,21 +55,42 @@ class Variant:
     note: str = ""
 
 
-#: every variant the demo and the quality benchmark know, in table order
-VARIANTS: dict[str, Variant] = {
-    v.name: v
-    for v in (
-        Variant("vanilla", "Vanilla (PreNorm residual)", None, init_tol=None),
-        Variant("attnres", "Full AttnRes", "attnres"),
-        Variant("block-attnres", f"Block AttnRes ({DEFAULT_BLOCKS} blocks)", "attnres", {"blocks": DEFAULT_BLOCKS}),
-        Variant("msar", "Full MSAR", "msar"),
-        Variant("block-msar", f"Block MSAR ({DEFAULT_BLOCKS} blocks)", "msar", {"blocks": DEFAULT_BLOCKS}),
-        # mHC's default init (alpha = 0.01, phi ~ N(0, 1e-4)) is close to the original, not exact (docs/mhc.md)
-        Variant("mhc", "mHC (n=4)", "mhc", init_tol=1e-4, note="default init: close, exact only with alpha_init=0"),
-        # MoDA as in the paper (lambda = 1): depth logits compete in the softmax from step 0 (docs/moda.md)
-        Variant("moda", "MoDA (paper, λ≡1)", "moda", init_tol=None, note="the paper's λ≡1; preserve_init=True is exact"),
-    )
-}
+VANILLA = Variant("vanilla", "Vanilla (PreNorm residual)", None, init_tol=None)
+
+
+class _Variants(Mapping):
+    """Every variant the demo and the quality benchmark know, in table order: the original model, then each
+    registered scheme's ``Scheme.variants`` in registration order. Read from the registry on every lookup, so a scheme
+    registered after import is here too."""
+
+    def _all(self) -> dict[str, Variant]:
+        out = {VANILLA.name: VANILLA}
+        for s in schemes().values():
+            for v in s.variants:
+                out[v.key] = Variant(v.key, v.label, s.name, dict(v.options), init_tol=v.init_tol, note=v.note)
+        return out
+
+    def __getitem__(self, name: str) -> Variant:
+        return self._all()[name]
+
+    def __iter__(self):
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+    def __repr__(self) -> str:
+        return f"VARIANTS({', '.join(self)})"
+
+
+#: every variant the demo and the quality benchmark know, in table order (see :class:`_Variants`)
+VARIANTS: Mapping[str, Variant] = _Variants()
+
+
+def default_variants() -> str:
+    """The variants ``depthrewrite demo`` trains unless told otherwise: the original, then every registered variant
+    with ``demo=True`` (comma-separated, for ``--schemes``)."""
+    return ",".join([VANILLA.name] + [v.key for s in schemes().values() for v in s.variants if v.demo])
 
 
 def parse_variants(text: str | list[str] | tuple[str, ...]) -> list[Variant]:

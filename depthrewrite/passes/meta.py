@@ -7,9 +7,13 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-__all__ = ["META_KEY", "NodeRole", "inherit_meta", "role_of", "depth_op_name"]
+__all__ = ["META_KEY", "SCHEME_TAG", "NodeRole", "inherit_meta", "role_of", "depth_op_name", "scheme_tags"]
 
 META_KEY = "depthrewrite"
+#: the scheme name also goes under ``node.meta["custom"][SCHEME_TAG]``: "custom" is one of the few meta keys Dynamo
+#: copies from a GraphModule's nodes into the graph it traces (``torch.fx.proxy._COPY_META_FIELDS``), so the compile
+#: backend can tell a converted graph by it, whichever ops the scheme inserts (none, for a scheme of aten ops only)
+SCHEME_TAG = "depthrewrite_scheme"
 
 
 @dataclass(frozen=True)
@@ -20,22 +24,38 @@ class NodeRole:
     scheme: str
 
 
-def inherit_meta(new: fx.Node, old: fx.Node, role: NodeRole | None = None, val_from: fx.Node | None = None) -> None:
+def inherit_meta(new: fx.Node, old: fx.Node, role: NodeRole | None = None, val_from: fx.Node | None = None,
+                 copy_val: bool = True) -> None:
+    """``new`` takes ``old``'s place: its module stack and stack trace, ``role``, and the value metadata of
+    ``val_from`` (default ``old``); ``copy_val=False`` for a node whose value has no other node's shape."""
     for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
         if key in old.meta:
             new.meta[key] = old.meta[key]
     src = val_from if val_from is not None else old
-    for key in ("val", "example_value", "tensor_meta"):
+    for key in ("val", "example_value", "tensor_meta") if copy_val else ():
         if key in src.meta:
             new.meta[key] = src.meta[key]
     if role is not None:
         new.meta[META_KEY] = role
+        new.meta["custom"] = {**new.meta.get("custom", {}), SCHEME_TAG: role.scheme}
 
 
 def role_of(n: fx.Node) -> NodeRole | None:
     """The role a rewrite gave node ``n`` (None for the model's own nodes)."""
     r = n.meta.get(META_KEY)
     return r if isinstance(r, NodeRole) else None
+
+
+def scheme_tags(graph: fx.Graph) -> set[str]:
+    """The schemes whose rewrite made nodes of ``graph``: read from ``NodeRole`` or, in a graph Dynamo traced from a
+    converted model (where our own meta key is not copied), from the ``custom`` tag."""
+    out = set()
+    for n in graph.nodes:
+        r = role_of(n)
+        tag = r.scheme if r is not None else (n.meta.get("custom") or {}).get(SCHEME_TAG)
+        if isinstance(tag, str):
+            out.add(tag)
+    return out
 
 
 def depth_op_name(n: fx.Node) -> str | None:

@@ -4,18 +4,36 @@ from ...kernels import depth_attn as _depth_attn  # noqa: F401  (registers depth
 from ...kernels import mhc as _mhc  # noqa: F401  (registers depthrewrite::mhc_*)
 from ...kernels import moda as _moda  # noqa: F401  (registers depthrewrite::moda_*)
 from ...kernels import msar as _msar  # noqa: F401  (registers depthrewrite::msar_mix)
-from .registry import DepthState, Scheme, SchemeConfig, get_handler, register, scheme, scheme_config, scheme_of_op, schemes
+from .registry import (DepthState, Scheme, SchemeConfig, SchemeVariant, StageHookError, get_handler, register, scheme,
+                       scheme_config, scheme_of_op, schemes, unregister)
 
 from . import attnres, msar, mhc, moda  # noqa: E402,F401  (register the schemes, in this order)
+
+
+def _import_other_schemes() -> None:
+    """Import every other module of this package, so a new scheme's rewrite file registers itself (after the four
+    above, in name order) with no line to add here (CONTRIBUTING.md)."""
+    import importlib
+    import pkgutil
+
+    for m in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if not m.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{m.name}")
+
+
+_import_other_schemes()
 
 __all__ = [
     "DepthState",
     "Scheme",
     "SchemeConfig",
+    "SchemeVariant",
+    "StageHookError",
     "get_handler",
     "register",
     "scheme",
     "scheme_config",
     "scheme_of_op",
     "schemes",
+    "unregister",
 ]

@@ -30,7 +30,7 @@ from .blocks import (
     stored_sources_state,
 )
 from .editor import PARAM_PREFIX, ChainEditor
-from .registry import DEFAULT_BLOCKS, Scheme, register
+from .registry import DEFAULT_BLOCKS, Scheme, SchemeVariant, register
 
 __all__ = ["AttnResConfig", "PARAM_PREFIX", "block_size_for", "sources_at"]
 
@@ -83,8 +83,8 @@ SCHEME = register(Scheme(
     block_form=True,
     doc="docs/attnres.md",
     variants=(
-        ("attnres", "Full AttnRes", {}),
-        ("block-attnres", f"Block AttnRes ({DEFAULT_BLOCKS} blocks)", {"blocks": DEFAULT_BLOCKS}),
+        SchemeVariant("attnres", "Full AttnRes"),
+        SchemeVariant("block-attnres", f"Block AttnRes ({DEFAULT_BLOCKS} blocks)", {"blocks": DEFAULT_BLOCKS}),
     ),
     stage_anchor=mix_site_anchor,
     boundary_labels=mix_site_labels,

@@ -94,13 +94,24 @@ def rewrite_depth_mix(gm: fx.GraphModule, chain: Chain, config: DepthMixConfig, 
             site = "output" if j == L else j
             scale = float(len(srcs)) if config.mix_scale == "count" else 1.0
             old = ed.stream(j)
-            with graph.inserting_before(ed.readers_of(j)[0]):
+            reader = ed.readers_of(j)[0]
+            before = reader.prev
+            with graph.inserting_before(reader):
                 mixed = emit(ed, f"mix_{site}", [s for s, _ in srcs], ed.eps_at(config, j), scale)
             inherit_meta(mixed, old, NodeRole("mix", site, config.name), val_from=srcs[0][0])
+            # an emit of several ops (a scheme written in aten ops): the others are the site's too, so the site's stage
+            # anchor is its first op and the boundary hooks find the op that reads the sources
+            n = before.next
+            while n is not reader:
+                if n is not mixed and n.op == "call_function":
+                    inherit_meta(n, old, NodeRole("mix", site, config.name), copy_val=False)
+                n = n.next
             ed.redirect(j, mixed)
             changes.append(
                 Change(site=site, module=chain.sublayers[j - 1].module if j else None, created=(mixed.name,),
-                       replaced=old.name, sources=tuple(label for _, label in srcs), params=f"mix_{site}")
+                       replaced=old.name, sources=tuple(label for _, label in srcs),
+                       # a scheme whose mix has no parameters (emit made no site module) names none
+                       params=f"mix_{site}" if hasattr(ed.box, f"mix_{site}") else None)
             )
         if j == L:
             break
@@ -125,17 +136,20 @@ def rewrite_depth_mix(gm: fx.GraphModule, chain: Chain, config: DepthMixConfig, 
 
 
 def mix_site_anchor(graph: fx.Graph, report, j: int) -> fx.Node | None:
-    """A stage beginning with sublayer j begins at its mixing site (the ``mix`` node of site j)."""
+    """A stage beginning with sublayer j begins at its mixing site (the first ``mix`` node of site j)."""
     return next((n for n in graph.nodes if (r := role_of(n)) is not None and r.role == "mix" and r.site == j), None)
 
 
 def mix_site_labels(graph: fx.Graph, report, j: int) -> dict[fx.Node, str]:
-    """The sources read by site j, named as the report names them (``emb``, ``b1``, ``partial b2``)."""
+    """The sources read by site j, named as the report names them (``emb``, ``b1``, ``partial b2``): the list
+    argument of the site's ``mix`` op that takes the sources (``emit``'s first argument, in source order)."""
     sites = {s.site: s for s in report.sites}
     labels: dict[fx.Node, str] = {}
     for n in graph.nodes:
         r = role_of(n)
-        if r is not None and r.role == "mix" and r.site == j and j in sites:
+        if r is None or r.role != "mix" or r.site != j or j not in sites:
+            continue
+        if n.args and isinstance(n.args[0], (list, tuple)):
             labels.update(zip(n.args[0], sites[j].sources))
     return labels
 

@@ -28,7 +28,7 @@ from ..analyse.ops import tensor_val
 from ..meta import NodeRole, inherit_meta, role_of
 from ..result import Change, PassResult
 from .editor import ChainEditor
-from .registry import DepthState, Scheme, SchemeConfig, register
+from .registry import DepthState, Scheme, SchemeConfig, SchemeVariant, register
 
 __all__ = ["MHCConfig"]
 
@@ -172,7 +172,9 @@ SCHEME = register(Scheme(
     handler=_rewrite_mhc,
     ops=("mhc_coeffs", "mhc_pre", "mhc_post", "mhc_collapse"),
     doc="docs/mhc.md",
-    variants=(("mhc", "mHC (n=4)", {}),),
+    exact={"alpha_init": 0.0},
+    # the default init (alpha = 0.01, phi ~ N(0, 1e-4)) is close to the original, not exact (docs/mhc.md)
+    variants=(SchemeVariant("mhc", "mHC (n=4)", init_tol=1e-4, note="default init: close, exact only with alpha_init=0"),),
     stage_anchor=_stage_anchor,
     boundary_labels=_boundary_labels,
     state_at=_state_at,

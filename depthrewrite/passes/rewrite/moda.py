@@ -32,7 +32,7 @@ from ..analyse.ops import op_of, strip_alias, tensor_val
 from ..meta import NodeRole, depth_op_name, inherit_meta, role_of
 from ..result import Change, PassResult
 from .editor import ChainEditor
-from .registry import DepthState, Scheme, SchemeConfig, register
+from .registry import DepthState, Scheme, SchemeConfig, SchemeVariant, register
 
 __all__ = ["MoDAConfig", "AttentionOp", "find_attention"]
 
@@ -848,7 +848,9 @@ SCHEME = register(Scheme(
     ops=("moda_attn", "moda_slots"),
     state_ops=("moda_slots",),
     doc="docs/moda.md",
-    variants=(("moda", "MoDA (paper, λ≡1)", {}),),
+    exact={"preserve_init": True},
+    # as in the paper (lambda = 1): depth logits compete in the softmax from step 0 (docs/moda.md)
+    variants=(SchemeVariant("moda", "MoDA (paper, λ≡1)", init_tol=None, note="the paper's λ≡1; preserve_init=True is exact"),),
     stage_anchor=_stage_anchor,
     boundary_labels=_boundary_labels,
     state_at=_state_at,

@@ -20,9 +20,11 @@ if TYPE_CHECKING:
 __all__ = [
     "SchemeConfig",
     "Scheme",
+    "SchemeVariant",
     "DepthState",
     "StageHookError",
     "register",
+    "unregister",
     "schemes",
     "scheme",
     "scheme_of_op",
@@ -110,6 +112,28 @@ class DepthState:
     formula: str
 
 
+@dataclasses.dataclass(frozen=True)
+class SchemeVariant:
+    """One named configuration of a scheme that the demo, ``bench.quality`` and the model-level benchmark train or time.
+
+    Attributes:
+        key: its command-line name (``"block-attnres"``), unique across schemes.
+        label: its table label (``"Block AttnRes (4 blocks)"``).
+        options: the config options (``{"blocks": 4}``).
+        init_tol: the demo's init-equivalence tolerance (max|Δlogits| / max|logits|) with these options; None where the
+            scheme is not function-preserving with them (the demo then reports the gap, not a failure).
+        note: why, when ``init_tol`` is looser than 1e-5 or None (one clause, shown in the demo's table).
+        demo: whether ``depthrewrite demo`` trains it by default (all variants: ``--schemes all``).
+    """
+
+    key: str
+    label: str
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    init_tol: float | None = 1e-5
+    note: str = ""
+    demo: bool = True
+
+
 class StageHookError(ConfigError):
     """A stage (pipeline planning, boundary reports, ...) needs a hook the scheme's record does not provide."""
 
@@ -123,15 +147,18 @@ class Scheme:
         title: the human name for tables and docs (``"AttnRes"``, ``"mHC"``).
         config: its :class:`SchemeConfig` subclass.
         handler: ``handler(gm, chain, config) -> PassResult``: the rewrite.
-        ops: the ``depthrewrite::<op>`` ops its rewrite inserts (names without the namespace); the first one marks a
-            graph as converted to this scheme (the compile backend's ``scheme=`` check reads it).
+        ops: the ``depthrewrite::<op>`` ops its rewrite inserts (names without the namespace; ``()`` for a scheme of
+            aten ops only). Any of them marks a graph as converted to this scheme (:func:`scheme_of_op`, read by the
+            compile backend's ``scheme=`` check); the first is the one per mixing site (the contract test counts it).
         state_ops: the ops among ``ops`` whose tensor inputs are depth state (what a stage boundary carries); None: all
             of ``ops``. MoDA's attention reads q/k/v and the mask too, so only its ``moda_slots`` count.
         block_form: whether the config takes ``blocks`` / ``block_size`` (Block AttnRes, Block MSAR): pipeline cuts
             then fall on block boundaries, and ``block-<name>`` is an alias with ``blocks=DEFAULT_BLOCKS``.
         doc: its docs page, relative to the repository root (``"docs/attnres.md"``).
-        variants: demo / bench variants as ``(key, label, options)``: ``("block-attnres", "Block AttnRes (4 blocks)",
-            {"blocks": 4})``.
+        exact: the options under which the converted model computes the original's function at init (``{}``: the
+            defaults do; mHC ``{"alpha_init": 0.0}``); the contract test checks it on its whole zoo.
+        variants: the demo / bench variants, :class:`SchemeVariant` records (a plain ``(key, label, options)`` tuple is
+            accepted and made one); none: the scheme is not in the demo or the benchmarks.
         stage_anchor: ``stage_anchor(graph, report, j) -> fx.Node | None``: the first node of the pipeline stage that
             begins with sublayer j (1 <= j < L) in a converted graph; None when the graph has no such site.
         boundary_labels: ``boundary_labels(graph, report, j) -> dict[fx.Node, str]``: readable names of the depth-state
@@ -150,7 +177,8 @@ class Scheme:
     state_ops: tuple[str, ...] | None = None
     block_form: bool = False
     doc: str = ""
-    variants: tuple[tuple[str, str, dict[str, Any]], ...] = ()
+    exact: dict[str, Any] = dataclasses.field(default_factory=dict)
+    variants: tuple[SchemeVariant, ...] = ()
     stage_anchor: Callable[..., "fx.Node"] | None = None
     boundary_labels: Callable[..., dict] | None = None
     state_at: Callable[..., DepthState] | None = None
@@ -171,14 +199,39 @@ _SCHEMES: dict[str, Scheme] = {}
 
 
 def register(record: Scheme) -> Scheme:
-    """Register a scheme (called once, at import, by the scheme's rewrite file); returns the record."""
+    """Register a scheme (called once, at import, by the scheme's rewrite file); returns the record as registered
+    (variants given as tuples are :class:`SchemeVariant` records in it)."""
     if record.name != record.config.name:
         raise ConfigError(f"Scheme {record.name!r}: its config {record.config.__name__} is named {record.config.name!r}")
+    if record.name != record.name.lower() or record.name.startswith("block-") or record.name == "vanilla":
+        # names are looked up lower case, "block-" is the alias prefix, and "vanilla" is the demo's unconverted model
+        raise ConfigError(f"Scheme {record.name!r}: a scheme name is lower case, and neither 'vanilla' nor 'block-*'")
+    variants = tuple(v if isinstance(v, SchemeVariant) else SchemeVariant(*v) for v in record.variants)
+    taken = {v.key for s in _SCHEMES.values() if s.name != record.name for v in s.variants} | {"vanilla"}
+    clash = sorted(v.key for v in variants if v.key in taken)
+    if clash:  # the demo and the benchmarks look variants up by key across all schemes
+        raise ConfigError(f"Scheme {record.name!r}: variant name(s) {clash} are already taken by another scheme")
+    record = dataclasses.replace(record, variants=variants)
     _SCHEMES[record.name] = record
     _HANDLERS[record.config] = record.handler
     _NAMES[record.name] = record.config
     if record.block_form:
         SCHEME_ALIASES.setdefault(f"block-{record.name}", (record.name, {"blocks": DEFAULT_BLOCKS}))
+    return record
+
+
+def unregister(name: str) -> Scheme:
+    """Remove a registered scheme (its name, handler and ``block-<name>`` alias); returns its record. For tests that
+    register a scheme of their own, and for code that replaces one."""
+    key = str(name).strip().lower()
+    if key not in _SCHEMES:  # an alias is not a scheme: unregistering "block-attnres" must not remove AttnRes
+        raise ConfigError(f"unregister: no scheme named {name!r}; registered: {sorted(_SCHEMES)}")
+    record = _SCHEMES.pop(key)
+    _NAMES.pop(record.name, None)
+    _HANDLERS.pop(record.config, None)
+    for alias, (target, _) in list(SCHEME_ALIASES.items()):
+        if target == record.name:
+            del SCHEME_ALIASES[alias]
     return record
 
 
@@ -205,5 +258,5 @@ def depth_state_ops() -> frozenset[str]:
 
 
 def scheme_of_op(op: str) -> Scheme | None:
-    """The scheme whose rewrite inserts ``depthrewrite::<op>``, or None."""
+    """The scheme whose rewrite inserts ``depthrewrite::<op>``, or None (an op no registered scheme lists)."""
     return next((s for s in _SCHEMES.values() if op in s.ops), None)

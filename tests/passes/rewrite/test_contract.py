@@ -16,19 +16,25 @@ from ...conftest import build_zoo_model
 from ..analyse.test_chain import MORE_HF
 from .helpers import INIT_RTOL, MHC_DEFAULT_RTOL, inputs_for, logits, rel_err
 
-# (id, scheme, options, tolerance at init)
-SCHEMES = [
-    pytest.param("attnres", {}, INIT_RTOL, id="attnres"),
-    pytest.param("attnres", {"blocks": 2}, INIT_RTOL, id="attnres-block2"),
-    pytest.param("msar", {}, INIT_RTOL, id="msar"),
-    pytest.param("msar", {"blocks": 2}, INIT_RTOL, id="msar-block2"),
-    pytest.param("mhc", {"alpha_init": 0.0}, INIT_RTOL, id="mhc-alpha0"),
-    pytest.param("mhc", {}, MHC_DEFAULT_RTOL, id="mhc"),
-    pytest.param("moda", {"preserve_init": True}, INIT_RTOL, id="moda-preserve"),
-]
-ALL = ["attnres", "msar", "mhc", "moda"]
+
+def _cases():
+    """(scheme, options, tolerance at init) for every registered scheme (``depthrewrite.schemes()``): its exact-at-init
+    options (``Scheme.exact``), a 2-block form where it has one, and its defaults where they differ from the exact
+    options and a variant says they are close (``SchemeVariant.init_tol``, e.g. mHC's default init)."""
+    for s in dr.schemes().values():
+        yield pytest.param(s.name, s.exact, INIT_RTOL, id=s.name if not s.exact else f"{s.name}-exact")
+        if s.block_form:
+            yield pytest.param(s.name, {**s.exact, "blocks": 2}, INIT_RTOL, id=f"{s.name}-block2")
+        close = next((v.init_tol for v in s.variants if not v.options and v.init_tol is not None), None)
+        if s.exact and close is not None:
+            yield pytest.param(s.name, {}, close, id=s.name)
+
+
+# (scheme, options, tolerance at init)
+SCHEMES = list(_cases())
+ALL = list(dr.schemes())
 #: options under which each scheme is function-preserving at init (used where a test compares with the original)
-EXACT = {"attnres": {}, "msar": {}, "mhc": {"alpha_init": 0.0}, "moda": {"preserve_init": True}}
+EXACT = {s.name: s.exact for s in dr.schemes().values()}
 
 ZOO = [
     "hf:llama", "hf:mistral", "hf:qwen2", "hf:qwen3", "hf:gemma", "hf:gemma2", "hf:phi", "hf:gpt_neox", "hf:gpt2",
@@ -38,12 +44,16 @@ ZOO = [
 
 #: attention forms MoDA does not rewrite: BLOOM (ALiBi via baddbmm), MPT (ALiBi + masked_fill), gpt-oss (sinks)
 MODA_REFUSED = {"bloom", "mpt", "gpt_oss"}
-
-OP_NAMES = {"attnres": "depth_attn", "msar": "msar_mix", "mhc": "mhc_coeffs", "moda": "moda_attn"}
+#: scheme -> the MORE_HF models it refuses (a test below asserts the refusal)
+REFUSED = {"moda": MODA_REFUSED}
 
 
 def _count_ops(gm, scheme):
-    op = getattr(torch.ops.depthrewrite, OP_NAMES[scheme]).default
+    """Calls of the scheme's first op (``Scheme.ops[0]``: the one per mixing site), or None for a scheme without ops."""
+    ops = dr.scheme(scheme).ops
+    if not ops:
+        return None
+    op = getattr(torch.ops.depthrewrite, ops[0]).default
     return sum(1 for n in gm.graph.nodes if n.target is op)
 
 
@@ -58,6 +68,8 @@ def test_function_preserving_at_init(name, scheme, options, tol):
     assert rel_err(out, ref) <= tol
     chain = conv.report().chain
     L = len(chain)
+    if _count_ops(conv, scheme) is None:  # a scheme of aten ops only: nothing to count
+        return
     if scheme == "moda":  # every attention after the first
         assert _count_ops(conv, scheme) == sum("attention" in s.kind for s in chain.sublayers) - 1
     else:
@@ -71,8 +83,8 @@ def test_function_preserving_at_init_more_hf(model_type, scheme):
     """Every other PreNorm architecture of the detection sweep converts exactly too, except the attention forms MoDA
     refuses by name (ALiBi written as baddbmm or masked_fill, attention sinks): those must fail clearly."""
     model = build_zoo_model(f"hf:{model_type}").eval()
-    if scheme == "moda" and model_type in MODA_REFUSED:
-        with pytest.raises(dr.AttentionPatternError, match="cannot be rewritten by MoDA") as ei:
+    if model_type in REFUSED.get(scheme, ()):
+        with pytest.raises(dr.AttentionPatternError, match=f"cannot be rewritten by {dr.scheme(scheme).title}") as ei:
             dr.convert(model, scheme, **EXACT[scheme])
         assert ei.value.node is not None and f"`{ei.value.node}`" in str(ei.value)
         return
@@ -102,8 +114,13 @@ def test_parameters_and_training_step(scheme, options, tol):
     assert losses[-1] < losses[0]
 
 
-#: the options the contract fixtures convert with: Block variants where they exist, function-preserving MoDA
-PAIR_OPTIONS = {"attnres": {"blocks": 2}, "msar": {"blocks": 2}, "mhc": {}, "moda": {"preserve_init": True}}
+#: the options the contract fixtures convert with: a 2-block form where the scheme has one, else its defaults where a
+#: variant says they are (close to) function-preserving, else its exact options (MoDA's preserve_init)
+PAIR_OPTIONS = {
+    s.name: {"blocks": 2} if s.block_form else
+    {} if any(not v.options and v.init_tol is not None for v in s.variants) else dict(s.exact)
+    for s in dr.schemes().values()
+}
 
 
 @pytest.fixture(scope="module", params=ALL)
