@@ -20,7 +20,7 @@ import torch
 from depthrewrite.kernels.depth_attn import depth_attn, depth_attn_merge, depth_attn_partial
 from depthrewrite.kernels.dispatch import kernel_backend
 
-from . import Case
+from . import Call, Case, Row, randn, row
 
 try:  # Liger-Kernel's AttnRes op (stacked sources [N, B, T, D])
     from liger_kernel.ops.attn_res import LigerAttnResFunction
@@ -213,3 +213,50 @@ def _two_phase_cases(device: str, dtype: torch.dtype) -> list[Case]:
 def cases(device: str, dtype: torch.dtype) -> list[Case]:
     """The depth-attention cases at the issue's shapes (inputs are allocated lazily, one shape at a time)."""
     return _single_cases(device, dtype) + _two_phase_cases(device, dtype)
+
+
+def rows(scale: str = "bench") -> list[Row]:
+    """The shapes as data. ``"bench"``: the issue's shapes (what :func:`cases` times); ``"aot"``: the same d and K at
+    the first token count (the tile picks do not depend on T beyond a few tiles); ``"test"``: small shapes for the
+    parity tests under Triton's interpreter, one stressed axis each."""
+    if scale in ("bench", "aot"):
+        toks = TOKENS if scale == "bench" else TOKENS[:1]
+        return [row("depth_attn", T=T, D=D, K=K) for T in toks for D in D_SIZES] + [
+            row("depth_attn_two_phase", T=T, D=D, K=K, S=S) for T in toks for D in D_SIZES
+        ]
+    return [
+        row("depth_attn", "K = 1 (one source: softmax weight 1)", T=5, D=16, K=1),
+        row("depth_attn", "odd T and D (partial token and feature tiles)", T=7, D=33, K=3),
+        row("depth_attn", "leading batch dim [B, T, D]", B=2, T=3, D=24, K=4),
+        row("depth_attn", "many sources: K > 16 (the chunked path)", T=5, D=20, K=19),
+        row("depth_attn_two_phase", "S = 1 site, K - 1 = 1 completed source", T=6, D=16, K=2, S=1),
+        row("depth_attn_two_phase", "odd T, D; S = 3 sites (S not a power of two)", T=9, D=17, K=5, S=3),
+        row("depth_attn_two_phase", "many sources: K - 1 = 17 > 16 (chunked partial)", T=4, D=16, K=18, S=2),
+    ]
+
+
+def call(r: Row, device: str, dtype: torch.dtype, seed: int = 0) -> Call:
+    """The registered op(s) of row ``r`` on random inputs (sources in ``dtype``, query and gain fp32)."""
+    d = r.d
+    g = torch.Generator().manual_seed(seed)
+    lead = (d["B"], d["T"]) if "B" in d else (d["T"],)
+    D, k = d["D"], d["K"]
+    f32 = dict(device=device, dtype=torch.float32)
+    ops = torch.ops.depthrewrite
+    srcs = [randn(g, *lead, D, device=device, dtype=dtype, scale=1 + i % 3) for i in range(k)]
+    if r.op == "depth_attn":
+        q, gain = randn(g, D, **f32), randn(g, D, **f32, scale=0.2, shift=1.0)
+
+        def fn(*t):
+            return ops.depth_attn(list(t[:k]), t[k], t[k + 1], EPS, float(k))
+
+        return Call(fn, [*srcs, q, gain], [randn(g, *lead, D, device=device, dtype=dtype, grad=False)])
+    s = d["S"]
+    qs, gains = randn(g, s, D, **f32), randn(g, s, D, **f32, scale=0.2, shift=1.0)
+
+    def two_phase(*t):
+        o, lse = ops.depth_attn_partial(list(t[: k - 1]), t[k], t[k + 1], EPS)
+        return tuple(ops.depth_attn_merge(o[i], lse[i], t[k - 1], t[k][i], t[k + 1][i], EPS, float(k)) for i in range(s))
+
+    grads = [randn(g, *lead, D, device=device, dtype=dtype, grad=False) for _ in range(s)]
+    return Call(two_phase, [*srcs, qs, gains], grads)
