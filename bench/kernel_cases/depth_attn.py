@@ -81,132 +81,136 @@ def _fwd_bwd(fwd: Callable[[], object], leaves: Callable[[], list[torch.Tensor]]
 def _single_cases(device: str, dtype: torch.dtype) -> list[Case]:
     out = []
     elt = torch.tensor([], dtype=dtype).element_size()
-    for T in TOKENS:
-        for D in D_SIZES:
-            x = functools.partial(_inputs, device, dtype, T, D)
+    for r in rows("bench"):
+        if r.op != "depth_attn":
+            continue
+        T, D = r.d["T"], r.d["D"]
+        x = functools.partial(_inputs, device, dtype, T, D)
 
-            def ours(x=x):
+        def ours(x=x):
+            i = x()
+            return depth_attn(i["srcs"], i["q"], i["gain"], EPS, float(K))
+
+        def leaves(x=x):
+            i = x()
+            return [*i["srcs"], i["q"], i["gain"]]
+
+        def grad(x=x):
+            return x()["grad"]
+
+        impls = {"fused": _backend("triton", ours), "reference": _backend("reference", ours)}
+        impls_bwd = {
+            "fused": _backend("triton", _fwd_bwd(ours, leaves, grad)),
+            "reference": _backend("reference", _fwd_bwd(ours, leaves, grad)),
+        }
+        if LigerAttnResFunction is not None:
+
+            def liger(x=x):
                 i = x()
-                return depth_attn(i["srcs"], i["q"], i["gain"], EPS, float(K))
+                return LigerAttnResFunction.apply(i["stacked"], i["q"], i["gain"], EPS)
 
-            def leaves(x=x):
+            def liger_leaves(x=x):
                 i = x()
-                return [*i["srcs"], i["q"], i["gain"]]
+                return [i["stacked"], i["q"], i["gain"]]
 
-            def grad(x=x):
-                return x()["grad"]
+            def liger_grad(x=x):
+                return x()["grad"].view(1, T, D)
 
-            impls = {"fused": _backend("triton", ours), "reference": _backend("reference", ours)}
-            impls_bwd = {
-                "fused": _backend("triton", _fwd_bwd(ours, leaves, grad)),
-                "reference": _backend("reference", _fwd_bwd(ours, leaves, grad)),
-            }
-            if LigerAttnResFunction is not None:
+            impls["liger"] = liger
+            impls_bwd["liger"] = _fwd_bwd(liger, liger_leaves, liger_grad)
+        if fused_attnres is not None:
 
-                def liger(x=x):
-                    i = x()
-                    return LigerAttnResFunction.apply(i["stacked"], i["q"], i["gain"], EPS)
+            def fla(x=x):
+                i = x()
+                return fused_attnres(i["q"], i["srcs"], i["gain"], rms_eps=EPS)
 
-                def liger_leaves(x=x):
-                    i = x()
-                    return [i["stacked"], i["q"], i["gain"]]
-
-                def liger_grad(x=x):
-                    return x()["grad"].view(1, T, D)
-
-                impls["liger"] = liger
-                impls_bwd["liger"] = _fwd_bwd(liger, liger_leaves, liger_grad)
-            if fused_attnres is not None:
-
-                def fla(x=x):
-                    i = x()
-                    return fused_attnres(i["q"], i["srcs"], i["gain"], rms_eps=EPS)
-
-                impls["fla"] = fla
-                impls_bwd["fla"] = _fwd_bwd(fla, leaves, grad)
-            out.append(
-                Case(
-                    op="depth_attn",
-                    shape=f"T={T} d={D} K={K} {str(dtype).removeprefix('torch.')}",
-                    impls=impls,
-                    impls_bwd=impls_bwd,
-                    # forward: K sources read once, one output written
-                    bytes=(K + 1) * T * D * elt,
-                    # + backward: K sources and the output gradient read, K source gradients written
-                    bytes_bwd=(K + 1) * T * D * elt + (2 * K + 1) * T * D * elt,
-                    flops=6 * K * T * D,  # sum of squares, dot, weighted sum: 2 FLOPs/element each
-                    flops_bwd=6 * K * T * D + 12 * K * T * D,
-                    note=(
-                        "memory-bound; ours multiplies the mix by scale=K ('count'), liger/fla return the plain mix "
-                        "(scale=1; fla's `scale` is a logit temperature, left at 1): same cost. liger takes the sources "
-                        "pre-stacked [K, 1, T, D] (the stack is outside the timed call); ours and fla take the list. "
-                        "Our backward recomputes from the sources (reads them twice, the second read L2-resident by "
-                        "design); liger saves alpha and inverse RMS."
-                    ),
-                )
+            impls["fla"] = fla
+            impls_bwd["fla"] = _fwd_bwd(fla, leaves, grad)
+        out.append(
+            Case(
+                op="depth_attn",
+                shape=f"T={T} d={D} K={K} {str(dtype).removeprefix('torch.')}",
+                impls=impls,
+                impls_bwd=impls_bwd,
+                # forward: K sources read once, one output written
+                bytes=(K + 1) * T * D * elt,
+                # + backward: K sources and the output gradient read, K source gradients written
+                bytes_bwd=(K + 1) * T * D * elt + (2 * K + 1) * T * D * elt,
+                flops=6 * K * T * D,  # sum of squares, dot, weighted sum: 2 FLOPs/element each
+                flops_bwd=6 * K * T * D + 12 * K * T * D,
+                note=(
+                    "memory-bound; ours multiplies the mix by scale=K ('count'), liger/fla return the plain mix "
+                    "(scale=1; fla's `scale` is a logit temperature, left at 1): same cost. liger takes the sources "
+                    "pre-stacked [K, 1, T, D] (the stack is outside the timed call); ours and fla take the list. "
+                    "Our backward recomputes from the sources (reads them twice, the second read L2-resident by "
+                    "design); liger saves alpha and inverse RMS."
+                ),
             )
+        )
     return out
 
 
 def _two_phase_cases(device: str, dtype: torch.dtype) -> list[Case]:
     out = []
     elt = torch.tensor([], dtype=dtype).element_size()
-    for T in TOKENS:
-        for D in D_SIZES:
-            x = functools.partial(_inputs, device, dtype, T, D)
+    for r in rows("bench"):
+        if r.op != "depth_attn_two_phase":
+            continue
+        T, D = r.d["T"], r.d["D"]
+        x = functools.partial(_inputs, device, dtype, T, D)
 
-            def two_phase(x=x):
-                i = x()
-                done, last = i["srcs"][:-1], i["srcs"][-1]
-                o, lse = depth_attn_partial(done, i["qs"], i["gains"], EPS)
-                return tuple(
-                    depth_attn_merge(o[s], lse[s], last, i["qs"][s], i["gains"][s], EPS, float(K)) for s in range(S)
-                )
-
-            def single_pass(x=x):  # what the two-phase pair replaces: S independent mixes over all K sources
-                i = x()
-                return tuple(depth_attn(i["srcs"], i["qs"][s], i["gains"][s], EPS, float(K)) for s in range(S))
-
-            def leaves(x=x):
-                i = x()
-                return [*i["srcs"], i["qs"], i["gains"]]
-
-            def grad(x=x):
-                return tuple(x()["grad"] for _ in range(S))
-
-            impls = {
-                "fused": _backend("triton", two_phase),
-                "reference": _backend("reference", two_phase),
-                "fused-single-pass": _backend("triton", single_pass),
-            }
-            impls_bwd = {
-                "fused": _backend("triton", _fwd_bwd(two_phase, leaves, grad)),
-                "reference": _backend("reference", _fwd_bwd(two_phase, leaves, grad)),
-                "fused-single-pass": _backend("triton", _fwd_bwd(single_pass, leaves, grad)),
-            }
-            # forward: K-1 completed sources read once; o (fp32) written and read once per site; the last source read
-            # and the output written per site
-            fwd = (K - 1) * T * D * elt + 2 * S * T * D * 4 + 2 * S * T * D * elt
-            # backward: merge reads grad, o, last, writes grad_o (fp32) and grad_last per site; partial reads K-1
-            # sources + grad_o for S sites, writes K-1 source gradients
-            bwd = S * T * D * (2 * elt + 4 + 4 + elt) + (K - 1) * T * D * elt * 2 + S * T * D * 4
-            out.append(
-                Case(
-                    op="depth_attn_two_phase",
-                    shape=f"T={T} d={D} K={K} S={S} {str(dtype).removeprefix('torch.')}",
-                    impls=impls,
-                    impls_bwd=impls_bwd,
-                    bytes=fwd,
-                    bytes_bwd=fwd + bwd,
-                    flops=(4 * S + 2) * (K - 1) * T * D + S * 8 * T * D,
-                    note=(
-                        "attnres spec §7: depth_attn_partial over the K-1 completed sources for all S sites, then one "
-                        "depth_attn_merge per site with the open partial sum; 'fused-single-pass' is S depth_attn calls "
-                        "over all K sources (reads the K sources S times). o is fp32 by the op's signature "
-                        "(the spec's model-dtype o would save 2·S·T·d bytes)."
-                    ),
-                )
+        def two_phase(x=x):
+            i = x()
+            done, last = i["srcs"][:-1], i["srcs"][-1]
+            o, lse = depth_attn_partial(done, i["qs"], i["gains"], EPS)
+            return tuple(
+                depth_attn_merge(o[s], lse[s], last, i["qs"][s], i["gains"][s], EPS, float(K)) for s in range(S)
             )
+
+        def single_pass(x=x):  # what the two-phase pair replaces: S independent mixes over all K sources
+            i = x()
+            return tuple(depth_attn(i["srcs"], i["qs"][s], i["gains"][s], EPS, float(K)) for s in range(S))
+
+        def leaves(x=x):
+            i = x()
+            return [*i["srcs"], i["qs"], i["gains"]]
+
+        def grad(x=x):
+            return tuple(x()["grad"] for _ in range(S))
+
+        impls = {
+            "fused": _backend("triton", two_phase),
+            "reference": _backend("reference", two_phase),
+            "fused-single-pass": _backend("triton", single_pass),
+        }
+        impls_bwd = {
+            "fused": _backend("triton", _fwd_bwd(two_phase, leaves, grad)),
+            "reference": _backend("reference", _fwd_bwd(two_phase, leaves, grad)),
+            "fused-single-pass": _backend("triton", _fwd_bwd(single_pass, leaves, grad)),
+        }
+        # forward: K-1 completed sources read once; o (fp32) written and read once per site; the last source read
+        # and the output written per site
+        fwd = (K - 1) * T * D * elt + 2 * S * T * D * 4 + 2 * S * T * D * elt
+        # backward: merge reads grad, o, last, writes grad_o (fp32) and grad_last per site; partial reads K-1
+        # sources + grad_o for S sites, writes K-1 source gradients
+        bwd = S * T * D * (2 * elt + 4 + 4 + elt) + (K - 1) * T * D * elt * 2 + S * T * D * 4
+        out.append(
+            Case(
+                op="depth_attn_two_phase",
+                shape=f"T={T} d={D} K={K} S={S} {str(dtype).removeprefix('torch.')}",
+                impls=impls,
+                impls_bwd=impls_bwd,
+                bytes=fwd,
+                bytes_bwd=fwd + bwd,
+                flops=(4 * S + 2) * (K - 1) * T * D + S * 8 * T * D,
+                note=(
+                    "attnres spec §7: depth_attn_partial over the K-1 completed sources for all S sites, then one "
+                    "depth_attn_merge per site with the open partial sum; 'fused-single-pass' is S depth_attn calls "
+                    "over all K sources (reads the K sources S times). o is fp32 by the op's signature "
+                    "(the spec's model-dtype o would save 2·S·T·d bytes)."
+                ),
+            )
+        )
     return out
 
 

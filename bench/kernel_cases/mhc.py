@@ -136,31 +136,30 @@ def cases(device: str, dtype: torch.dtype) -> list[Case]:
         impls_by_op["mhc_post"][2]["liger"] = lambda X, res, post, y: liger_mhc_post_res(X, y, post, res)
 
     out: list[Case] = []
-    for T in TOKENS:
-        for d in DIMS:
-            K = n * d
-            x_bytes = T * K * elt
-            coef_bytes = T * M * 4  # pre, post, res (fp32) — also the size of their grads
-            by_op = {
-                # fwd: X once + φ, write coefficients; fwd+bwd: X twice, grad X once (+ φ and its grad)
-                "mhc_coeffs": (x_bytes + K * M * 4 + coef_bytes, 3 * x_bytes + 3 * K * M * 4 + 2 * coef_bytes,
-                               2 * T * K * M, 6 * T * K * M),
-                # fwd: X, write u; bwd: X, grad u, write grad X (+ coefficients)
-                "mhc_pre": (x_bytes + T * d * elt, 3 * x_bytes + 2 * T * d * elt, 0, 0),
-                # fwd: X, y, write X'; bwd: X, y, grad X', write grad X, grad y
-                "mhc_post": (2 * x_bytes + T * d * elt, 5 * x_bytes + 3 * T * d * elt, 0, 0),
-            }
-            for op, (names, gnames, impls) in impls_by_op.items():
-                b, bb, fl, flb = by_op[op]
-                out.append(Case(
-                    op=op,
-                    shape=f"T={T} n={n} d={d}",
-                    impls={k: _fwd(f, names, S, T, d) for k, f in impls.items()},
-                    impls_bwd={k: _fwd_bwd(f, names, gnames, S, T, d) for k, f in impls.items()},
-                    bytes=b, bytes_bwd=bb, flops=fl, flops_bwd=flb,
-                    note=("fused fwd+bwd reads X three times (forward, backward recompute, grad X pass); "
-                          "the minimum counted here is twice" if op == "mhc_coeffs" else ""),
-                ))
+    for T, d in dict.fromkeys((r.d["T"], r.d["d"]) for r in rows("bench")):  # each (T, d) once, all three ops
+        K = n * d
+        x_bytes = T * K * elt
+        coef_bytes = T * M * 4  # pre, post, res (fp32) — also the size of their grads
+        by_op = {
+            # fwd: X once + φ, write coefficients; fwd+bwd: X twice, grad X once (+ φ and its grad)
+            "mhc_coeffs": (x_bytes + K * M * 4 + coef_bytes, 3 * x_bytes + 3 * K * M * 4 + 2 * coef_bytes,
+                           2 * T * K * M, 6 * T * K * M),
+            # fwd: X, write u; bwd: X, grad u, write grad X (+ coefficients)
+            "mhc_pre": (x_bytes + T * d * elt, 3 * x_bytes + 2 * T * d * elt, 0, 0),
+            # fwd: X, y, write X'; bwd: X, y, grad X', write grad X, grad y
+            "mhc_post": (2 * x_bytes + T * d * elt, 5 * x_bytes + 3 * T * d * elt, 0, 0),
+        }
+        for op, (names, gnames, impls) in impls_by_op.items():
+            b, bb, fl, flb = by_op[op]
+            out.append(Case(
+                op=op,
+                shape=f"T={T} n={n} d={d}",
+                impls={k: _fwd(f, names, S, T, d) for k, f in impls.items()},
+                impls_bwd={k: _fwd_bwd(f, names, gnames, S, T, d) for k, f in impls.items()},
+                bytes=b, bytes_bwd=bb, flops=fl, flops_bwd=flb,
+                note=("fused fwd+bwd reads X three times (forward, backward recompute, grad X pass); "
+                      "the minimum counted here is twice" if op == "mhc_coeffs" else ""),
+            ))
     return out
 
 

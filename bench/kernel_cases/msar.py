@@ -105,25 +105,25 @@ def cases(device: str, dtype: torch.dtype) -> list[Case]:
     elt = torch.tensor([], dtype=dtype).element_size()
     K, m = K_SOURCES, STREAMS
     out: list[Case] = []
-    for B, T in SHAPES:
-        for d in DIMS:
-            N = B * T
-            src_bytes = K * N * d * elt
-            macs = N * d * (sum(KSIZES) * K + 3 * m * K + m * m + 2 * m)
-            out.append(
-                Case(
-                    op="msar_mix",
-                    shape=f"B={B} T={T} d={d} K={K} m={m} k={KSIZES}",
-                    impls={k: _fwd(f, S, B, T, d) for k, f in impls.items()},
-                    impls_bwd={k: _fwd_bwd(f, S, B, T, d) for k, f in impls.items()},
-                    bytes=src_bytes + N * d * elt,
-                    bytes_bwd=2 * src_bytes + N * d * elt + src_bytes,
-                    flops=2 * macs,
-                    flops_bwd=6 * macs,
-                    note="compute-bound (fp32 CUDA-core FMAs); the fused forward reads the sources 3 times (2 with the "
-                    "mean mixer), the backward about 7 times (plus its forward's 3)",
-                )
+    for r in rows("bench"):
+        B, T, d = r.d["B"], r.d["T"], r.d["d"]
+        N = B * T
+        src_bytes = K * N * d * elt
+        macs = N * d * (sum(KSIZES) * K + 3 * m * K + m * m + 2 * m)
+        out.append(
+            Case(
+                op="msar_mix",
+                shape=f"B={B} T={T} d={d} K={K} m={m} k={KSIZES}",
+                impls={k: _fwd(f, S, B, T, d) for k, f in impls.items()},
+                impls_bwd={k: _fwd_bwd(f, S, B, T, d) for k, f in impls.items()},
+                bytes=src_bytes + N * d * elt,
+                bytes_bwd=2 * src_bytes + N * d * elt + src_bytes,
+                flops=2 * macs,
+                flops_bwd=6 * macs,
+                note="compute-bound (fp32 CUDA-core FMAs); the fused forward reads the sources 3 times (2 with the "
+                "mean mixer), the backward about 7 times (plus its forward's 3)",
             )
+        )
     return out
 
 

@@ -77,3 +77,11 @@ def test_fused_matches_reference(mod, row, dtype, launches):
     for i, (x, a, b) in enumerate(zip(leaves, got, want, strict=True)):
         assert a.dtype == x.dtype and a.shape == x.shape, (i, a.dtype, x.dtype)
         assert_matches(f"{row.id} grad[{i}]", a, b, dtype, "grad")
+
+
+def test_empty_is_nan_poisoned():
+    """The conftest's poisoning is on here: fresh floating buffers read as NaN, integer ones are left alone."""
+    import torch as t
+
+    assert t.isnan(t.empty(3, 2)).all() and t.isnan(t.empty_like(t.zeros(4, dtype=t.float16))).all()
+    assert t.empty(2, dtype=t.int64).dtype == t.int64
