@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 import types
+import warnings
 from typing import Any
 
 OPS = ("depth_attn", "mhc", "msar", "moda")
@@ -215,7 +216,8 @@ def record(op: str, dtype: str, arch: int) -> list[Launch]:
             for r in mod.rows("aot"):
                 current["row"] = r.id
                 calls: list = []
-                with FakeTensorMode(allow_non_fake_inputs=True):
+                with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
                     call = mod.call(r, "cuda", tdtype)
                     tensors = [t.detach() for t in call.tensors]
                     with torch.no_grad(), _run_python_impls(calls):
@@ -378,6 +380,32 @@ def table(results: list[Result]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
 
 
+def summary(results: list[Result]) -> str:
+    """One line per kernel: for each (arch, dtype), the most registers and the most stack bytes over its configs,
+    and in parentheses how many of its configs spill out of how many."""
+    cols = sorted({(r.arch, r.dtype) for r in results}, key=lambda c: (c[0], list(DTYPES).index(c[1])))
+    by: dict[tuple[str, str], list[Result]] = {}
+    for r in results:
+        by.setdefault((r.op, r.kernel), []).append(r)
+    head = ["op", "kernel"] + [f"sm_{a} {d}" for a, d in cols]
+    lines = [head]
+    for (op, k), rs in sorted(by.items()):
+        cells = [op, k]
+        for a, d in cols:
+            xs = [r for r in rs if r.arch == a and r.dtype == d]
+            if not xs:
+                cells.append("-")
+                continue
+            if any(r.error for r in xs):
+                cells.append("ERROR")
+                continue
+            n = sum(1 for r in xs if r.stack or r.local)
+            cells.append(f"{max(r.regs or 0 for r in xs)}/{max(r.stack or 0 for r in xs)}" + (f" ({n}/{len(xs)})" if n else ""))
+        lines.append(cells)
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
+
+
 def main(argv=None) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):  # @triton.jit must build JITFunctions: re-exec
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -403,6 +431,9 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     results = check(ops, archs, dtypes, compile=not a.no_compile)
     print(table(results))
+    if not a.no_compile:
+        print("\nper kernel: registers/stack bytes, the most over its configs (configs that spill / configs)\n")
+        print(summary(results))
     bad = [r for r in results if not r.ok]
     print(f"\n{len(results)} compiles, {len(bad)} failing (spills, shared memory over the limit or errors), "
           f"{time.perf_counter() - t0:.0f} s in all")
