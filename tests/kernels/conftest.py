@@ -1,8 +1,9 @@
-"""Kernel-test fixtures: ``torch.empty`` / ``torch.empty_like`` poisoned with NaN.
+"""Kernel-test fixtures: ``torch.empty`` / ``torch.empty_like`` (and ``torch.empty_strided``, ``Tensor.new_empty``)
+poisoned with NaN.
 
 Every launcher allocates its outputs and scratch buffers with ``torch.empty(...)`` / ``torch.empty_like(...)``; on a
 fresh allocation those often happen to hold zeros, which hides a kernel that leaves part of an output unwritten or reads
-a buffer before writing it. During the kernel tests both functions (as seen by every module, they are looked up on
+a buffer before writing it. During the kernel tests these functions (as seen by every module: they are looked up on
 ``torch`` at call time) return floating tensors filled with NaN, so such a kernel fails its comparison. Integer and bool
 tensors are left as allocated. Opt out for one test with ``@pytest.mark.no_nan_poison``.
 """
@@ -37,4 +38,6 @@ def _nan_poison(request, monkeypatch):
     if request.node.get_closest_marker("no_nan_poison") is None:
         monkeypatch.setattr(torch, "empty", _poisoned(torch.empty))
         monkeypatch.setattr(torch, "empty_like", _poisoned(torch.empty_like))
+        monkeypatch.setattr(torch, "empty_strided", _poisoned(torch.empty_strided))
+        monkeypatch.setattr(torch.Tensor, "new_empty", _poisoned(torch.Tensor.new_empty))
     yield

@@ -85,3 +85,21 @@ def test_empty_is_nan_poisoned():
 
     assert t.isnan(t.empty(3, 2)).all() and t.isnan(t.empty_like(t.zeros(4, dtype=t.float16))).all()
     assert t.empty(2, dtype=t.int64).dtype == t.int64
+    assert t.isnan(t.zeros(2).new_empty(3)).all() and t.isnan(t.empty_strided((2, 2), (2, 1))).all()
+
+
+def test_an_unwritten_output_fails_the_harness(monkeypatch):
+    """With every kernel launch skipped, the op returns its poisoned buffers untouched and the comparison fails."""
+    import triton.runtime.interpreter as interp
+    import triton.runtime.jit as jit
+
+    for cls in (interp.InterpretedFunction, jit.JITFunction):
+        monkeypatch.setattr(cls, "run", lambda self, *a, **k: None)
+    mod = importlib.import_module("bench.kernel_cases.depth_attn")
+    call = mod.call(mod.rows("test")[1], DEVICE, torch.float32)
+    with kernel_backend("triton"):
+        got = call.fn(*call.tensors)
+    with kernel_backend("reference"):
+        want = call.fn(*call.tensors)
+    with pytest.raises(AssertionError, match="non-finite"):
+        assert_matches("out", got, want, torch.float32)
