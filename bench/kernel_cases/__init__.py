@@ -2,6 +2,11 @@
 
 Each module here (``depth_attn.py``, ``msar.py``, ``mhc.py``, ``moda.py``) defines ``cases(device, dtype) -> list[Case]``
 at realistic shapes. ``bench/kernels.py`` times every callable of every case side by side in one run.
+
+The shapes are data: each module also defines ``rows(scale) -> list[Row]`` (``"bench"``: the shapes ``cases`` times;
+``"aot"``: the shapes and constexpr branches ``python -m bench.aot`` compiles; ``"test"``: small shapes, one stressed
+axis each, for ``tests/kernels/test_parity.py``) and ``call(row, device, dtype, seed) -> Call`` (the registered op on
+random inputs with every parameter random). ``cases`` iterates ``rows("bench")`` (MoDA's keeps its own CPU shrink).
 """
 
 from __future__ import annotations
