@@ -263,9 +263,10 @@ def _walk(v, path=()):
             yield from _walk(x, path + (i,))
 
 
-def _config(launch: Launch, signature, constexprs) -> str:
-    """The launch's tile configuration: its int-valued constexpr parameters (declared ``tl.constexpr``, not JIT
-    specialisations) and num_warps/num_stages."""
+def _config(launch: Launch, signature, constexprs, attrs=None) -> str:
+    """The launch's tile configuration: its constexpr parameters (declared ``tl.constexpr``, not JIT
+    specialisations), num_warps/num_stages and, after ``%16:``, the int arguments the JIT marked divisible by 16 (two
+    launches with the same tiles can differ there)."""
     names = [p.name for p in launch.kernel.params if p.is_constexpr]
     vals = []
     for n in names:
@@ -277,6 +278,10 @@ def _config(launch: Launch, signature, constexprs) -> str:
             vals.append(f"{n}={v}")
     w, s = launch.kwargs.get("num_warps"), launch.kwargs.get("num_stages")
     vals.append(f"w{w if w is not None else 4}s{s if s is not None else 3}")
+    div = [launch.kernel.arg_names[k[0]] for k, v in (attrs or {}).items()
+           if len(k) == 1 and v and signature.get(launch.kernel.arg_names[k[0]]) in ("i32", "i64")]
+    if div:
+        vals.append("%16:" + ",".join(div))
     return " ".join(vals)
 
 
@@ -314,7 +319,7 @@ def compile_one(launch: Launch, arch: int) -> tuple[str, Result, Any]:
     except Exception as e:  # noqa: BLE001
         res.error = f"{type(e).__name__}: {e}"
         return f"{launch.name}-{arch}-err-{e}", res, None
-    res.config = _config(launch, signature, constexprs)
+    res.config = _config(launch, signature, constexprs, attrs)
     key = repr((launch.kernel.fn.__module__, launch.kernel.fn.__qualname__, arch, sorted(signature.items()),
                 sorted((k, repr(v)) for k, v in constexprs.items()), sorted((k, repr(v)) for k, v in attrs.items()),
                 options.num_warps, options.num_stages))
@@ -416,6 +421,8 @@ def main(argv=None) -> int:
     p.add_argument("--op", default=",".join(OPS), help=f"ops, comma-separated (default {','.join(OPS)})")
     p.add_argument("--dtype", default=",".join(DTYPES), help="dtypes, comma-separated (default fp32,fp16,bf16)")
     p.add_argument("--json", help="also write the results as JSON here")
+    p.add_argument("--cold", action="store_true",
+                   help="compile into a fresh Triton cache (honest compile times; the default reuses ~/.triton/cache)")
     p.add_argument("--no-compile", action="store_true",
                    help="record the launches and build their signatures only (seconds; checks the capture, not ptxas)")
     a = p.parse_args(argv)
@@ -428,6 +435,8 @@ def main(argv=None) -> int:
         if x not in ARCHS:
             p.error(f"unknown arch {x} (one of {', '.join(map(str, ARCHS))})")
     dtypes = tuple(d.strip() for d in a.dtype.split(","))
+    if a.cold:
+        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="depthrewrite-aot-")
     t0 = time.perf_counter()
     results = check(ops, archs, dtypes, compile=not a.no_compile)
     print(table(results))
