@@ -308,11 +308,7 @@ def _resources(cubin: bytes) -> dict[str, int]:
 
 
 def compile_one(launch: Launch, arch: int) -> tuple[str, Result, Any]:
-    """Compile one launch for ``arch``; returns (dedup key, result, None)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    """Specialise one launch for ``arch``: (dedup key, result to fill, spec for :func:`build` or ``None`` on error)."""
     res = Result(launch.op, launch.name, arch, launch.dtype, "")
     try:
         signature, constexprs, attrs, options = specialise(launch, arch)
@@ -362,7 +358,8 @@ def check(ops=OPS, archs=(80, 90), dtypes=tuple(DTYPES), log=print, compile: boo
                 for ln in launches:
                     key, res, spec = compile_one(ln, arch)
                     if key in results:
-                        results[key].rows.append(ln.row) if ln.row not in results[key].rows else None
+                        if ln.row not in results[key].rows:
+                            results[key].rows.append(ln.row)
                         continue
                     res.rows.append(ln.row)
                     results[key] = res
