@@ -33,6 +33,7 @@ import argparse
 import contextlib
 import dataclasses
 import importlib
+import io
 import json
 import os
 import re
@@ -74,6 +75,8 @@ class Result:
     dtype: str
     config: str
     regs: int | None = None
+    spills: int | None = None  # ptxas -v: bytes of spill stores (spill loads are reported alongside)
+    spill_loads: int | None = None
     stack: int | None = None
     local: int | None = None
     shared: int | None = None
@@ -83,7 +86,7 @@ class Result:
 
     @property
     def ok(self) -> bool:
-        return not self.error and not self.stack and not self.local and (self.shared or 0) <= ARCHS[self.arch][1]
+        return not self.error and not self.spills and not self.local and (self.shared or 0) <= ARCHS[self.arch][1]
 
 
 # ---- 1. recording ---------------------------------------------------------------------------------------------------
@@ -322,22 +325,54 @@ def compile_one(launch: Launch, arch: int) -> tuple[str, Result, Any]:
     return key, res, (signature, constexprs, attrs, options)
 
 
+def _ptxas_report(log: str) -> tuple[int, int] | None:
+    """(spill store bytes, spill load bytes) from a ``ptxas -v`` report, or None if there is none."""
+    m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def _run_ptxas(ptx: str, arch: int) -> str:
+    """``ptxas -v`` on the PTX of a kernel Triton took from its cache (so it printed no report)."""
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+        r = subprocess.run([ptxas, "-v", "--regAllocOptLevel=2", f"--gpu-name={gpu}", src, "-o", os.path.join(d, "k.o")],
+                           capture_output=True, text=True)
+    return r.stdout + r.stderr
+
+
 def build(launch: Launch, arch: int, res: Result, spec) -> None:
     import triton
+    from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     signature, constexprs, attrs, options = spec
     t0 = time.perf_counter()
     try:
-        k = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
-                           options=options.__dict__)
+        log = io.StringIO()
+        old = knobs.nvidia.dump_ptxas_log
+        knobs.nvidia.dump_ptxas_log = True  # Triton prints ptxas -v's report when it runs ptxas (not on a cache hit)
+        try:
+            with contextlib.redirect_stdout(log):
+                k = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs),
+                                   target=GPUTarget("cuda", arch, 32), options=options.__dict__)
+        finally:
+            knobs.nvidia.dump_ptxas_log = old
+        res.seconds = time.perf_counter() - t0
+        report = _ptxas_report(log.getvalue()) or _ptxas_report(_run_ptxas(k.asm["ptx"], arch))
         r = _resources(k.asm["cubin"])
         res.regs, res.stack, res.local = r["reg"], r.get("stack", 0), r.get("local", 0)
+        res.spills, res.spill_loads = report
         res.shared = int(getattr(k.metadata, "shared", 0) or r.get("shared", 0))
     except Exception as e:  # noqa: BLE001 - reported per kernel, the run goes on
         res.error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"
-    res.seconds = time.perf_counter() - t0
+        res.seconds = time.perf_counter() - t0
 
 
 # ---- 3. driver ------------------------------------------------------------------------------------------------------
@@ -372,18 +407,18 @@ def check(ops=OPS, archs=(80, 90), dtypes=tuple(DTYPES), log=print, compile: boo
 
 
 def table(results: list[Result]) -> str:
-    head = ("op", "kernel", "arch", "dtype", "config", "regs", "spill(stack)", "local", "shared", "compile s", "")
+    head = ("op", "kernel", "arch", "dtype", "config", "regs", "spill st/ld", "stack", "local", "shared", "compile s", "")
     lines = [head]
     for r in sorted(results, key=lambda r: (r.op, r.kernel, r.dtype, r.arch, r.config)):
-        bad = "" if r.ok else ("ERROR " + r.error if r.error else "SPILLS" if (r.stack or r.local) else "SHARED>limit")
-        lines.append((r.op, r.kernel, f"sm_{r.arch}", r.dtype, r.config, str(r.regs), str(r.stack), str(r.local),
-                      str(r.shared), f"{r.seconds:.1f}", bad))
+        bad = "" if r.ok else ("ERROR " + r.error if r.error else "SPILLS" if (r.spills or r.local) else "SHARED>limit")
+        lines.append((r.op, r.kernel, f"sm_{r.arch}", r.dtype, r.config, str(r.regs), f"{r.spills}/{r.spill_loads}",
+                      str(r.stack), str(r.local), str(r.shared), f"{r.seconds:.1f}", bad))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
 
 
 def summary(results: list[Result]) -> str:
-    """One line per kernel: for each (arch, dtype), the most registers and the most stack bytes over its configs,
+    """One line per kernel: for each (arch, dtype), the most registers and the most spill-store bytes over its configs,
     and in parentheses how many of its configs spill out of how many."""
     cols = sorted({(r.arch, r.dtype) for r in results}, key=lambda c: (c[0], list(DTYPES).index(c[1])))
     by: dict[tuple[str, str], list[Result]] = {}
@@ -401,8 +436,8 @@ def summary(results: list[Result]) -> str:
             if any(r.error for r in xs):
                 cells.append("ERROR")
                 continue
-            n = sum(1 for r in xs if r.stack or r.local)
-            cells.append(f"{max(r.regs or 0 for r in xs)}/{max(r.stack or 0 for r in xs)}" + (f" ({n}/{len(xs)})" if n else ""))
+            n = sum(1 for r in xs if r.spills or r.local)
+            cells.append(f"{max(r.regs or 0 for r in xs)}/{max(r.spills or 0 for r in xs)}" + (f" ({n}/{len(xs)})" if n else ""))
         lines.append(cells)
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
@@ -438,7 +473,7 @@ def main(argv=None) -> int:
     results = check(ops, archs, dtypes, compile=not a.no_compile)
     print(table(results))
     if not a.no_compile:
-        print("\nper kernel: registers/stack bytes, the most over its configs (configs that spill / configs)\n")
+        print("\nper kernel: registers/spill-store bytes, the most over its configs (configs that spill / configs)\n")
         print(summary(results))
     bad = [r for r in results if not r.ok]
     print(f"\n{len(results)} compiles, {len(bad)} failing (spills, shared memory over the limit or errors), "
