@@ -18,12 +18,13 @@ branches the bench does not reach) and per dtype:
    constexprs and multiples of 16 get the divisibility hint, exactly as at run time; tuple arguments are handled by
    the same code) and compiled with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))`` (ptxas
    ships with Triton).
-3. **Report** registers, stack bytes (where ptxas puts spills; ``cuobjdump --dump-resource-usage`` from Triton's
-   ``backends/nvidia/bin``), local memory, shared memory (against the arch's per-block limit) and compile time, one
-   line per (op, kernel, arch, dtype, config).
+3. **Report** registers and spill store/load bytes (``ptxas -v``: Triton's own ptxas report, or ptxas run on the
+   PTX when Triton took the kernel from its cache), stack frame, local and shared memory (``cuobjdump
+   --dump-resource-usage`` from Triton's ``backends/nvidia/bin``; shared against the arch's per-block limit) and
+   compile time, one line per (op, kernel, arch, dtype, config), then one line per kernel.
 
-Exit status 1 if any kernel spills (stack or local bytes > 0), needs more shared memory than the arch has, or fails to
-compile. Run it outside ``TRITON_INTERPRET=1`` (it re-executes itself without it). Takes a few minutes on two cores;
+Exit status 1 if any kernel spills (spill stores or local bytes > 0), needs more shared memory than the arch has, or
+fails to compile. Run it outside ``TRITON_INTERPRET=1`` (it re-executes itself without it). Takes a few minutes on two cores;
 see docs/kernels.md ("Ahead-of-time compile check").
 """
 

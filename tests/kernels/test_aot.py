@@ -5,7 +5,7 @@
   signature (catches, e.g., a kernel argument of a type the signature builder cannot express).
 * ``test_every_kernel_compiles_without_spills`` (opt-in, ``DEPTHREWRITE_AOT=1``; several minutes on two cores, see
   docs/kernels.md): every distinct launch of every op compiles for sm_80 and sm_90 in fp32, fp16 and bf16 with no
-  stack (spill) or local memory and shared memory within the arch's limit.
+  spill stores (ptxas -v) or local memory and shared memory within the arch's limit.
 
 Both run ``python -m bench.aot`` in a subprocess without ``TRITON_INTERPRET`` (``@triton.jit`` must build compilable
 JITFunctions, which the interpreter setting of tests/conftest.py prevents in this process).
@@ -48,7 +48,7 @@ def test_launches_are_recorded_and_typed(tmp_path):
 def test_every_kernel_compiles_without_spills(op, tmp_path):
     r, results = _aot(tmp_path, "--op", op, "--arch", "80,90", "--dtype", "fp32,fp16,bf16", timeout=1800)
     assert results, r.stderr[-3000:]
-    bad = [f"{x['kernel']} sm_{x['arch']} {x['dtype']} [{x['config']}]: regs {x['regs']} stack {x['stack']} "
-           f"local {x['local']} shared {x['shared']} {x['error']}" for x in results if not x["ok"]]
+    bad = [f"{x['kernel']} sm_{x['arch']} {x['dtype']} [{x['config']}]: regs {x['regs']} spill stores "
+           f"{x['spills']} B, stack {x['stack']} B, local {x['local']} B, shared {x['shared']} B {x['error']}" for x in results if not x["ok"]]
     assert not bad, "\n".join(bad)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
