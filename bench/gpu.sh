@@ -16,3 +16,9 @@ timeout 200 $PY -m pytest -q -x tests/kernels -p no:cacheprovider 2>&1 | tail -4
 tail -3 "$OUT/kernel-tests.txt"
 # 2. kernel benchmarks (bf16) + one whole-model step per scheme; ~5 minutes
 timeout 330 $PY -m bench.kernels --dtype bf16 --rep 10 --model --out "$OUT" 2>&1 | tee "$OUT/bench.txt" | tail -60
+# 3. optional (AOT=1): the ahead-of-time compile check for sm_80 and sm_90 (registers, spills; needs no GPU, a few
+# minutes of CPU: prefer running `python -m bench.aot` on any machine to spending device time on it)
+if [ "${AOT:-0}" = "1" ]; then
+  timeout 900 $PY -m bench.aot --json "$OUT/aot.json" > "$OUT/aot.txt" 2>&1
+  tail -3 "$OUT/aot.txt"
+fi

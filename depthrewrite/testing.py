@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["GPTConfig", "GPT", "nanogpt", "PlainMLP", "NoNormResidual", "sqnr", "assert_close_rms"]
+__all__ = [
+    "GPTConfig", "GPT", "nanogpt", "PlainMLP", "NoNormResidual", "sqnr", "assert_close_rms", "KERNEL_TOL", "Tol", "close",
+    "assert_matches",
+]
 
 
 @dataclass
@@ -197,3 +201,50 @@ def assert_close_rms(name: str, ref: torch.Tensor, out: torch.Tensor, ratio: flo
     err = float(diff / base)
     if not err <= ratio:
         raise AssertionError(f"{name}: rms ratio {err:.3e} > {ratio:.1e} (max abs diff {float((ref - out).abs().max()):.3e})")
+
+
+# ---- kernel comparisons: one tolerance table for "fused == reference" ----------------------------------------------
+
+
+class Tol(NamedTuple):
+    """How close a fused kernel must be to its reference, for one dtype.
+
+    ``fwd`` and ``grad`` are ``(atol, rtol)`` for outputs and gradients (``atol`` scaled by ``max(1, max|ref|)``, see
+    :func:`close`); ``rms`` is the RMS-ratio bound of :func:`assert_close_rms` (flash-linear-attention's
+    ``assert_close(name, ref, tri, ratio)``), applied to every output and gradient. Half-precision references run in
+    fp32 on upcast inputs, so the bounds cover the kernel's rounding of inputs, outputs and partial sums."""
+
+    fwd: tuple[float, float]
+    grad: tuple[float, float]
+    rms: float
+
+
+KERNEL_TOL: dict[torch.dtype, Tol] = {
+    torch.float32: Tol(fwd=(1e-5, 1e-5), grad=(1e-4, 1e-4), rms=1e-5),
+    torch.float16: Tol(fwd=(2e-3, 2e-3), grad=(1e-2, 1e-2), rms=5e-3),  # fla's ratio for fp16
+    torch.bfloat16: Tol(fwd=(2e-2, 2e-2), grad=(5e-2, 5e-2), rms=1e-2),  # 3 fewer mantissa bits
+}
+
+
+def close(got, want, tol) -> None:
+    """Pairwise over two sequences of tensors: same dtype and shape, and close with ``atol`` scaled by
+    ``max(1, max|want|)``. ``tol`` is ``(atol, rtol)``."""
+    atol, rtol = tol
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a.float(), b.float(), atol=atol * max(1.0, b.abs().max().item()), rtol=rtol)
+
+
+def assert_matches(name: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, kind: str = "fwd") -> None:
+    """``got`` (the kernel's, in ``dtype``) against ``want`` (the reference's, possibly fp32) by :data:`KERNEL_TOL`:
+    the scaled allclose of ``kind`` (``"fwd"`` or ``"grad"``) and the RMS ratio. NaN anywhere in ``got`` fails
+    (``want`` is finite by construction)."""
+    tol = KERNEL_TOL[dtype]
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert torch.isfinite(got).all(), f"{name}: non-finite values ({int((~torch.isfinite(got)).sum())} of {got.numel()})"
+    atol, rtol = getattr(tol, kind)
+    b = want.detach().float()
+    torch.testing.assert_close(got.detach().float(), b, atol=atol * max(1.0, b.abs().max().item()) if b.numel() else atol,
+                               rtol=rtol, msg=lambda m: f"{name}: {m}")
+    if b.numel():
+        assert_close_rms(name, want, got, tol.rms)

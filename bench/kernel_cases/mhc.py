@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from . import Case
+from . import Call, Case, Row, randn, row
 
 N_STREAMS, ITERS, EPS = 4, 20, 1e-6
 DIMS = (2048, 4096, 7168)
@@ -136,29 +136,71 @@ def cases(device: str, dtype: torch.dtype) -> list[Case]:
         impls_by_op["mhc_post"][2]["liger"] = lambda X, res, post, y: liger_mhc_post_res(X, y, post, res)
 
     out: list[Case] = []
-    for T in TOKENS:
-        for d in DIMS:
-            K = n * d
-            x_bytes = T * K * elt
-            coef_bytes = T * M * 4  # pre, post, res (fp32) — also the size of their grads
-            by_op = {
-                # fwd: X once + φ, write coefficients; fwd+bwd: X twice, grad X once (+ φ and its grad)
-                "mhc_coeffs": (x_bytes + K * M * 4 + coef_bytes, 3 * x_bytes + 3 * K * M * 4 + 2 * coef_bytes,
-                               2 * T * K * M, 6 * T * K * M),
-                # fwd: X, write u; bwd: X, grad u, write grad X (+ coefficients)
-                "mhc_pre": (x_bytes + T * d * elt, 3 * x_bytes + 2 * T * d * elt, 0, 0),
-                # fwd: X, y, write X'; bwd: X, y, grad X', write grad X, grad y
-                "mhc_post": (2 * x_bytes + T * d * elt, 5 * x_bytes + 3 * T * d * elt, 0, 0),
-            }
-            for op, (names, gnames, impls) in impls_by_op.items():
-                b, bb, fl, flb = by_op[op]
-                out.append(Case(
-                    op=op,
-                    shape=f"T={T} n={n} d={d}",
-                    impls={k: _fwd(f, names, S, T, d) for k, f in impls.items()},
-                    impls_bwd={k: _fwd_bwd(f, names, gnames, S, T, d) for k, f in impls.items()},
-                    bytes=b, bytes_bwd=bb, flops=fl, flops_bwd=flb,
-                    note=("fused fwd+bwd reads X three times (forward, backward recompute, grad X pass); "
-                          "the minimum counted here is twice" if op == "mhc_coeffs" else ""),
-                ))
+    for T, d in dict.fromkeys((r.d["T"], r.d["d"]) for r in rows("bench")):  # each (T, d) once, all three ops
+        K = n * d
+        x_bytes = T * K * elt
+        coef_bytes = T * M * 4  # pre, post, res (fp32) — also the size of their grads
+        by_op = {
+            # fwd: X once + φ, write coefficients; fwd+bwd: X twice, grad X once (+ φ and its grad)
+            "mhc_coeffs": (x_bytes + K * M * 4 + coef_bytes, 3 * x_bytes + 3 * K * M * 4 + 2 * coef_bytes,
+                           2 * T * K * M, 6 * T * K * M),
+            # fwd: X, write u; bwd: X, grad u, write grad X (+ coefficients)
+            "mhc_pre": (x_bytes + T * d * elt, 3 * x_bytes + 2 * T * d * elt, 0, 0),
+            # fwd: X, y, write X'; bwd: X, y, grad X', write grad X, grad y
+            "mhc_post": (2 * x_bytes + T * d * elt, 5 * x_bytes + 3 * T * d * elt, 0, 0),
+        }
+        for op, (names, gnames, impls) in impls_by_op.items():
+            b, bb, fl, flb = by_op[op]
+            out.append(Case(
+                op=op,
+                shape=f"T={T} n={n} d={d}",
+                impls={k: _fwd(f, names, S, T, d) for k, f in impls.items()},
+                impls_bwd={k: _fwd_bwd(f, names, gnames, S, T, d) for k, f in impls.items()},
+                bytes=b, bytes_bwd=bb, flops=fl, flops_bwd=flb,
+                note=("fused fwd+bwd reads X three times (forward, backward recompute, grad X pass); "
+                      "the minimum counted here is twice" if op == "mhc_coeffs" else ""),
+            ))
     return out
+
+
+def rows(scale: str = "bench") -> list[Row]:
+    """The shapes as data: ``"bench"`` (what :func:`cases` times), ``"aot"`` (the bench d's at the first token
+    count) or ``"test"`` (small shapes for the parity tests, one stressed axis each)."""
+    ops = ("mhc_coeffs", "mhc_pre", "mhc_post")
+    if scale in ("bench", "aot"):
+        toks = TOKENS if scale == "bench" else TOKENS[:1]
+        return [row(op, T=T, n=N_STREAMS, d=d) for T in toks for d in DIMS for op in ops]
+    return [
+        row("mhc_coeffs", "n = 4 streams, odd T (partial token tile)", T=7, n=4, d=16),
+        row("mhc_coeffs", "n = 1 (a single stream: trivial Sinkhorn), odd d", T=5, n=1, d=9),
+        row("mhc_coeffs", "n = 3 (not a power of two), leading batch dim", B=2, T=3, n=3, d=12),
+        row("mhc_pre", "n = 4, odd T and d", T=7, n=4, d=13),
+        row("mhc_pre", "n = 3 (padded stream axis), leading batch dim", B=2, T=5, n=3, d=16),
+        row("mhc_post", "n = 4, odd T and d", T=9, n=4, d=11),
+        row("mhc_post", "n = 2, one token", T=1, n=2, d=8),
+    ]
+
+
+def call(r: Row, device: str, dtype: torch.dtype, seed: int = 0) -> Call:
+    """The registered op of row ``r`` on random inputs (X, y in ``dtype``; coefficients and parameters fp32)."""
+    dm = r.d
+    g = torch.Generator().manual_seed(seed)
+    lead = (dm["B"], dm["T"]) if "B" in dm else (dm["T"],)
+    n, d = dm["n"], dm["d"]
+    f32 = dict(device=device, dtype=torch.float32)
+    ops = torch.ops.depthrewrite
+    X = randn(g, *lead, n, d, device=device, dtype=dtype, scale=2.0)
+    if r.op == "mhc_coeffs":
+        M = n * n + 2 * n
+        phi = randn(g, n * d, M, **f32, scale=(n * d) ** -0.5)
+        bias, alpha = randn(g, M, **f32), randn(g, 3, **f32, scale=0.1, shift=0.5)
+        grads = [randn(g, *lead, n, **f32, grad=False), randn(g, *lead, n, **f32, grad=False),
+                 randn(g, *lead, n, n, **f32, grad=False)]
+        return Call(lambda *t: ops.mhc_coeffs(*t, ITERS, EPS), [X, phi, bias, alpha], grads)
+    pre = randn(g, *lead, n, **f32, scale=0.3, shift=0.5)
+    if r.op == "mhc_pre":
+        return Call(ops.mhc_pre, [X, pre], [randn(g, *lead, d, device=device, dtype=dtype, grad=False)])
+    res = torch.softmax(torch.randn(*lead, n, n, generator=g), -1).to(**f32).requires_grad_()
+    post = randn(g, *lead, n, **f32, scale=0.5, shift=1.0)
+    y = randn(g, *lead, d, device=device, dtype=dtype)
+    return Call(ops.mhc_post, [X, res, post, y], [randn(g, *lead, n, d, device=device, dtype=dtype, grad=False)])

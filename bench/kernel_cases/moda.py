@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from . import Case
+from . import Call, Case, Row, randn, row
 
 B, HQ, HK, N_SLOTS = 1, 32, 8, 8
 SEQ_LENS = (4096, 16384, 65536)
@@ -154,3 +154,58 @@ def cases(device: str, dtype: torch.dtype) -> list[Case]:
                 )
             )
     return out
+
+
+def rows(scale: str = "bench") -> list[Row]:
+    """The shapes as data: ``"bench"`` (what :func:`cases` times: causal, no mask), ``"aot"`` (the bench head dims at
+    T = 4096 plus the mask kinds, soft-capping and a non-power-of-two group, which are other constexpr branches) or
+    ``"test"`` (small shapes for the parity tests, one stressed axis each)."""
+    base = dict(B=B, Hq=HQ, Hk=HK)
+    if scale == "bench":
+        return [row("moda_attn", **base, T=T, S=T, n=N_SLOTS, d=d, causal=True, mask="none", lam=False, cap=0.0)
+                for d in HEAD_DIMS for T in SEQ_LENS]
+    if scale == "aot":
+        T = SEQ_LENS[0]
+        return [row("moda_attn", **base, T=T, S=T, n=N_SLOTS, d=d, causal=True, mask="none", lam=True, cap=0.0)
+                for d in HEAD_DIMS] + [
+            row("moda_attn", **base, T=T, S=T, n=N_SLOTS, d=64, causal=False, mask="bool", lam=True, cap=30.0),
+            row("moda_attn", B=B, Hq=24, Hk=8, T=T, S=T, n=N_SLOTS, d=128, causal=True, mask="add", lam=True, cap=0.0),
+        ]
+    return [
+        row("moda_attn", "one depth slot, MHA, causal", B=1, Hq=2, Hk=2, T=9, S=9, n=1, d=8, causal=True, mask="none",
+            lam=False, cap=0.0),
+        row("moda_attn", "GQA G = 2, S > T, odd head dim, bool mask, λ", B=2, Hq=4, Hk=2, T=7, S=11, n=3, d=5,
+            causal=False, mask="bool", lam=True, cap=0.0),
+        row("moda_attn", "G = 3 (not a power of two), learned additive mask, soft-cap", B=1, Hq=6, Hk=2, T=9, S=9, n=2,
+            d=12, causal=True, mask="add", lam=True, cap=4.0),
+        row("moda_attn", "many depth slots (n = 33), MQA", B=1, Hq=4, Hk=1, T=6, S=6, n=33, d=16, causal=True,
+            mask="none", lam=False, cap=0.0),
+        row("moda_attn", "S < T causal (no key for early rows but the depth slots)", B=1, Hq=2, Hk=1, T=10, S=4, n=2,
+            d=8, causal=True, mask="none", lam=True, cap=0.0),
+    ]
+
+
+def call(r: Row, device: str, dtype: torch.dtype, seed: int = 0) -> Call:
+    """``moda_attn`` on random inputs (q, k, v, depth slots in ``dtype``; λ fp32, some entries negative)."""
+    dm = r.d
+    g = torch.Generator().manual_seed(seed)
+    b, hq, hk, T, S, n, d = (dm[k] for k in ("B", "Hq", "Hk", "T", "S", "n", "d"))
+    kw = dict(device=device, dtype=dtype)
+    q, k, v = randn(g, b, hq, T, d, **kw), randn(g, b, hk, S, d, **kw), randn(g, b, hk, S, d, **kw)
+    Kd, Vd = randn(g, b, T, n, hk, d, **kw), randn(g, b, T, n, hk, d, **kw)
+    ts = [q, k, v, Kd, Vd]
+    mask = dm["mask"]
+    if mask == "bool":
+        ts.append((torch.rand(b, 1, T, S, generator=g) > 0.3).to(device))
+    elif mask == "add":
+        ts.append(randn(g, T, S, **kw))
+    if dm["lam"]:
+        ts.append(randn(g, hq, device=device, dtype=torch.float32, scale=0.5, shift=0.5))
+    scale, causal, cap = d**-0.5, dm["causal"], float(dm["cap"])
+
+    def fn(*t):
+        m = t[5] if mask != "none" else None
+        lam = t[-1] if dm["lam"] else None
+        return torch.ops.depthrewrite.moda_attn(t[0], t[1], t[2], m, t[3], t[4], lam, scale, causal, 0.0, None, cap)
+
+    return Call(fn, ts, [randn(g, b, hq, T, d, **kw, grad=False)])

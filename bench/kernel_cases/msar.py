@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from . import Case
+from . import Call, Case, Row, randn, row
 
 K_SOURCES, STREAMS, KSIZES, EPS = 9, 4, (4, 8, 12), 1e-6
 DIMS = (2048, 4096)
@@ -105,23 +105,63 @@ def cases(device: str, dtype: torch.dtype) -> list[Case]:
     elt = torch.tensor([], dtype=dtype).element_size()
     K, m = K_SOURCES, STREAMS
     out: list[Case] = []
-    for B, T in SHAPES:
-        for d in DIMS:
-            N = B * T
-            src_bytes = K * N * d * elt
-            macs = N * d * (sum(KSIZES) * K + 3 * m * K + m * m + 2 * m)
-            out.append(
-                Case(
-                    op="msar_mix",
-                    shape=f"B={B} T={T} d={d} K={K} m={m} k={KSIZES}",
-                    impls={k: _fwd(f, S, B, T, d) for k, f in impls.items()},
-                    impls_bwd={k: _fwd_bwd(f, S, B, T, d) for k, f in impls.items()},
-                    bytes=src_bytes + N * d * elt,
-                    bytes_bwd=2 * src_bytes + N * d * elt + src_bytes,
-                    flops=2 * macs,
-                    flops_bwd=6 * macs,
-                    note="compute-bound (fp32 CUDA-core FMAs); the fused forward reads the sources 3 times (2 with the "
-                    "mean mixer), the backward about 7 times (plus its forward's 3)",
-                )
+    for r in rows("bench"):
+        B, T, d = r.d["B"], r.d["T"], r.d["d"]
+        N = B * T
+        src_bytes = K * N * d * elt
+        macs = N * d * (sum(KSIZES) * K + 3 * m * K + m * m + 2 * m)
+        out.append(
+            Case(
+                op="msar_mix",
+                shape=f"B={B} T={T} d={d} K={K} m={m} k={KSIZES}",
+                impls={k: _fwd(f, S, B, T, d) for k, f in impls.items()},
+                impls_bwd={k: _fwd_bwd(f, S, B, T, d) for k, f in impls.items()},
+                bytes=src_bytes + N * d * elt,
+                bytes_bwd=2 * src_bytes + N * d * elt + src_bytes,
+                flops=2 * macs,
+                flops_bwd=6 * macs,
+                note="compute-bound (fp32 CUDA-core FMAs); the fused forward reads the sources 3 times (2 with the "
+                "mean mixer), the backward about 7 times (plus its forward's 3)",
             )
+        )
     return out
+
+
+def rows(scale: str = "bench") -> list[Row]:
+    """The shapes as data: ``"bench"`` (what :func:`cases` times), ``"aot"`` (the bench d's at the first shape, plus
+    the mean mixer) or ``"test"`` (small shapes for the parity tests, one stressed axis each)."""
+    if scale in ("bench", "aot"):
+        shapes = SHAPES if scale == "bench" else SHAPES[:1]
+        out = [row("msar_mix", B=B, T=T, d=d, K=K_SOURCES, ks=KSIZES, cv=True, sig=True) for B, T in shapes for d in DIMS]
+        if scale == "aot":  # the mean mixer and value-less conv are other constexpr branches
+            B, T = SHAPES[0]
+            out.append(row("msar_mix", B=B, T=T, d=DIMS[0], K=K_SOURCES, ks=KSIZES, cv=False, sig=False))
+        return out
+    return [
+        row("msar_mix", "K = 1 source, one conv stream", B=1, T=5, d=8, K=1, ks=(2,), cv=True, sig=True),
+        row("msar_mix", "odd T and d, kernel sizes not powers of two", B=2, T=7, d=9, K=3, ks=(3, 5), cv=True, sig=True),
+        row("msar_mix", "mean mixer, conv on keys only", B=1, T=6, d=8, K=4, ks=(2, 4), cv=False, sig=False),
+        row("msar_mix", "kernel size longer than T (halo past the start)", B=1, T=3, d=6, K=2, ks=(4, 8), cv=True, sig=True),
+        row("msar_mix", "many sources: K = 16 (the kernel's maximum)", B=1, T=4, d=4, K=16, ks=(2,), cv=True, sig=True),
+    ]
+
+
+def call(r: Row, device: str, dtype: torch.dtype, seed: int = 0) -> Call:
+    """``msar_mix`` on random inputs (sources in ``dtype``, parameters fp32, non-uniform softmaxes and mixer)."""
+    dm = r.d
+    g = torch.Generator().manual_seed(seed)
+    B, T, d, K, ks, cv, sig = (dm[k] for k in ("B", "T", "d", "K", "ks", "cv", "sig"))
+    m = len(ks) + 1
+    f32 = dict(device=device, dtype=torch.float32)
+    src = [randn(g, B, T, d, device=device, dtype=dtype, scale=1 + i % 3) for i in range(K)]
+    query, gain = randn(g, m, d, **f32), randn(g, m, d, **f32, scale=0.2, shift=1.0)
+    conv = [randn(g, d, k, **f32, scale=0.5) for k in ks]
+    mix = [randn(g, m * d, m, **f32, scale=0.3), randn(g, m, **f32), randn(g, **f32, scale=0.1, shift=0.7)] if sig else []
+    c = len(ks)
+
+    def fn(*t):
+        mx = list(t[K + 2 + c :]) or [None, None, None]
+        return torch.ops.depthrewrite.msar_mix(list(t[:K]), t[K], t[K + 1], list(t[K + 2 : K + 2 + c]), *mx, EPS,
+                                               float(K), cv, sig)
+
+    return Call(fn, [*src, query, gain, *conv, *mix], [randn(g, B, T, d, device=device, dtype=dtype, grad=False)])

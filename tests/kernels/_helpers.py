@@ -1,4 +1,7 @@
-"""Helpers shared by the Triton kernel tests (test_mhc_triton.py, test_msar_triton.py)."""
+"""Helpers shared by the Triton kernel tests (test_mhc_triton.py, test_msar_triton.py, test_parity.py).
+
+The tolerance table and the comparison helpers live in :mod:`depthrewrite.testing` (one place); they are re-exported
+here under the names the tests import."""
 
 from __future__ import annotations
 
@@ -7,15 +10,7 @@ import types
 import pytest
 import torch
 
-
-def close(got, want, tol) -> None:
-    """Pairwise: same dtype and shape, and close with ``atol`` scaled by ``max(1, max|want|)``.
-
-    ``tol`` is ``(atol, rtol)``."""
-    atol, rtol = tol
-    for a, b in zip(got, want, strict=True):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        torch.testing.assert_close(a.float(), b.float(), atol=atol * max(1.0, b.abs().max().item()), rtol=rtol)
+from depthrewrite.testing import KERNEL_TOL, Tol, assert_close_rms, assert_matches, close, sqnr  # noqa: F401
 
 
 def spy_calls(monkeypatch: pytest.MonkeyPatch, module: types.ModuleType, names) -> list[str]:
