@@ -10,7 +10,7 @@ Math (see :mod:`.reference` for the one docstring of the op), per token t of a s
     a_ir = softmax_i(s_ir),   Z_r = Σ_i a_ir Y_i^(r)        (Y = V, or x when conv_values=False)
     g = sigmoid(α · rsqrt(|Z|²/(mD) + eps_mix) · (Z_flat @ φ) + b)  (or 1/m),   h = scale · Σ_r g_r Z_r
 
-Design (forward, ``_msar_fwd_kernel``): one program per tile of ``BT`` consecutive tokens of one sequence, three
+Design (forward, ``msar_fwd_kernel``): one program per tile of ``BT`` consecutive tokens of one sequence, three
 passes over D in chunks of ``BD``. The m stream views are never written to memory: every pass recomputes them from
 the sources with shifted (halo) loads, ``x[t-τ]`` for τ < k_max, which hit L1/L2 after the first tap.
 
@@ -18,19 +18,19 @@ the sources with shifted (halo) loads, ``x[t-τ]`` for τ < k_max, which hit L1/
 2. (sigmoid mixer only) Z chunks → |Z|² and Z·φ → g;
 3. Z chunks again → h = scale Σ_r g_r Z_r, the only tensor written.
 
-Backward: two kernels. ``_msar_bwd_stats_kernel`` (same tiling) recomputes passes 1-2, then a third pass that
+Backward: two kernels. ``msar_bwd_kernel_stats`` (same tiling) recomputes passes 1-2, then a third pass that
 forms dZ_r = scale g_r dh + φ_r dp + c_z Z_r and the per-(source, stream) reductions da_ir = dZ_r · Y_i^(r); from
 them the softmax backward gives per-token coefficients (a, c1 = ds·rs, c2 = -ds·dt·rs³/D) and per-token mixer
 scalars (scale·g, dp, c_z), written to a small fp32 side buffer (12·KP + 9 floats per token). It also reduces
-dα and db. ``_msar_bwd_grad_kernel`` then works on *extended* tiles of ``ET`` rows that own the first
+dα and db. ``msar_bwd_kernel_grad`` then works on *extended* tiles of ``ET`` rows that own the first
 ``ET - (k_max-1)`` of them: it recomputes the views and dV_i^(r) = c1 u_r + c2 V_i^(r) + a_ir dZ_r on all ET rows,
 stages the conv-stream dV tile of one source in a per-program fp32 scratch tile (L2-resident, ``3·ET·BD`` floats)
 so that the transposed conv dx[t] = Σ_τ W[τ] dV[t+τ] can read it shifted, and writes dx for the owned rows. The
 parameter gradients that reduce over tokens (query, gain, conv taps, φ) are summed per program in registers over
 its owned rows and added to fp32 buffers with ``tl.atomic_add`` (so their summation order is not deterministic).
 
-Sources are up to 16 separate pointer arguments (never stacked). The loops over sources are run-time loops that
-select the pointer argument with ``tl.where`` (no indirect loads); unrolling them made the sm_90 compile of the
+Sources are one tuple argument of up to ``limits.MAX_SOURCES`` pointers (never stacked). The loops over sources are
+run-time loops that select the tuple element with ``tl.where`` (no indirect loads); unrolling them made the sm_90 compile of the
 K = 9, k = (4, 8, 12) kernels take minutes. Only the conv taps (``tl.static_range(k_max)``) and the m <= 4
 streams (explicit variables under constexpr guards) are unrolled.
 """
@@ -42,12 +42,10 @@ import triton
 import triton.language as tl
 
 from .._triton_utils import pow2
+from .limits import BWD_TILES, FWD_TILES, MAX_KERNEL, MAX_SOURCES, MAX_STREAMS
 
 __all__ = ["MAX_SOURCES", "MAX_STREAMS", "MAX_KERNEL", "msar_fwd", "msar_bwd"]
 
-MAX_SOURCES = 16  # pointer arguments of the kernels; more sources fall back to the reference (op._kernel_covers)
-MAX_STREAMS = 4  # m <= 4 (three conv streams)
-MAX_KERNEL = 16  # k_r <= 16 taps
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -56,40 +54,12 @@ MAX_KERNEL = 16  # k_r <= 16 taps
 
 
 @triton.jit
-def _pick(i, NSRC: tl.constexpr, s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15):
-    """The pointer of source ``i`` (a run-time select among the pointer arguments: no indirect loads, and the
-    source loops stay rolled, which keeps the compiled code small)."""
-    p = s0
-    if NSRC > 1:
-        p = tl.where(i == 1, s1, p)
-    if NSRC > 2:
-        p = tl.where(i == 2, s2, p)
-    if NSRC > 3:
-        p = tl.where(i == 3, s3, p)
-    if NSRC > 4:
-        p = tl.where(i == 4, s4, p)
-    if NSRC > 5:
-        p = tl.where(i == 5, s5, p)
-    if NSRC > 6:
-        p = tl.where(i == 6, s6, p)
-    if NSRC > 7:
-        p = tl.where(i == 7, s7, p)
-    if NSRC > 8:
-        p = tl.where(i == 8, s8, p)
-    if NSRC > 9:
-        p = tl.where(i == 9, s9, p)
-    if NSRC > 10:
-        p = tl.where(i == 10, s10, p)
-    if NSRC > 11:
-        p = tl.where(i == 11, s11, p)
-    if NSRC > 12:
-        p = tl.where(i == 12, s12, p)
-    if NSRC > 13:
-        p = tl.where(i == 13, s13, p)
-    if NSRC > 14:
-        p = tl.where(i == 14, s14, p)
-    if NSRC > 15:
-        p = tl.where(i == 15, s15, p)
+def _pick(ptrs, i, NSRC: tl.constexpr):
+    """The pointer of source ``i`` of the tuple ``ptrs`` (a run-time select: no indirect loads, and the source
+    loops stay rolled, which keeps the compiled code small)."""
+    p = ptrs[0]
+    for j in tl.static_range(1, NSRC):
+        p = tl.where(i == j, ptrs[j], p)
     return p
 
 
@@ -133,7 +103,7 @@ def _col(A, kk, i):
 
 @triton.jit
 def _mix(
-    s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
+    srcs,
     A0, A1, A2, A3, kk, wp, rows, tpos, row_ok, cols, cm, D,
     NSRC: tl.constexpr, M: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr,
     KMAX: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, CONV_VALUES: tl.constexpr,
@@ -144,7 +114,7 @@ def _mix(
     Z2 = tl.zeros((BT, BD), tl.float32)
     Z3 = tl.zeros((BT, BD), tl.float32)
     for i in range(NSRC):
-        sp = _pick(i, NSRC, s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15)
+        sp = _pick(srcs, i, NSRC)
         if CONV_VALUES:
             x, v1, v2, v3 = _views(sp, wp, rows, tpos, row_ok, cols, cm, D, K1, K2, K3, KMAX)
         else:
@@ -164,7 +134,7 @@ def _mix(
 
 @triton.jit
 def _logit_stats(
-    s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
+    srcs,
     u_ptr, wp, rows, tpos, row_ok, kk, D, eps,
     NSRC: tl.constexpr, M: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr,
     KMAX: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
@@ -179,7 +149,7 @@ def _logit_stats(
     RS2 = tl.zeros((BT, KP), tl.float32)
     RS3 = tl.zeros((BT, KP), tl.float32)
     for i in range(NSRC):
-        sp = _pick(i, NSRC, s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15)
+        sp = _pick(srcs, i, NSRC)
         ss0 = tl.zeros((BT,), tl.float32)
         ss1 = tl.zeros((BT,), tl.float32)
         ss2 = tl.zeros((BT,), tl.float32)
@@ -257,7 +227,7 @@ def _dz(gh, Zr, gsr, dp0, dp1, dp2, dp3, cz, phiT, cols, cm, D, r: tl.constexpr,
 
 @triton.jit
 def _mixer_stats(
-    s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
+    srcs,
     A0, A1, A2, A3, kk, wp, phiT, gh_ptr, rows, tpos, row_ok, D, eps,
     NSRC: tl.constexpr, M: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr,
     KMAX: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, CONV_VALUES: tl.constexpr, WITH_GRAD: tl.constexpr,
@@ -276,7 +246,7 @@ def _mixer_stats(
         cols = d0 + tl.arange(0, BD)
         cm = cols < D
         Z0, Z1, Z2, Z3 = _mix(
-            s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
+            srcs,
             A0, A1, A2, A3, kk, wp, rows, tpos, row_ok, cols, cm, D,
             NSRC, M, K1, K2, K3, KMAX, BT, BD, CONV_VALUES,
         )  # fmt: skip
@@ -311,8 +281,8 @@ def _mixer_stats(
 
 
 @triton.jit
-def _msar_fwd_kernel(
-    s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
+def msar_fwd_kernel(
+    srcs,
     u_ptr, wp, phiT, b_ptr, alpha_ptr, out_ptr,
     T, D, eps, eps_mix, scale,
     NSRC: tl.constexpr, M: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr,
@@ -327,7 +297,7 @@ def _msar_fwd_kernel(
     rows = seq * T + tpos
     kk = tl.arange(0, KP)
     DT0, DT1, DT2, DT3, RS0, RS1, RS2, RS3 = _logit_stats(
-        s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
+        srcs,
         u_ptr, wp, rows, tpos, row_ok, kk, D, eps, NSRC, M, K1, K2, K3, KMAX, KP, BT, BD,
     )  # fmt: skip
     A0 = _softmax(DT0, RS0, kk, NSRC)
@@ -336,7 +306,7 @@ def _msar_fwd_kernel(
     A3 = _softmax(DT3, RS3, kk, NSRC)
     if SIGMOID:
         rho, p0, p1, p2, p3, q0, q1, q2, q3 = _mixer_stats(
-            s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
+            srcs,
             A0, A1, A2, A3, kk, wp, phiT, out_ptr, rows, tpos, row_ok, D, eps_mix,
             NSRC, M, K1, K2, K3, KMAX, BT, BD, CONV_VALUES, False,
         )  # fmt: skip
@@ -354,7 +324,7 @@ def _msar_fwd_kernel(
         cols = d0 + tl.arange(0, BD)
         cm = cols < D
         Z0, Z1, Z2, Z3 = _mix(
-            s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
+            srcs,
             A0, A1, A2, A3, kk, wp, rows, tpos, row_ok, cols, cm, D,
             NSRC, M, K1, K2, K3, KMAX, BT, BD, CONV_VALUES,
         )  # fmt: skip
@@ -375,8 +345,8 @@ def _msar_fwd_kernel(
 
 
 @triton.jit
-def _msar_bwd_stats_kernel(
-    s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
+def msar_bwd_kernel_stats(
+    srcs,
     gh_ptr, u_ptr, wp, phiT, b_ptr, alpha_ptr, st_ptr, tk_ptr, db_ptr, dalpha_ptr,
     T, D, eps, eps_mix, scale,
     NSRC: tl.constexpr, M: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr,
@@ -392,7 +362,7 @@ def _msar_bwd_stats_kernel(
     rows64 = rows.to(tl.int64)
     kk = tl.arange(0, KP)
     DT0, DT1, DT2, DT3, RS0, RS1, RS2, RS3 = _logit_stats(
-        s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
+        srcs,
         u_ptr, wp, rows, tpos, row_ok, kk, D, eps, NSRC, M, K1, K2, K3, KMAX, KP, BT, BD,
     )  # fmt: skip
     A0 = _softmax(DT0, RS0, kk, NSRC)
@@ -402,7 +372,7 @@ def _msar_bwd_stats_kernel(
     zero = tl.zeros((BT,), tl.float32)
     if SIGMOID:
         rho, p0, p1, p2, p3, q0, q1, q2, q3 = _mixer_stats(
-            s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
+            srcs,
             A0, A1, A2, A3, kk, wp, phiT, gh_ptr, rows, tpos, row_ok, D, eps_mix,
             NSRC, M, K1, K2, K3, KMAX, BT, BD, CONV_VALUES, True,
         )  # fmt: skip
@@ -460,7 +430,7 @@ def _msar_bwd_stats_kernel(
         gh = tl.load(gh_ptr + gofs, mask=row_ok[:, None] & cm[None, :], other=0.0).to(tl.float32)
         if SIGMOID:
             Z0, Z1, Z2, Z3 = _mix(
-                s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
+                srcs,
                 A0, A1, A2, A3, kk, wp, rows, tpos, row_ok, cols, cm, D,
                 NSRC, M, K1, K2, K3, KMAX, BT, BD, CONV_VALUES,
             )  # fmt: skip
@@ -474,7 +444,7 @@ def _msar_bwd_stats_kernel(
         dZ2 = _dz(gh, Z2, gs2, dp0, dp1, dp2, dp3, cz, phiT, cols, cm, D, 2, M, SIGMOID)
         dZ3 = _dz(gh, Z3, gs3, dp0, dp1, dp2, dp3, cz, phiT, cols, cm, D, 3, M, SIGMOID)
         for i in range(NSRC):
-            sp = _pick(i, NSRC, s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15)
+            sp = _pick(srcs, i, NSRC)
             if CONV_VALUES:
                 x, v1, v2, v3 = _views(sp, wp, rows, tpos, row_ok, cols, cm, D, K1, K2, K3, KMAX)
             else:
@@ -526,9 +496,8 @@ def _coef(st_ptr, rows64, row_ok, which: tl.constexpr, r: tl.constexpr, i, KP: t
 
 
 @triton.jit
-def _msar_bwd_grad_kernel(
-    s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
-    g0, g1, g2, g3, g4, g5, g6, g7, g8, g9, g10, g11, g12, g13, g14, g15,
+def msar_bwd_kernel_grad(
+    srcs, dsts,
     gh_ptr, u_ptr, wp, phiT, st_ptr, tk_ptr, du_ptr, dw_ptr, dphiT_ptr, scr_ptr,
     T, D, BTO,
     NSRC: tl.constexpr, M: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr,
@@ -573,7 +542,7 @@ def _msar_bwd_grad_kernel(
         gh = tl.load(gh_ptr + rows64[:, None] * D + cols[None, :], mask=m2, other=0.0).to(tl.float32)
         if SIGMOID:
             Z0, Z1, Z2, Z3 = _mix(
-                s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
+                srcs,
                 A0, A1, A2, A3, kk, wp, rows, tpos, row_ok, cols, cm, D,
                 NSRC, M, K1, K2, K3, KMAX, ET, BD, CONV_VALUES,
             )  # fmt: skip
@@ -606,7 +575,7 @@ def _msar_bwd_grad_kernel(
         DW2 = tl.zeros((KMAXP, BD), tl.float32)
         DW3 = tl.zeros((KMAXP, BD), tl.float32)
         for i in range(NSRC):
-            sp = _pick(i, NSRC, s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15)
+            sp = _pick(srcs, i, NSRC)
             x, v1, v2, v3 = _views(sp, wp, rows, tpos, row_ok, cols, cm, D, K1, K2, K3, KMAX)
             # stream 0: no conv, value always the raw source
             c1 = _coef(st_ptr, rows64, row_ok, 1, 0, i, KP)
@@ -670,7 +639,7 @@ def _msar_bwd_grad_kernel(
                         w3 = tl.load(wp + (2 * KMAX + tau) * D + cols, mask=cm, other=0.0)[None, :]
                         dx += w3 * tl.load(scr + 2 * ET * BD + tau * BD, mask=sh, other=0.0)
                 tl.debug_barrier()
-            dxp = _pick(i, NSRC, g0, g1, g2, g3, g4, g5, g6, g7, g8, g9, g10, g11, g12, g13, g14, g15)
+            dxp = _pick(dsts, i, NSRC)
             tl.store(dxp + rows64[:, None] * D + cols[None, :], dx.to(dxp.dtype.element_ty), mask=own2)
         tl.atomic_add(du_ptr + cols, du0, mask=cm)
         if M > 1:
@@ -735,7 +704,7 @@ class _Prep:
             self.alpha = alpha.to(f32).reshape(1).contiguous()
         else:
             self.phiT = self.b = self.alpha = self.u  # unused placeholders
-        self.ptrs = self.src + [self.src[0]] * (MAX_SOURCES - self.K)
+        self.ptrs = tuple(self.src)  # one tuple argument
 
     def consts(self, conv_values: bool) -> dict:
         return dict(
@@ -758,9 +727,9 @@ def msar_fwd(
     sigmoid_mixer: bool = True,
     *,
     eps_mix: float = 1e-6,
-    block_t: int = 16,
-    block_d: int = 32,
-    num_warps: int = 8,
+    block_t: int = FWD_TILES["block_t"],
+    block_d: int = FWD_TILES["block_d"],
+    num_warps: int = FWD_TILES["num_warps"],
 ) -> torch.Tensor:
     """Fused MSAR forward: conv views, m per-stream depth softmaxes, mixer and weighted sum in one kernel.
 
@@ -790,8 +759,8 @@ def msar_fwd(
     p = _Prep(sources, query, gain, conv, phi, bias, alpha, sigmoid_mixer)
     out = torch.empty(p.shape, dtype=p.src[0].dtype, device=p.src[0].device)
     grid = (p.N * triton.cdiv(p.T, block_t),)
-    _msar_fwd_kernel[grid](
-        *p.ptrs, p.u, p.wp, p.phiT, p.b, p.alpha, out, p.T, p.D, float(eps), float(eps_mix),
+    msar_fwd_kernel[grid](
+        p.ptrs, p.u, p.wp, p.phiT, p.b, p.alpha, out, p.T, p.D, float(eps), float(eps_mix),
         float(scale),
         BT=block_t, BD=block_d, num_warps=num_warps, **p.consts(conv_values),
     )  # fmt: skip
@@ -813,11 +782,11 @@ def msar_bwd(
     sigmoid_mixer: bool = True,
     *,
     eps_mix: float = 1e-6,
-    block_t: int = 16,
-    block_d: int = 32,
+    block_t: int = BWD_TILES["block_t"],
+    block_d: int = BWD_TILES["block_d"],
     ext_t: int | None = None,
-    block_d2: int = 16,
-    num_warps: int = 8,
+    block_d2: int = BWD_TILES["block_d2"],
+    num_warps: int = BWD_TILES["num_warps"],
 ) -> list[torch.Tensor]:
     """Fused MSAR backward: every gradient of :func:`msar_fwd`, recomputing the forward from the inputs.
 
@@ -850,13 +819,13 @@ def msar_bwd(
     dalpha = torch.zeros(1, device=dev, dtype=f32)
     consts = p.consts(conv_values)
     grid = (p.N * triton.cdiv(p.T, block_t),)
-    _msar_bwd_stats_kernel[grid](
-        *p.ptrs, gh, p.u, p.wp, p.phiT, p.b, p.alpha, st, tk, db, dalpha, p.T, p.D, float(eps),
+    msar_bwd_kernel_stats[grid](
+        p.ptrs, gh, p.u, p.wp, p.phiT, p.b, p.alpha, st, tk, db, dalpha, p.T, p.D, float(eps),
         float(eps_mix), float(scale),
         BT=block_t, BD=block_d, num_warps=num_warps, **consts,
     )  # fmt: skip
     halo = p.KMAX - 1
-    ET = ext_t or 32  # 32 rows own 21 with the default k_max = 12; 64 spills registers on sm_90 (ptxas -v)
+    ET = ext_t or BWD_TILES["ext_t"]  # 32 rows own 21 with the default k_max = 12; 64 spills registers on sm_90 (ptxas -v)
     if ET <= halo:
         ET = pow2(halo + 1)
     BD2 = block_d2
@@ -867,8 +836,8 @@ def msar_bwd(
     dw = torch.zeros(3, p.KMAX, p.D, device=dev, dtype=f32)
     dphiT = torch.zeros(p.M, p.M * p.D, device=dev, dtype=f32) if p.sigmoid else du
     scratch = torch.empty(n_prog * 3 * ET * BD2, device=dev, dtype=f32)
-    _msar_bwd_grad_kernel[(n_prog,)](
-        *p.ptrs, *dx, *[dx[0]] * (MAX_SOURCES - p.K), gh, p.u, p.wp, p.phiT, st, tk, du, dw, dphiT, scratch,
+    msar_bwd_kernel_grad[(n_prog,)](
+        p.ptrs, tuple(dx), gh, p.u, p.wp, p.phiT, st, tk, du, dw, dphiT, scratch,
         p.T, p.D, BTO,
         KMAXP=pow2(p.KMAX), ET=ET, BD=BD2, num_warps=num_warps, **consts,
     )  # fmt: skip
