@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._triton_utils import dot_precision
 from .limits import block_config
 
 __all__ = ["moda_attn_fwd", "moda_attn_bwd", "block_config"]
@@ -427,11 +428,6 @@ def _mask_args(attn_mask: torch.Tensor | None, B: int, Hq: int, T: int, S: int, 
     return m, kind, tuple(m.stride())
 
 
-def _dot_prec(dtype: torch.dtype) -> str:
-    # fp32 inputs get true fp32 products (the references disable TF32); half types use the tensor cores natively
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 def moda_attn_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -488,7 +484,7 @@ def moda_attn_fwd(
         float(scale), float(softcap) if softcap > 0 else 1.0,
         BMT=cfg["fwd_BMT"], GP=cfg["GP"], BN=cfg["fwd_BN"], BD=cfg["BD"],
         HAS_LAM=depth_weight is not None, MASK_KIND=kind, CAUSAL=bool(is_causal), SOFTCAP=softcap > 0,
-        STATS_ONLY=stats_only, DOT_PREC=_dot_prec(q.dtype),
+        STATS_ONLY=stats_only, DOT_PREC=dot_precision(q.dtype),
         num_warps=cfg["fwd_warps"], num_stages=cfg["fwd_stages"],
     )
     return o, lse
@@ -545,7 +541,7 @@ def moda_attn_bwd(
     # zeros: the causal part above the diagonal is never visited by the kernel
     ds = torch.zeros(B, Hq, T, S, device=q.device, dtype=torch.float32) if store_ds else lse
     lam = depth_weight.contiguous() if has_lam else lse
-    common = dict(MASK_KIND=kind, CAUSAL=bool(is_causal), SOFTCAP=softcap > 0, DOT_PREC=_dot_prec(q.dtype))
+    common = dict(MASK_KIND=kind, CAUSAL=bool(is_causal), SOFTCAP=softcap > 0, DOT_PREC=dot_precision(q.dtype))
     cap = float(softcap) if softcap > 0 else 1.0
     moda_attn_bwd_kernel_dq[(triton.cdiv(T, cfg["dq_BMT"]), B * Hk)](
         q, k, v, depth_k, depth_v, lam, mask, grad, lse, delta,
