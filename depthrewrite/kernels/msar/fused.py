@@ -275,6 +275,60 @@ def _mixer_stats(
     return rho, p0, p1, p2, p3, q0, q1, q2, q3
 
 
+@triton.jit
+def _tile_attn(
+    srcs, u_ptr, wp, T, D, eps,
+    NSRC: tl.constexpr, M: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr,
+    KMAX: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+):  # fmt: skip
+    """The program's ``BT`` tokens of one sequence, pass 1 (:func:`_logit_stats`) and the m depth softmaxes."""
+    pid = tl.program_id(0)
+    n_t = tl.cdiv(T, BT)
+    seq = pid // n_t
+    tpos = (pid % n_t) * BT + tl.arange(0, BT)
+    row_ok = tpos < T
+    rows = seq * T + tpos
+    kk = tl.arange(0, KP)
+    DT0, DT1, DT2, DT3, RS0, RS1, RS2, RS3 = _logit_stats(
+        srcs, u_ptr, wp, rows, tpos, row_ok, kk, D, eps, NSRC, M, K1, K2, K3, KMAX, KP, BT, BD,
+    )  # fmt: skip
+    A0 = _softmax(DT0, RS0, kk, NSRC)
+    A1 = _softmax(DT1, RS1, kk, NSRC)
+    A2 = _softmax(DT2, RS2, kk, NSRC)
+    A3 = _softmax(DT3, RS3, kk, NSRC)
+    return tpos, row_ok, rows, kk, DT0, DT1, DT2, DT3, RS0, RS1, RS2, RS3, A0, A1, A2, A3
+
+
+@triton.jit
+def _gates(rho, p0, p1, p2, p3, alpha_ptr, b_ptr, M: tl.constexpr):
+    """The sigmoid mixer's gates g_r = σ(α ρ p_r + b_r) (streams r >= M read a valid bias and are unused)."""
+    al = tl.load(alpha_ptr)
+    g0 = tl.sigmoid(al * rho * p0 + tl.load(b_ptr))
+    g1 = tl.sigmoid(al * rho * p1 + tl.load(b_ptr + 1 % M))
+    g2 = tl.sigmoid(al * rho * p2 + tl.load(b_ptr + 2 % M))
+    g3 = tl.sigmoid(al * rho * p3 + tl.load(b_ptr + 3 % M))
+    return al, g0, g1, g2, g3
+
+
+@triton.jit
+def _stream_grad(
+    st_ptr, rows64, row_ok, own2, A, kk, dZ, u, v, i,
+    r: tl.constexpr, KP: tl.constexpr, CONV_VALUES: tl.constexpr,
+):  # fmt: skip
+    """Source i, stream r: dV = c1·u_r + c2·V (+ a·dZ_r on the value path when ``CONV_VALUES``); returns
+    ``(dV, the value-path term for dx otherwise (zeros when CONV_VALUES), du_r over the owned rows)``."""
+    c1 = _coef(st_ptr, rows64, row_ok, 1, r, i, KP)
+    dv = c1[:, None] * u + _coef(st_ptr, rows64, row_ok, 2, r, i, KP)[:, None] * v
+    du = tl.sum(tl.where(own2, c1[:, None] * v, 0.0), axis=0)
+    val = _col(A, kk, i)[:, None] * dZ
+    if CONV_VALUES:
+        dv += val
+        dx = tl.zeros_like(v)
+    else:
+        dx = val
+    return dv, dx, du
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # forward
 # ----------------------------------------------------------------------------------------------------------------
@@ -289,32 +343,20 @@ def msar_fwd_kernel(
     KMAX: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
     CONV_VALUES: tl.constexpr, SIGMOID: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    n_t = tl.cdiv(T, BT)
-    seq = pid // n_t
-    tpos = (pid % n_t) * BT + tl.arange(0, BT)
-    row_ok = tpos < T
-    rows = seq * T + tpos
-    kk = tl.arange(0, KP)
-    DT0, DT1, DT2, DT3, RS0, RS1, RS2, RS3 = _logit_stats(
-        srcs,
-        u_ptr, wp, rows, tpos, row_ok, kk, D, eps, NSRC, M, K1, K2, K3, KMAX, KP, BT, BD,
+    tpos, row_ok, rows, kk, DT0, DT1, DT2, DT3, RS0, RS1, RS2, RS3, A0, A1, A2, A3 = _tile_attn(
+        srcs, u_ptr, wp, T, D, eps, NSRC, M, K1, K2, K3, KMAX, KP, BT, BD,
     )  # fmt: skip
-    A0 = _softmax(DT0, RS0, kk, NSRC)
-    A1 = _softmax(DT1, RS1, kk, NSRC)
-    A2 = _softmax(DT2, RS2, kk, NSRC)
-    A3 = _softmax(DT3, RS3, kk, NSRC)
     if SIGMOID:
         rho, p0, p1, p2, p3, q0, q1, q2, q3 = _mixer_stats(
             srcs,
             A0, A1, A2, A3, kk, wp, phiT, out_ptr, rows, tpos, row_ok, D, eps_mix,
             NSRC, M, K1, K2, K3, KMAX, BT, BD, CONV_VALUES, False,
         )  # fmt: skip
-        al = tl.load(alpha_ptr)
-        g0 = tl.sigmoid(al * rho * p0 + tl.load(b_ptr)) * scale
-        g1 = tl.sigmoid(al * rho * p1 + tl.load(b_ptr + 1 % M)) * scale
-        g2 = tl.sigmoid(al * rho * p2 + tl.load(b_ptr + 2 % M)) * scale
-        g3 = tl.sigmoid(al * rho * p3 + tl.load(b_ptr + 3 % M)) * scale
+        _, g0, g1, g2, g3 = _gates(rho, p0, p1, p2, p3, alpha_ptr, b_ptr, M)
+        g0 = g0 * scale
+        g1 = g1 * scale
+        g2 = g2 * scale
+        g3 = g3 * scale
     else:
         g0 = tl.zeros((BT,), tl.float32) + scale / M
         g1 = g0
@@ -353,22 +395,10 @@ def msar_bwd_kernel_stats(
     KMAX: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
     CONV_VALUES: tl.constexpr, SIGMOID: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    n_t = tl.cdiv(T, BT)
-    seq = pid // n_t
-    tpos = (pid % n_t) * BT + tl.arange(0, BT)
-    row_ok = tpos < T
-    rows = seq * T + tpos
-    rows64 = rows.to(tl.int64)
-    kk = tl.arange(0, KP)
-    DT0, DT1, DT2, DT3, RS0, RS1, RS2, RS3 = _logit_stats(
-        srcs,
-        u_ptr, wp, rows, tpos, row_ok, kk, D, eps, NSRC, M, K1, K2, K3, KMAX, KP, BT, BD,
+    tpos, row_ok, rows, kk, DT0, DT1, DT2, DT3, RS0, RS1, RS2, RS3, A0, A1, A2, A3 = _tile_attn(
+        srcs, u_ptr, wp, T, D, eps, NSRC, M, K1, K2, K3, KMAX, KP, BT, BD,
     )  # fmt: skip
-    A0 = _softmax(DT0, RS0, kk, NSRC)
-    A1 = _softmax(DT1, RS1, kk, NSRC)
-    A2 = _softmax(DT2, RS2, kk, NSRC)
-    A3 = _softmax(DT3, RS3, kk, NSRC)
+    rows64 = rows.to(tl.int64)
     zero = tl.zeros((BT,), tl.float32)
     if SIGMOID:
         rho, p0, p1, p2, p3, q0, q1, q2, q3 = _mixer_stats(
@@ -376,11 +406,7 @@ def msar_bwd_kernel_stats(
             A0, A1, A2, A3, kk, wp, phiT, gh_ptr, rows, tpos, row_ok, D, eps_mix,
             NSRC, M, K1, K2, K3, KMAX, BT, BD, CONV_VALUES, True,
         )  # fmt: skip
-        al = tl.load(alpha_ptr)
-        g0 = tl.sigmoid(al * rho * p0 + tl.load(b_ptr))
-        g1 = tl.sigmoid(al * rho * p1 + tl.load(b_ptr + 1 % M))
-        g2 = tl.sigmoid(al * rho * p2 + tl.load(b_ptr + 2 % M))
-        g3 = tl.sigmoid(al * rho * p3 + tl.load(b_ptr + 3 % M))
+        al, g0, g1, g2, g3 = _gates(rho, p0, p1, p2, p3, alpha_ptr, b_ptr, M)
         # d(pre-sigmoid) per stream; masked rows contribute nothing to the parameter sums
         e0 = tl.where(row_ok, scale * q0 * g0 * (1.0 - g0), 0.0)
         e1 = tl.where(row_ok, scale * q1 * g1 * (1.0 - g1), 0.0)
@@ -578,37 +604,24 @@ def msar_bwd_kernel_grad(
             sp = _pick(srcs, i, NSRC)
             x, v1, v2, v3 = _views(sp, wp, rows, tpos, row_ok, cols, cm, D, K1, K2, K3, KMAX)
             # stream 0: no conv, value always the raw source
-            c1 = _coef(st_ptr, rows64, row_ok, 1, 0, i, KP)
-            dx = c1[:, None] * u0 + _coef(st_ptr, rows64, row_ok, 2, 0, i, KP)[:, None] * x
-            dx += _col(A0, kk, i)[:, None] * dZ0
-            du0 += tl.sum(tl.where(own2, c1[:, None] * x, 0.0), axis=0)
+            dx, val, d = _stream_grad(st_ptr, rows64, row_ok, own2, A0, kk, dZ0, u0, x, i, 0, KP, False)
+            dx += val
+            du0 += d
             dv1 = tl.zeros_like(x)
             dv2 = tl.zeros_like(x)
             dv3 = tl.zeros_like(x)
             if M > 1:
-                c1 = _coef(st_ptr, rows64, row_ok, 1, 1, i, KP)
-                dv1 = c1[:, None] * u1 + _coef(st_ptr, rows64, row_ok, 2, 1, i, KP)[:, None] * v1
-                du1 += tl.sum(tl.where(own2, c1[:, None] * v1, 0.0), axis=0)
-                if CONV_VALUES:
-                    dv1 += _col(A1, kk, i)[:, None] * dZ1
-                else:
-                    dx += _col(A1, kk, i)[:, None] * dZ1
+                dv1, val, d = _stream_grad(st_ptr, rows64, row_ok, own2, A1, kk, dZ1, u1, v1, i, 1, KP, CONV_VALUES)
+                dx += val
+                du1 += d
             if M > 2:
-                c1 = _coef(st_ptr, rows64, row_ok, 1, 2, i, KP)
-                dv2 = c1[:, None] * u2 + _coef(st_ptr, rows64, row_ok, 2, 2, i, KP)[:, None] * v2
-                du2 += tl.sum(tl.where(own2, c1[:, None] * v2, 0.0), axis=0)
-                if CONV_VALUES:
-                    dv2 += _col(A2, kk, i)[:, None] * dZ2
-                else:
-                    dx += _col(A2, kk, i)[:, None] * dZ2
+                dv2, val, d = _stream_grad(st_ptr, rows64, row_ok, own2, A2, kk, dZ2, u2, v2, i, 2, KP, CONV_VALUES)
+                dx += val
+                du2 += d
             if M > 3:
-                c1 = _coef(st_ptr, rows64, row_ok, 1, 3, i, KP)
-                dv3 = c1[:, None] * u3 + _coef(st_ptr, rows64, row_ok, 2, 3, i, KP)[:, None] * v3
-                du3 += tl.sum(tl.where(own2, c1[:, None] * v3, 0.0), axis=0)
-                if CONV_VALUES:
-                    dv3 += _col(A3, kk, i)[:, None] * dZ3
-                else:
-                    dx += _col(A3, kk, i)[:, None] * dZ3
+                dv3, val, d = _stream_grad(st_ptr, rows64, row_ok, own2, A3, kk, dZ3, u3, v3, i, 3, KP, CONV_VALUES)
+                dx += val
+                du3 += d
             if M > 1:
                 # conv taps: dW_r[τ, c] += Σ_t dV_r[t, c] x[t-τ, c] over the owned rows
                 for tau in tl.static_range(KMAX):
