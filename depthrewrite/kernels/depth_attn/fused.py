@@ -1,6 +1,6 @@
 """Fused Triton kernels for the depth-attention ops (AttnRes / Block AttnRes), forward and backward.
 
-Imported lazily by :mod:`.op`, only when :func:`depthrewrite.kernels.dispatch.use_triton` says so (``@triton.jit``
+Imported lazily by :mod:`.op`, only when :func:`depthrewrite.kernels.dispatch.route` picks the kernel (``@triton.jit``
 reads ``TRITON_INTERPRET`` when it decorates, and CPU users must not pay for importing Triton).
 
 Kernels (all statistics, softmax and accumulation in fp32; sources are read through up to ``MAX_SOURCES`` separate

@@ -1,5 +1,5 @@
 """Fused Triton kernels for the mHC site: coefficients (``mhc_coeffs``) and the two applies (``mhc_pre``,
-``mhc_post``), forward and backward. Imported lazily by ``op.py`` only when ``use_triton`` says so.
+``mhc_post``), forward and backward. Imported lazily by ``op.py`` only when ``dispatch.route`` picks the kernel.
 
 Math and numerics: ``reference.py`` (DeepSeek-V4 numerics in paper orientation; spec shared/specs/mhc.md §8, §9).
 

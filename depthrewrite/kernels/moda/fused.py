@@ -1,6 +1,6 @@
 """Fused Triton kernels for ``depthrewrite::moda_attn`` (MoDA's joint softmax over sequence keys and depth slots).
 
-Imported lazily by ``op.py`` only when :func:`depthrewrite.kernels.dispatch.use_triton` says so, because
+Imported lazily by ``op.py`` only when :func:`depthrewrite.kernels.dispatch.route` picks the kernel, because
 ``TRITON_INTERPRET`` is read when ``@triton.jit`` decorates and CPU users must never pay for importing Triton.
 
 Layout (spec: shared/specs/moda.md §2, §4, §5, §8 Q8)
@@ -53,6 +53,27 @@ def _rows(pid_m, kvh, G, T, BMT: tl.constexpr, GP: tl.constexpr):
     head = kvh * G + j
     ok = (tok < T) & (j < G)
     return tok, head, ok
+
+
+@triton.jit
+def _query_tile(Q, sqb, sqh, sqt, sqd, Hk, G, T, d, BMT: tl.constexpr, GP: tl.constexpr, BD: tl.constexpr):
+    """The program's folded query rows (grid ``(cdiv(T, BMT), B·Hk)``) and their ``q`` tile ``[BMT·GP, BD]``.
+
+    Returns ``(pid_m, b64, kvh, tok, head, row_ok, offs_d, d_ok, ld, q)``; ``ld`` masks the valid rows and head
+    dims."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // Hk
+    kvh = pid_bh % Hk
+    b64 = b.to(tl.int64)
+    tok, head, row_ok = _rows(pid_m, kvh, G, T, BMT, GP)
+    tok64 = tok.to(tl.int64)
+    head64 = head.to(tl.int64)
+    offs_d = tl.arange(0, BD)
+    d_ok = offs_d < d
+    ld = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(Q + b64 * sqb + head64[:, None] * sqh + tok64[:, None] * sqt + offs_d[None, :] * sqd, mask=ld, other=0.0)
+    return pid_m, b64, kvh, tok, head, row_ok, offs_d, d_ok, ld, q
 
 
 @triton.jit
@@ -126,19 +147,11 @@ def moda_attn_fwd_kernel(
     HAS_LAM: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr,
     STATS_ONLY: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // Hk
-    kvh = pid_bh % Hk
-    b64 = b.to(tl.int64)
-    tok, head, row_ok = _rows(pid_m, kvh, G, T, BMT, GP)
+    pid_m, b64, kvh, tok, head, row_ok, offs_d, d_ok, ld, q = _query_tile(
+        Q, sqb, sqh, sqt, sqd, Hk, G, T, d, BMT, GP, BD
+    )
     tok64 = tok.to(tl.int64)
     head64 = head.to(tl.int64)
-    offs_d = tl.arange(0, BD)
-    d_ok = offs_d < d
-    ld = row_ok[:, None] & d_ok[None, :]
-
-    q = tl.load(Q + b64 * sqb + head64[:, None] * sqh + tok64[:, None] * sqt + offs_d[None, :] * sqd, mask=ld, other=0.0)
     qf = q.to(tl.float32)
 
     m_i = tl.full([BMT * GP], float("-inf"), tl.float32)
@@ -239,20 +252,12 @@ def moda_attn_bwd_kernel_dq(
     HAS_LAM: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr,
     STORE_DS: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // Hk
-    kvh = pid_bh % Hk
-    b64 = b.to(tl.int64)
-    kvh64 = kvh.to(tl.int64)
-    tok, head, row_ok = _rows(pid_m, kvh, G, T, BMT, GP)
+    pid_m, b64, kvh, tok, head, row_ok, offs_d, d_ok, ld, q = _query_tile(
+        Q, sqb, sqh, sqt, sqd, Hk, G, T, d, BMT, GP, BD
+    )
     tok64 = tok.to(tl.int64)
     head64 = head.to(tl.int64)
-    offs_d = tl.arange(0, BD)
-    d_ok = offs_d < d
-    ld = row_ok[:, None] & d_ok[None, :]
-
-    q = tl.load(Q + b64 * sqb + head64[:, None] * sqh + tok64[:, None] * sqt + offs_d[None, :] * sqd, mask=ld, other=0.0)
+    kvh64 = kvh.to(tl.int64)
     do = tl.load(DO + b64 * sgb + head64[:, None] * sgh + tok64[:, None] * sgt + offs_d[None, :] * sgd, mask=ld, other=0.0)
     qf = q.to(tl.float32)
     dof = do.to(tl.float32)
@@ -429,31 +434,14 @@ def _mask_args(attn_mask: torch.Tensor | None, B: int, Hq: int, T: int, S: int, 
 
 
 def moda_attn_fwd(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    depth_k: torch.Tensor,
-    depth_v: torch.Tensor,
-    depth_weight: torch.Tensor | None,
-    scale: float,
-    is_causal: bool,
-    softcap: float,
+    q, k, v, attn_mask, depth_k, depth_v, depth_weight, scale: float, is_causal: bool, softcap: float,
     stats_only: bool = False,
-) -> tuple[torch.Tensor | None, torch.Tensor]:
+) -> tuple[torch.Tensor | None, torch.Tensor]:  # fmt: skip
     """MoDA forward in one kernel: sequence attention and the same-token depth slots in one online softmax.
 
-    Args:
-        q: ``[B, Hq, T, d]`` (any strides), fp32/bf16/fp16.
-        k, v: ``[B, Hk, S, d]`` sequence keys/values, Hq a multiple of Hk (query head h reads KV head h // G).
-        attn_mask: None, boolean (True = attend) or additive float, broadcastable to ``[B, Hq, T, S]``; sequence
-            part only; read through broadcast strides.
-        depth_k, depth_v: ``[B, T, n, Hk, d]`` token-major depth slots, n >= 1.
-        depth_weight: λ ``[Hq]`` or None (λ = 1); clamped at 0 in the forward.
-        scale: logit scale for both parts.
-        is_causal: top-left aligned causal mask on the sequence part (SDPA's ``is_causal``).
-        softcap: ``c·tanh(x/c)`` on both parts' logits when > 0.
-        stats_only: compute only the LSE (used by the backward to recompute it); ``o`` is then None.
+    Arguments: those of :func:`.reference.moda_attn_ref` (the op's one docstring) without dropout, within
+    :func:`.limits.covers` (q may have any strides; the mask is read through broadcast strides, never
+    materialised). ``stats_only``: compute only the LSE (the backward's recomputation); ``o`` is then None.
 
     Returns:
         ``(o, lse)``: ``o`` ``[B, Hq, T, d]`` in q's dtype with SDPA's memory layout (``[B, T, Hq, d]`` underneath);
@@ -491,26 +479,14 @@ def moda_attn_fwd(
 
 
 def moda_attn_bwd(
-    grad: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    depth_k: torch.Tensor,
-    depth_v: torch.Tensor,
-    depth_weight: torch.Tensor | None,
-    out: torch.Tensor,
-    scale: float,
-    is_causal: bool,
-    softcap: float,
+    grad, q, k, v, attn_mask, depth_k, depth_v, depth_weight, out, scale: float, is_causal: bool, softcap: float,
     mask_grad: bool,
-) -> tuple[torch.Tensor, ...]:
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """MoDA backward: recompute the LSE, then dQ/depth gradients and dK/dV in two kernels (no atomics).
 
     Args:
-        grad: ``[B, Hq, T, d]`` gradient of the output (any strides, stride 0 included).
-        q, k, v, attn_mask, depth_k, depth_v, depth_weight, scale, is_causal, softcap: as in :func:`moda_attn_fwd`.
-        out: the forward output ``o`` (for ``δ = rowsum(o ⊙ do)``).
+        grad: ``[B, Hq, T, d]`` gradient of the output (any strides, stride 0 included). ``out``: the forward output
+            ``o`` (for ``δ = rowsum(o ⊙ do)``). The rest: as :func:`moda_attn_fwd`.
         mask_grad: also return the gradient of an additive float mask (materialises an fp32 ``[B, Hq, T, S]``
             buffer of dS, then reduces it to the mask's shape with torch, as the reference's autograd would).
 
@@ -519,8 +495,8 @@ def moda_attn_bwd(
         ``dmask`` is None unless ``mask_grad``; ``dλ`` is None when ``depth_weight`` is None. ``dλ`` passes the
         clamp straight through (``Σ_rows Σ_i e_i (dP_i − δ)``, per-row fp32 partials summed with torch).
 
-    Recomputed: the LSE (``moda_attn_fwd_kernel`` in stats mode), then P for the sequence blocks and the depth slots in both
-    backward kernels; nothing but ``o`` and the inputs is kept from the forward.
+    Recomputed: the LSE (:func:`moda_attn_fwd` in stats mode), then P for the sequence blocks and the depth slots in
+    both backward kernels; nothing but ``o`` and the inputs is kept from the forward.
     """
     B, Hq, T, d = q.shape
     Hk, S = k.shape[1], k.shape[2]

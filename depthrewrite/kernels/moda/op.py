@@ -2,8 +2,8 @@
 layout as registered ops.
 
 ``moda_attn`` runs the fused Triton kernel (``fused.py``, imported lazily) when
-:func:`~depthrewrite.kernels.dispatch.use_triton` says so and the call is one the kernel covers (see
-:func:`kernel_covers`), else the PyTorch reference. Its backward is its own registered op,
+:func:`~depthrewrite.kernels.dispatch.route` picks it: the backend decision, then the gate :func:`.limits.covers`
+(``None``, or the reason for the reference). The op is documented once, in :mod:`.reference`. Its backward is its own registered op,
 ``depthrewrite::moda_attn_backward`` (one opaque node per site in a compiled backward graph), which dispatches the
 same way: the Triton backward (recomputes the LSE, then dQ + depth gradients and dK/dV) or the reference
 recomputation. Dropout masks come from a seed input, so the reference recomputation sees the same masks.

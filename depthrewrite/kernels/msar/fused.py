@@ -1,6 +1,6 @@
 """Fused Triton kernels for ``depthrewrite::msar_mix`` (forward) and ``depthrewrite::msar_mix_backward``.
 
-Imported lazily by :mod:`.op` only when :func:`depthrewrite.kernels.dispatch.use_triton` says so: Triton reads
+Imported lazily by :mod:`.op` only when :func:`depthrewrite.kernels.dispatch.route` picks the kernel: Triton reads
 ``TRITON_INTERPRET`` when ``@triton.jit`` decorates, and CPU users never pay for importing Triton.
 
 Math (see :mod:`.reference` for the one docstring of the op), per token t of a sequence, source i, stream r:
@@ -727,47 +727,17 @@ class _Prep:
 
 
 def msar_fwd(
-    sources: list[torch.Tensor],
-    query: torch.Tensor,
-    gain: torch.Tensor,
-    conv: list[torch.Tensor],
-    phi: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    alpha: torch.Tensor | None,
-    eps: float,
-    scale: float,
-    conv_values: bool = True,
-    sigmoid_mixer: bool = True,
-    *,
-    eps_mix: float = 1e-6,
-    block_t: int = FWD_TILES["block_t"],
-    block_d: int = FWD_TILES["block_d"],
-    num_warps: int = FWD_TILES["num_warps"],
-) -> torch.Tensor:
+    sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_values=True, sigmoid_mixer=True, *, eps_mix=1e-6,
+    block_t: int = FWD_TILES["block_t"], block_d: int = FWD_TILES["block_d"], num_warps: int = FWD_TILES["num_warps"],
+) -> torch.Tensor:  # fmt: skip
     """Fused MSAR forward: conv views, m per-stream depth softmaxes, mixer and weighted sum in one kernel.
 
-    One program per ``block_t`` consecutive tokens of one sequence; three passes over D in ``block_d`` chunks
-    (logits; mixer statistics, skipped for the mean mixer; output), recomputing the causal conv views from shifted
-    source loads each time. Only ``h`` is written.
-
-    Args:
-        sources: K (<= 16) tensors ``[..., T, D]``, one shape and dtype (fp32/bf16/fp16); T is dim -2.
-        query: ``[m, D]`` pseudo-queries (m <= 4).
-        gain: ``[m, D]`` key-norm gains.
-        conv: m-1 depthwise filters ``[D, k_r]`` (k_r <= 16), last tap on the current token.
-        phi: ``[m·D, m]`` mixer projection, or None (mean mixer).
-        bias: ``[m]`` mixer bias or None.
-        alpha: mixer scale ``[]``/``[1]`` or None.
-        eps: key RMSNorm epsilon.
-        scale: output scale (K for ``mix_scale="count"``).
-        conv_values: values from the conv views (True) or the raw sources.
-        sigmoid_mixer: sigmoid mixer (True) or uniform 1/m.
-        eps_mix: the mixer's RMS epsilon (default 1e-6, msar.md §5).
-        block_t, block_d, num_warps: tiling (powers of two for the blocks). The defaults (16, 32, 8) compile
-            without register spills for K = 9, m = 4, k = (4, 8, 12) on sm_90 (ptxas -v; 255 registers).
-
-    Returns:
-        ``h``: ``[..., T, D]`` in the sources' dtype (all math in fp32).
+    Arguments and result: those of :func:`.reference.msar_mix_ref` (the op's one docstring; no ``left`` context),
+    within :mod:`.limits` (K <= MAX_SOURCES, m <= MAX_STREAMS, k_r <= MAX_KERNEL). One program per ``block_t``
+    consecutive tokens of one sequence; three passes over D in ``block_d`` chunks (logits; mixer statistics, skipped
+    for the mean mixer; output), recomputing the causal conv views from shifted source loads each time. Only ``h``
+    is written (all math in fp32). ``block_t``, ``block_d``, ``num_warps``: tiling (powers of two for the blocks;
+    defaults :data:`.limits.FWD_TILES`).
     """
     p = _Prep(sources, query, gain, conv, phi, bias, alpha, sigmoid_mixer)
     out = torch.empty(p.shape, dtype=p.src[0].dtype, device=p.src[0].device)
@@ -781,26 +751,10 @@ def msar_fwd(
 
 
 def msar_bwd(
-    grad: torch.Tensor,
-    sources: list[torch.Tensor],
-    query: torch.Tensor,
-    gain: torch.Tensor,
-    conv: list[torch.Tensor],
-    phi: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    alpha: torch.Tensor | None,
-    eps: float,
-    scale: float,
-    conv_values: bool = True,
-    sigmoid_mixer: bool = True,
-    *,
-    eps_mix: float = 1e-6,
-    block_t: int = BWD_TILES["block_t"],
-    block_d: int = BWD_TILES["block_d"],
-    ext_t: int | None = None,
-    block_d2: int = BWD_TILES["block_d2"],
-    num_warps: int = BWD_TILES["num_warps"],
-) -> list[torch.Tensor]:
+    grad, sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_values=True, sigmoid_mixer=True, *,
+    eps_mix=1e-6, block_t: int = BWD_TILES["block_t"], block_d: int = BWD_TILES["block_d"], ext_t: int | None = None,
+    block_d2: int = BWD_TILES["block_d2"], num_warps: int = BWD_TILES["num_warps"],
+) -> list[torch.Tensor]:  # fmt: skip
     """Fused MSAR backward: every gradient of :func:`msar_fwd`, recomputing the forward from the inputs.
 
     Kernel 1 (``block_t`` tokens per program, ``block_d`` chunks) recomputes the logits, softmaxes and mixer
@@ -811,17 +765,12 @@ def msar_bwd(
     gain, conv-tap and φ gradients to fp32 buffers with ``tl.atomic_add``.
 
     Args:
-        grad: ``[..., T, D]`` gradient of ``h`` (any strides; made contiguous).
-        sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_values, sigmoid_mixer, eps_mix: as
-            :func:`msar_fwd`.
-        block_t, block_d, ext_t, block_d2, num_warps: tiling; ``ext_t`` defaults to 32 (> k_max - 1). The defaults
-            compile for K = 9, m = 4, k = (4, 8, 12) on sm_90 with no spills in kernel 1 and 200 B of spills in
-            kernel 2 (ptxas -v; ext_t = 64 spills 1.2 KB).
+        grad: ``[..., T, D]`` gradient of ``h`` (any strides; made contiguous). The rest: as :func:`msar_fwd`;
+            tiling defaults :data:`.limits.BWD_TILES` (``ext_t`` must exceed k_max - 1).
 
     Returns:
-        Flat list ``[*d_sources (K, sources' dtype), d_query, d_gain, *d_conv (m-1)]`` followed by
-        ``[d_phi, d_bias, d_alpha]`` when ``phi`` is given (zeros for them with the mean mixer), each in its
-        input's dtype and shape.
+        As :func:`.op.msar_mix_backward`: ``[*d_sources, d_query, d_gain, *d_conv]`` then ``[d_phi, d_bias,
+        d_alpha]`` when ``phi`` is given, each in its input's dtype and shape.
     """
     p = _Prep(sources, query, gain, conv, phi, bias, alpha, sigmoid_mixer)
     dev, f32 = p.src[0].device, torch.float32

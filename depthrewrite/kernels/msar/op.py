@@ -1,7 +1,7 @@
 """``depthrewrite::msar_mix``: the MSAR site as one registered op, and ``depthrewrite::msar_mix_backward``, its
 backward as a second op (one opaque node per site in a compiled backward graph).
 
-Both dispatch with :func:`~depthrewrite.kernels.dispatch.use_triton`: the fused Triton kernels of :mod:`.fused`
+Both dispatch with :func:`~depthrewrite.kernels.dispatch.route` and the gate :func:`.limits.covers`: the fused Triton kernels of :mod:`.fused`
 (imported lazily, only then) or the PyTorch reference (:mod:`.reference`; the backward recomputes it from the saved
 inputs under autograd). Cases the kernels do not cover fall back to the reference inside the op (see ``falls_back``
 in the registered :class:`~depthrewrite.kernels.dispatch.KernelInfo`).
