@@ -54,22 +54,40 @@ __all__ = [
 
 
 @triton.jit
+def _key(q_ptr, g_ptr, offs, mask):
+    """``u = gain ⊙ query`` in fp32 at ``offs``."""
+    return tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(g_ptr + offs, mask=mask, other=0.0).to(
+        tl.float32
+    )
+
+
+@triton.jit
+def _row_tile(tile, T, D, BT: tl.constexpr, BD: tl.constexpr):
+    """Token block ``tile`` of a whole-row kernel: ``(rows, rmask, cols, cmask, mask, offs)`` of ``[BT, BD]``."""
+    rows = tile * BT + tl.arange(0, BT)
+    cols = tl.arange(0, BD)
+    rmask = rows < T
+    cmask = cols < D
+    mask = rmask[:, None] & cmask[None, :]
+    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    return rows, rmask, cols, cmask, mask, offs
+
+
+@triton.jit
+def _go_offsets(s_ar, rows, cols, T, D):
+    """Offsets of ``go [S, T, D]`` for queries ``s_ar``, tokens ``rows`` and columns ``cols``: ``[SP, BT, BDC]``."""
+    return (s_ar.to(tl.int64)[:, None, None] * T + rows.to(tl.int64)[None, :, None]) * D + cols[None, None, :]
+
+
+@triton.jit
 def depth_attn_fwd_kernel(
     xs,
     q_ptr, g_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
     T, D, eps, scale,
     NSRC: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    rows = pid * BT + tl.arange(0, BT)
-    cols = tl.arange(0, BD)
-    rmask = rows < T
-    cmask = cols < D
-    mask = rmask[:, None] & cmask[None, :]
-    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
-    u = tl.load(q_ptr + cols, mask=cmask, other=0.0).to(tl.float32) * tl.load(g_ptr + cols, mask=cmask, other=0.0).to(
-        tl.float32
-    )
+    rows, rmask, cols, cmask, mask, offs = _row_tile(tl.program_id(0), T, D, BT, BD)
+    u = _key(q_ptr, g_ptr, cols, cmask)
     if FIRST:
         m = tl.full([BT], float("-inf"), tl.float32)
         den = tl.zeros([BT], tl.float32)
@@ -120,14 +138,12 @@ def _scores(
         cmask = cols < D
         uoffs = s_ar[:, None] * D + cols[None, :]
         umask = smask[:, None] & cmask[None, :]
-        u = tl.load(q_ptr + uoffs, mask=umask, other=0.0).to(tl.float32) * tl.load(
-            g_ptr + uoffs, mask=umask, other=0.0
-        ).to(tl.float32)
+        u = _key(q_ptr, g_ptr, uoffs, umask)
         u3 = u[:, None, :]
         mask = rmask[:, None] & cmask[None, :]
         offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
         if HAS_GO:
-            goffs = (s_ar.to(tl.int64)[:, None, None] * T + rows.to(tl.int64)[None, :, None]) * D + cols[None, None, :]
+            goffs = _go_offsets(s_ar, rows, cols, T, D)
             gmask = smask[:, None, None] & mask[None, :, :]
             go = tl.load(go_ptr + goffs, mask=gmask, other=0.0).to(tl.float32) * gscale
         for j in tl.static_range(NSRC):
@@ -286,10 +302,8 @@ def depth_attn_bwd_kernel_multi(
             offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
             uoffs = s_ar[:, None] * D + cols[None, :]
             umask = smask[:, None] & cmask[None, :]
-            u = tl.load(q_ptr + uoffs, mask=umask, other=0.0).to(tl.float32) * tl.load(
-                g_ptr + uoffs, mask=umask, other=0.0
-            ).to(tl.float32)
-            goffs = (s_ar.to(tl.int64)[:, None, None] * T + rows.to(tl.int64)[None, :, None]) * D + cols[None, None, :]
+            u = _key(q_ptr, g_ptr, uoffs, umask)
+            goffs = _go_offsets(s_ar, rows, cols, T, D)
             go = tl.load(go_ptr + goffs, mask=smask[:, None, None] & mask[None, :, :], other=0.0).to(tl.float32)
             go = go * gscale
             du = tl.zeros([SP, BDC], tl.float32)
@@ -311,16 +325,8 @@ def depth_attn_bwd_kernel_multi(
 def depth_attn_merge_fwd_kernel(
     o_ptr, lse_ptr, v_ptr, q_ptr, g_ptr, out_ptr, T, D, eps, scale, BT: tl.constexpr, BD: tl.constexpr
 ):
-    pid = tl.program_id(0)
-    rows = pid * BT + tl.arange(0, BT)
-    cols = tl.arange(0, BD)
-    rmask = rows < T
-    cmask = cols < D
-    mask = rmask[:, None] & cmask[None, :]
-    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
-    u = tl.load(q_ptr + cols, mask=cmask, other=0.0).to(tl.float32) * tl.load(g_ptr + cols, mask=cmask, other=0.0).to(
-        tl.float32
-    )
+    rows, rmask, cols, cmask, mask, offs = _row_tile(tl.program_id(0), T, D, BT, BD)
+    u = _key(q_ptr, g_ptr, cols, cmask)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     o = tl.load(o_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     lse = tl.load(lse_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
@@ -343,9 +349,7 @@ def depth_attn_merge_bwd_kernel(
     nprog = tl.num_programs(0)
     cols = tl.arange(0, BD)
     cmask = cols < D
-    u = tl.load(q_ptr + cols, mask=cmask, other=0.0).to(tl.float32) * tl.load(g_ptr + cols, mask=cmask, other=0.0).to(
-        tl.float32
-    )
+    u = _key(q_ptr, g_ptr, cols, cmask)
     du = tl.zeros([BD], tl.float32)
     for tile in range(pid, n_tiles, nprog):
         rows = tile * BT + tl.arange(0, BT)
