@@ -426,15 +426,7 @@ def _chunks(vs: list[torch.Tensor]) -> list[tuple[int, list[torch.Tensor]]]:
     return [(j0, vs[j0 : j0 + MAX_SOURCES]) for j0 in range(0, len(vs), MAX_SOURCES)]
 
 
-def _split_stats(
-    vs: list[torch.Tensor],
-    queries: torch.Tensor,
-    gains: torch.Tensor,
-    go: torch.Tensor | None,
-    gscale: float,
-    eps: float,
-    cfg: tuple[int, int, int, int, int],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _split_stats(vs, queries, gains, go, gscale, eps, cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """More than MAX_SOURCES sources: ``depth_attn_stats_kernel`` per chunk, then ``(r [K, T], scores [S, K, T], gv)``."""
     S, D = queries.shape
     K, T = len(vs), vs[0].shape[0]
@@ -453,15 +445,7 @@ def _split_stats(
     return r, dot * r, gv
 
 
-def _multi_bwd(
-    go: torch.Tensor,
-    glse: torch.Tensor | None,
-    vs: list[torch.Tensor],
-    queries: torch.Tensor,
-    gains: torch.Tensor,
-    eps: float,
-    gscale: float,
-) -> tuple[list[torch.Tensor], torch.Tensor]:
+def _multi_bwd(go, glse, vs, queries, gains, eps, gscale) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Launch ``depth_attn_bwd_kernel_multi``; ``go`` ``[S, T, D]``, ``vs`` K tensors ``[T, D]``. Returns (dv list, du [S, D]).
 
     ``K ≤ MAX_SOURCES``: one fused launch. More: ``depth_attn_stats_kernel`` per chunk of sources (scores, ``go·v`` into
@@ -504,14 +488,7 @@ def _multi_bwd(
     return dvs, du.sum(0)[:S]
 
 
-def depth_attn_bwd(
-    grad: torch.Tensor,
-    sources: list[torch.Tensor],
-    query: torch.Tensor,
-    gain: torch.Tensor,
-    eps: float,
-    scale: float,
-) -> list[torch.Tensor]:
+def depth_attn_bwd(grad, sources, query, gain, eps, scale) -> list[torch.Tensor]:
     """``depth_attn`` backward (any K ≥ 1; more than ``MAX_SOURCES`` sources go through the split path of
     :func:`_multi_bwd`).
 
@@ -584,14 +561,7 @@ def depth_attn_partial_fwd(
     return o.view(S, *lead, D), lse.view(S, *lead)
 
 
-def depth_attn_partial_bwd(
-    grad_o: torch.Tensor,
-    grad_lse: torch.Tensor,
-    sources: list[torch.Tensor],
-    queries: torch.Tensor,
-    gains: torch.Tensor,
-    eps: float,
-) -> list[torch.Tensor]:
+def depth_attn_partial_bwd(grad_o, grad_lse, sources, queries, gains, eps) -> list[torch.Tensor]:
     """``depth_attn_partial`` backward (any K ≥ 1; see :func:`_multi_bwd` for more than ``MAX_SOURCES``).
 
     Args:
@@ -616,15 +586,7 @@ def depth_attn_partial_bwd(
     return [gq, gg, *[dv.view(s.shape) for dv, s in zip(dvs, sources)]]
 
 
-def depth_attn_merge_fwd(
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    last: torch.Tensor,
-    query: torch.Tensor,
-    gain: torch.Tensor,
-    eps: float,
-    scale: float,
-) -> torch.Tensor:
+def depth_attn_merge_fwd(o, lse, last, query, gain, eps, scale) -> torch.Tensor:
     """``depth_attn_merge`` forward (``D ≤ MAX_ROW``).
 
     Args:
@@ -650,16 +612,7 @@ def depth_attn_merge_fwd(
     return out.view(last.shape)
 
 
-def depth_attn_merge_bwd(
-    grad: torch.Tensor,
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    last: torch.Tensor,
-    query: torch.Tensor,
-    gain: torch.Tensor,
-    eps: float,
-    scale: float,
-) -> list[torch.Tensor]:
+def depth_attn_merge_bwd(grad, o, lse, last, query, gain, eps, scale) -> list[torch.Tensor]:
     """``depth_attn_merge`` backward (``D ≤ MAX_ROW``).
 
     Args:

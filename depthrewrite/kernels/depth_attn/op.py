@@ -23,14 +23,7 @@ __all__ = ["depth_attn", "depth_attn_partial", "depth_attn_merge", "MAX_SOURCES"
 # ---- reference backward formulas (attnres spec §9), used when the Triton kernel does not run ------------------------
 
 
-def _partial_backward_ref(
-    grad_o: torch.Tensor,
-    grad_lse: torch.Tensor | None,
-    sources: list[torch.Tensor],
-    queries: torch.Tensor,
-    gains: torch.Tensor,
-    eps: float,
-) -> list[torch.Tensor]:
+def _partial_backward_ref(grad_o, grad_lse, sources, queries, gains, eps) -> list[torch.Tensor]:
     """Gradients of ``(o, lse) = depth_attn_partial_ref(sources, queries, gains, eps)``.
 
     ``grad_o`` ``[S, ..., D]``, ``grad_lse`` ``[S, ...]`` or ``None``. Returns
@@ -64,16 +57,7 @@ def _partial_backward_ref(
     return [gq, gg, *gs]
 
 
-def _merge_backward_ref(
-    grad: torch.Tensor,
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    last: torch.Tensor,
-    query: torch.Tensor,
-    gain: torch.Tensor,
-    eps: float,
-    scale: float,
-) -> list[torch.Tensor]:
+def _merge_backward_ref(grad, o, lse, last, query, gain, eps, scale) -> list[torch.Tensor]:
     """Gradients of ``depth_attn_merge_ref``: ``[grad_o, grad_lse, grad_last, grad_query, grad_gain]``.
 
     With ``w1 = σ(lse − s2)``, ``w2 = 1 − w1``, ``ĝ = scale·grad`` and ``t = w1·w2·ĝ·(v − o)``:
