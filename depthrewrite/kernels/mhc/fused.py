@@ -194,12 +194,12 @@ def _coeffs_gemm(X, PHI, rows, rmask, T, K, M, cpp, cpp_ok, cr_col, cr_ok,
     return acc_pp, acc_r, ss
 
 
-@triton.jit(do_not_specialize=["P"])
-def mhc_coeffs_fwd_kernel(X, PHI, BIAS, ALPHA, PRE, POST, RES, T, K, M, eps, P,
-                       N: tl.constexpr, NP: tl.constexpr, PP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                       PREC: tl.constexpr, XEXACT: tl.constexpr):
-    pid = tl.program_id(0)
-    rows = pid * BT + tl.arange(0, BT)
+@triton.jit
+def _coeffs_tile(X, PHI, ALPHA, T, K, M, eps, N: tl.constexpr, NP: tl.constexpr, PP: tl.constexpr, BT: tl.constexpr,
+                 BK: tl.constexpr, PREC: tl.constexpr, XEXACT: tl.constexpr):
+    """The program's ``BT`` tokens: the padded column layout, ``x @ φ`` (pre/post and res parts), the inverse RMS
+    ``r`` and the three α. Returns ``(rows, rmask, cpp, cpp_ok, cr_ok, cr_col, acc_pp, acc_r, r, a0, a1, a2)``."""
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
     rmask = rows < T
     cpp = tl.arange(0, PP)
     cpp_ok = cpp < 2 * N
@@ -213,6 +213,16 @@ def mhc_coeffs_fwd_kernel(X, PHI, BIAS, ALPHA, PRE, POST, RES, T, K, M, eps, P,
     a0 = tl.load(ALPHA).to(tl.float32)
     a1 = tl.load(ALPHA + 1).to(tl.float32)
     a2 = tl.load(ALPHA + 2).to(tl.float32)
+    return rows, rmask, cpp, cpp_ok, cr_ok, cr_col, acc_pp, acc_r, r, a0, a1, a2
+
+
+@triton.jit(do_not_specialize=["P"])
+def mhc_coeffs_fwd_kernel(X, PHI, BIAS, ALPHA, PRE, POST, RES, T, K, M, eps, P,
+                       N: tl.constexpr, NP: tl.constexpr, PP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                       PREC: tl.constexpr, XEXACT: tl.constexpr):
+    rows, rmask, cpp, cpp_ok, cr_ok, cr_col, acc_pp, acc_r, r, a0, a1, a2 = _coeffs_tile(
+        X, PHI, ALPHA, T, K, M, eps, N, NP, PP, BT, BK, PREC, XEXACT
+    )
     # pre / post
     b_pp = tl.load(BIAS + cpp, mask=cpp_ok, other=0.0).to(tl.float32)
     is_pre = cpp < N
@@ -237,22 +247,12 @@ def mhc_coeffs_fwd_kernel(X, PHI, BIAS, ALPHA, PRE, POST, RES, T, K, M, eps, P,
 def mhc_coeffs_bwd_kernel_coef(X, PHI, BIAS, ALPHA, GPRE, GPOST, GRES, GZ, CX, GB_PART, GA_PART, T, K, M, eps, P,
                             N: tl.constexpr, NP: tl.constexpr, PP: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr,
                             BK: tl.constexpr, PREC: tl.constexpr, SEG: tl.constexpr, XEXACT: tl.constexpr):
+    rows, rmask, cpp, cpp_ok, cr_ok, cr_col, acc_pp, acc_r, r, a0, a1, a2 = _coeffs_tile(
+        X, PHI, ALPHA, T, K, M, eps, N, NP, PP, BT, BK, PREC, XEXACT
+    )
     pid = tl.program_id(0)
-    rows = pid * BT + tl.arange(0, BT)
-    rmask = rows < T
     r64 = rows.to(tl.int64)
-    cpp = tl.arange(0, PP)
-    cpp_ok = cpp < 2 * N
     cr = tl.arange(0, NP * NP)
-    ri = cr // NP
-    rj = cr % NP
-    cr_ok = (ri < N) & (rj < N)
-    cr_col = 2 * N + ri * N + rj
-    acc_pp, acc_r, ss = _coeffs_gemm(X, PHI, rows, rmask, T, K, M, cpp, cpp_ok, cr_col, cr_ok, BT, BK, PP, NP, PREC, XEXACT)
-    r = 1.0 / tl.sqrt(ss / K + eps)
-    a0 = tl.load(ALPHA).to(tl.float32)
-    a1 = tl.load(ALPHA + 1).to(tl.float32)
-    a2 = tl.load(ALPHA + 2).to(tl.float32)
     # pre / post: d/dz of σ(scale·mix + b) (+eps) and 2σ(·)
     mix_pp = acc_pp * r[:, None]
     b_pp = tl.load(BIAS + cpp, mask=cpp_ok, other=0.0).to(tl.float32)

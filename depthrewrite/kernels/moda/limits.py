@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ..dispatch import dtype_reason, interpreting
 from .._triton_utils import pow2
+from ..dispatch import dtype_reason, interpreting
 
 __all__ = ["MAX_HEAD_DIM", "covers", "block_config"]
 
@@ -56,6 +56,20 @@ def covers(q, k, v, attn_mask, depth_k, depth_v, depth_weight, dropout_p) -> str
     return None
 
 
+# (rows, bn, warps, stages) per kernel, by the largest padded head dim BD they serve
+_INTERPRETER_TILES = dict(fwd=(16, 16, 4, 1), dq=(16, 16, 4, 1), kv=(16, 16, 4, 1))
+_FP32_TILES = (
+    (64, dict(fwd=(64, 32, 8, 2), dq=(32, 32, 8, 2), kv=(32, 32, 8, 2))),
+    (128, dict(fwd=(32, 32, 8, 2), dq=(16, 32, 8, 2), kv=(16, 16, 4, 2))),
+    (MAX_HEAD_DIM, dict(fwd=(16, 16, 8, 2), dq=(16, 16, 8, 2), kv=(16, 16, 8, 2))),
+)
+_HALF_TILES = (
+    (64, dict(fwd=(128, 64, 8, 3), dq=(64, 64, 4, 2), kv=(64, 64, 4, 2))),
+    (128, dict(fwd=(128, 64, 8, 2), dq=(32, 64, 8, 2), kv=(64, 32, 8, 2))),
+    (MAX_HEAD_DIM, dict(fwd=(64, 32, 8, 2), dq=(32, 32, 8, 2), kv=(32, 32, 8, 2))),
+)
+
+
 def block_config(G: int, d: int, dtype: torch.dtype) -> dict[str, int]:
     """Block sizes and warps for head dim ``d`` and group size ``G`` (Hopper-sized; tiny under the interpreter).
 
@@ -68,20 +82,10 @@ def block_config(G: int, d: int, dtype: torch.dtype) -> dict[str, int]:
     GP = pow2(G)
     BD = max(16, pow2(d))
     if interpreting():
-        c = dict(fwd=(16, 16, 4, 1), dq=(16, 16, 4, 1), kv=(16, 16, 4, 1))
-    elif dtype == torch.float32:
-        if BD <= 64:
-            c = dict(fwd=(64, 32, 8, 2), dq=(32, 32, 8, 2), kv=(32, 32, 8, 2))
-        elif BD <= 128:
-            c = dict(fwd=(32, 32, 8, 2), dq=(16, 32, 8, 2), kv=(16, 16, 4, 2))
-        else:
-            c = dict(fwd=(16, 16, 8, 2), dq=(16, 16, 8, 2), kv=(16, 16, 8, 2))
-    elif BD <= 64:
-        c = dict(fwd=(128, 64, 8, 3), dq=(64, 64, 4, 2), kv=(64, 64, 4, 2))
-    elif BD <= 128:
-        c = dict(fwd=(128, 64, 8, 2), dq=(32, 64, 8, 2), kv=(64, 32, 8, 2))
+        c = _INTERPRETER_TILES
     else:
-        c = dict(fwd=(64, 32, 8, 2), dq=(32, 32, 8, 2), kv=(32, 32, 8, 2))
+        table = _FP32_TILES if dtype == torch.float32 else _HALF_TILES
+        c = next((tiles for limit, tiles in table if BD <= limit), table[-1][1])
     out = dict(GP=GP, BD=BD)
     for k, (rows, bn, warps, stages) in c.items():
         rows = max(rows, GP)  # at least one token per tile
