@@ -266,35 +266,38 @@ mhc_pre.register_autograd(_pre_bw, setup_context=_save_inputs(2))
 mhc_post.register_autograd(_post_bw, setup_context=_save_inputs(4))
 mhc_collapse.register_autograd(_collapse_bw, setup_context=_save_inputs(1))
 
-_FALLS_BACK = (f"fp64 (or any dtype but fp32/bf16/fp16), n > {MAX_STREAMS} streams, empty tensors (and bf16 CPU tensors under "
-               "Triton's interpreter): the PyTorch reference")
+_FALLS_BACK = (
+    f"fp64 (or any dtype but fp32/bf16/fp16), n > {MAX_STREAMS} streams, empty tensors (and bf16 CPU tensors under "
+    "Triton's interpreter): the PyTorch reference"
+)
 
-register_kernel_info(KernelInfo(
-    op="depthrewrite::mhc_coeffs",
-    forward="mhc_coeffs_fwd_kernel (token blocks of 64; tl.dot over K-chunks of n·D, φ columns padded 24 -> 32 for n=4)",
-    backward="depthrewrite::mhc_coeffs_backward: mhc_coeffs_bwd_kernel_coef (recompute GEMM, σ and Sinkhorn on chip) + "
-    "mhc_coeffs_bwd_kernel_x (grad X and per-segment grad φ partials; grad φ / bias / α partials summed with torch)",
-    fuses="RMS of the flattened n·D state, the [n·D, n²+2n] projection, σ / 2σ and the 20-step Sinkhorn in one read of X",
-    falls_back=_FALLS_BACK,
-))
-register_kernel_info(KernelInfo(
-    op="depthrewrite::mhc_pre",
-    forward="mhc_pre_fwd_kernel (grid tokens × D-blocks)",
-    backward="depthrewrite::mhc_pre_backward: mhc_pre_bwd_kernel (one pass over D per token block: grad X, grad pre)",
-    fuses="u = Σ_i H_pre[i]·X_i with one read of X (fp32 accumulation)",
-    falls_back=_FALLS_BACK,
-))
-register_kernel_info(KernelInfo(
-    op="depthrewrite::mhc_post",
-    forward="mhc_post_fwd_kernel (grid tokens × D-blocks)",
-    backward="depthrewrite::mhc_post_backward: mhc_post_bwd_kernel (one pass over D per token block: grad X, res, post, y)",
-    fuses="X' = H_res X + H_postᵀ y (stream mixing and the residual merge) with one read of X and y, one write of X'",
-    falls_back=_FALLS_BACK,
-))
-register_kernel_info(KernelInfo(
-    op="depthrewrite::mhc_collapse",
-    forward="none: PyTorch reference (a mean or sum over the n streams)",
-    backward="autograd through the reference",
-    fuses="nothing (one reduction over n; not worth a kernel)",
-    falls_back="always (reference-only op)",
-))
+# op: (forward, backward, fuses, falls_back)
+_KERNELS = {
+    "mhc_coeffs": (
+        "mhc_coeffs_fwd_kernel (token blocks of 64; tl.dot over K-chunks of n·D, φ columns padded 24 -> 32 for n=4)",
+        "depthrewrite::mhc_coeffs_backward: mhc_coeffs_bwd_kernel_coef (recompute GEMM, σ and Sinkhorn on chip) + "
+        "mhc_coeffs_bwd_kernel_x (grad X and per-segment grad φ partials; grad φ / bias / α partials summed with torch)",
+        "RMS of the flattened n·D state, the [n·D, n²+2n] projection, σ / 2σ and the 20-step Sinkhorn in one read of X",
+        _FALLS_BACK,
+    ),
+    "mhc_pre": (
+        "mhc_pre_fwd_kernel (grid tokens × D-blocks)",
+        "depthrewrite::mhc_pre_backward: mhc_pre_bwd_kernel (one pass over D per token block: grad X, grad pre)",
+        "u = Σ_i H_pre[i]·X_i with one read of X (fp32 accumulation)",
+        _FALLS_BACK,
+    ),
+    "mhc_post": (
+        "mhc_post_fwd_kernel (grid tokens × D-blocks)",
+        "depthrewrite::mhc_post_backward: mhc_post_bwd_kernel (one pass over D per token block: grad X, res, post, y)",
+        "X' = H_res X + H_postᵀ y (stream mixing and the residual merge) with one read of X and y, one write of X'",
+        _FALLS_BACK,
+    ),
+    "mhc_collapse": (
+        "none: PyTorch reference (a mean or sum over the n streams)",
+        "autograd through the reference",
+        "nothing (one reduction over n; not worth a kernel)",
+        "always (reference-only op)",
+    ),
+}
+for _op, (_fwd, _bwd, _fuses, _falls) in _KERNELS.items():
+    register_kernel_info(KernelInfo(f"depthrewrite::{_op}", _fwd, _bwd, _fuses, _falls))
