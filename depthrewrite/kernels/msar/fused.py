@@ -96,6 +96,36 @@ def _views(
 
 
 @triton.jit
+def _zeros4(S0: tl.constexpr, S1: tl.constexpr):
+    """Four fp32 zero tiles ``[S0, S1]`` (one per stream)."""
+    z = tl.zeros((S0, S1), tl.float32)
+    return z, z, z, z
+
+
+@triton.jit
+def _zeros4v(S0: tl.constexpr):
+    """Four fp32 zero vectors ``[S0]`` (one per stream)."""
+    z = tl.zeros((S0,), tl.float32)
+    return z, z, z, z
+
+
+@triton.jit
+def _values(
+    sp, wp, rows, tpos, row_ok, cols, cm, D,
+    K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr, KMAX: tl.constexpr, CONV_VALUES: tl.constexpr,
+):  # fmt: skip
+    """The value of each stream for one source and chunk: the conv views (``CONV_VALUES``) or the raw source."""
+    if CONV_VALUES:
+        x, v1, v2, v3 = _views(sp, wp, rows, tpos, row_ok, cols, cm, D, K1, K2, K3, KMAX)
+    else:
+        x = _load_shift(sp, rows, tpos, row_ok, cols, cm, D, 0)
+        v1 = x
+        v2 = x
+        v3 = x
+    return x, v1, v2, v3
+
+
+@triton.jit
 def _col(A, kk, i):
     """Column ``i`` of a ``[BT, KP]`` register matrix."""
     return tl.sum(tl.where(kk[None, :] == i, A, 0.0), axis=1)
@@ -109,19 +139,10 @@ def _mix(
     KMAX: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, CONV_VALUES: tl.constexpr,
 ):  # fmt: skip
     """One D chunk of the retrieved states Z_r = Σ_i a_ir Y_i^(r), views recomputed."""
-    Z0 = tl.zeros((BT, BD), tl.float32)
-    Z1 = tl.zeros((BT, BD), tl.float32)
-    Z2 = tl.zeros((BT, BD), tl.float32)
-    Z3 = tl.zeros((BT, BD), tl.float32)
+    Z0, Z1, Z2, Z3 = _zeros4(BT, BD)
     for i in range(NSRC):
         sp = _pick(srcs, i, NSRC)
-        if CONV_VALUES:
-            x, v1, v2, v3 = _views(sp, wp, rows, tpos, row_ok, cols, cm, D, K1, K2, K3, KMAX)
-        else:
-            x = _load_shift(sp, rows, tpos, row_ok, cols, cm, D, 0)
-            v1 = x
-            v2 = x
-            v3 = x
+        x, v1, v2, v3 = _values(sp, wp, rows, tpos, row_ok, cols, cm, D, K1, K2, K3, KMAX, CONV_VALUES)
         Z0 += _col(A0, kk, i)[:, None] * x
         if M > 1:
             Z1 += _col(A1, kk, i)[:, None] * v1
@@ -140,24 +161,12 @@ def _logit_stats(
     KMAX: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
 ):  # fmt: skip
     """Pass 1: per (source, stream) the key dot ``u_r · V`` (DT_r) and inverse RMS (RS_r), as ``[BT, KP]``."""
-    DT0 = tl.zeros((BT, KP), tl.float32)
-    DT1 = tl.zeros((BT, KP), tl.float32)
-    DT2 = tl.zeros((BT, KP), tl.float32)
-    DT3 = tl.zeros((BT, KP), tl.float32)
-    RS0 = tl.zeros((BT, KP), tl.float32)
-    RS1 = tl.zeros((BT, KP), tl.float32)
-    RS2 = tl.zeros((BT, KP), tl.float32)
-    RS3 = tl.zeros((BT, KP), tl.float32)
+    DT0, DT1, DT2, DT3 = _zeros4(BT, KP)
+    RS0, RS1, RS2, RS3 = _zeros4(BT, KP)
     for i in range(NSRC):
         sp = _pick(srcs, i, NSRC)
-        ss0 = tl.zeros((BT,), tl.float32)
-        ss1 = tl.zeros((BT,), tl.float32)
-        ss2 = tl.zeros((BT,), tl.float32)
-        ss3 = tl.zeros((BT,), tl.float32)
-        dt0 = tl.zeros((BT,), tl.float32)
-        dt1 = tl.zeros((BT,), tl.float32)
-        dt2 = tl.zeros((BT,), tl.float32)
-        dt3 = tl.zeros((BT,), tl.float32)
+        ss0, ss1, ss2, ss3 = _zeros4v(BT)
+        dt0, dt1, dt2, dt3 = _zeros4v(BT)
         for d0 in range(0, D, BD):
             cols = d0 + tl.arange(0, BD)
             cm = cols < D
@@ -234,14 +243,8 @@ def _mixer_stats(
 ):  # fmt: skip
     """Pass 2: rsqrt(|Z|²/(mD)+eps) (the caller passes eps_mix), p_j = Z_flat·φ[:, j], and (backward) dh·Z_r."""
     zz = tl.zeros((BT,), tl.float32)
-    p0 = tl.zeros((BT,), tl.float32)
-    p1 = tl.zeros((BT,), tl.float32)
-    p2 = tl.zeros((BT,), tl.float32)
-    p3 = tl.zeros((BT,), tl.float32)
-    q0 = tl.zeros((BT,), tl.float32)
-    q1 = tl.zeros((BT,), tl.float32)
-    q2 = tl.zeros((BT,), tl.float32)
-    q3 = tl.zeros((BT,), tl.float32)
+    p0, p1, p2, p3 = _zeros4v(BT)
+    q0, q1, q2, q3 = _zeros4v(BT)
     for d0 in range(0, D, BD):
         cols = d0 + tl.arange(0, BD)
         cm = cols < D
@@ -445,10 +448,7 @@ def msar_bwd_kernel_stats(
         dp3 = zero
         cz = zero
     # pass 3: da_ir = dZ_r · Y_i^(r)
-    DA0 = tl.zeros((BT, KP), tl.float32)
-    DA1 = tl.zeros((BT, KP), tl.float32)
-    DA2 = tl.zeros((BT, KP), tl.float32)
-    DA3 = tl.zeros((BT, KP), tl.float32)
+    DA0, DA1, DA2, DA3 = _zeros4(BT, KP)
     for d0 in range(0, D, BD):
         cols = d0 + tl.arange(0, BD)
         cm = cols < D
@@ -471,13 +471,7 @@ def msar_bwd_kernel_stats(
         dZ3 = _dz(gh, Z3, gs3, dp0, dp1, dp2, dp3, cz, phiT, cols, cm, D, 3, M, SIGMOID)
         for i in range(NSRC):
             sp = _pick(srcs, i, NSRC)
-            if CONV_VALUES:
-                x, v1, v2, v3 = _views(sp, wp, rows, tpos, row_ok, cols, cm, D, K1, K2, K3, KMAX)
-            else:
-                x = _load_shift(sp, rows, tpos, row_ok, cols, cm, D, 0)
-                v1 = x
-                v2 = x
-                v3 = x
+            x, v1, v2, v3 = _values(sp, wp, rows, tpos, row_ok, cols, cm, D, K1, K2, K3, KMAX, CONV_VALUES)
             sel = kk[None, :] == i
             DA0 += tl.where(sel, tl.sum(dZ0 * x, axis=1)[:, None], 0.0)
             if M > 1:
@@ -593,10 +587,7 @@ def msar_bwd_kernel_grad(
         u1 = tl.load(u_ptr + D + cols, mask=cm, other=0.0)[None, :]  # u is padded to 4 streams
         u2 = tl.load(u_ptr + 2 * D + cols, mask=cm, other=0.0)[None, :]
         u3 = tl.load(u_ptr + 3 * D + cols, mask=cm, other=0.0)[None, :]
-        du0 = tl.zeros((BD,), tl.float32)
-        du1 = tl.zeros((BD,), tl.float32)
-        du2 = tl.zeros((BD,), tl.float32)
-        du3 = tl.zeros((BD,), tl.float32)
+        du0, du1, du2, du3 = _zeros4v(BD)
         DW1 = tl.zeros((KMAXP, BD), tl.float32)
         DW2 = tl.zeros((KMAXP, BD), tl.float32)
         DW3 = tl.zeros((KMAXP, BD), tl.float32)
