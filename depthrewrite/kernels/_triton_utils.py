@@ -21,7 +21,8 @@ def num_sms(device: torch.device, cpu: int = 2) -> int:
 
 
 def warps_for(elems: int) -> int:
-    """``num_warps`` for a program whose largest fp32 tile has ``elems`` elements: 4 up to 2048, 8 up to 8192, else 16."""
+    """``num_warps`` for a program whose largest fp32 tile has ``elems`` elements: 4 up to 2048, 8 up to 8192, else
+    16."""
     return 4 if elems <= 2048 else 8 if elems <= 8192 else 16
 
 

@@ -3,27 +3,27 @@
 Imported lazily by :mod:`.op`, only when :func:`depthrewrite.kernels.dispatch.route` picks the kernel (``@triton.jit``
 reads ``TRITON_INTERPRET`` when it decorates, and CPU users must not pay for importing Triton).
 
-Kernels (all statistics, softmax and accumulation in fp32; sources are read through up to ``MAX_SOURCES`` separate
-pointer arguments, never ``torch.stack``-ed):
+Kernels (all statistics, softmax and accumulation in fp32; the sources are one tuple argument of up to
+``limits.MAX_SOURCES`` pointers per launch, never ``torch.stack``-ed). The ops are documented in :mod:`.reference`.
 
 - ``depth_attn_fwd_kernel`` — ``depth_attn`` forward. One program per block of ``BT`` tokens with the whole row
   (``BD = next_power_of_2(D)``) on chip; an online softmax over the sources reads each source exactly once and
   keeps the fp32 accumulator in registers. More than ``MAX_SOURCES`` sources: consecutive launches carry the
   online-softmax state (running max, denominator ``[T]`` and accumulator ``[T, D]``, fp32) through scratch.
-- ``depth_attn_partial_fwd_kernel`` — ``depth_attn_partial`` forward: S queries against the same sources. D is processed in
-  chunks: pass 1 reads the token block's sources once for all S queries (sum of squares and S dot products per
-  source), the S softmaxes are formed on chip, pass 2 re-reads the same sources (the block is sized to still be in
-  L2) and writes ``o`` and ``lse``.
-- ``depth_attn_bwd_kernel_multi`` — backward of ``depth_attn_partial`` and of ``depth_attn`` (the case S = 1, no ``lse``).
-  Persistent grid; pass 1 recomputes scores, weights and ``go·v`` from the sources, pass 2 writes every source's
-  gradient and accumulates the query-gradient ``du = Σ_t Σ_i ds_i r_i v_i`` into one fp32 row per program
+- ``depth_attn_partial_fwd_kernel`` — ``depth_attn_partial`` forward: S queries against the same sources. D is
+  processed in chunks: pass 1 reads the token block's sources once for all S queries (sum of squares and S dot
+  products per source), the S softmaxes are formed on chip, pass 2 re-reads the same sources (the block is sized to
+  still be in L2) and writes ``o`` and ``lse``.
+- ``depth_attn_bwd_kernel_multi`` — backward of ``depth_attn_partial`` and of ``depth_attn`` (the case S = 1, no
+  ``lse``). Persistent grid; pass 1 recomputes scores, weights and ``go·v`` from the sources, pass 2 writes every
+  source's gradient and accumulates the query-gradient ``du = Σ_t Σ_i ds_i r_i v_i`` into one fp32 row per program
   (read-modify-write of the program's own row, no atomics); the rows are summed with torch.
-- ``depth_attn_stats_kernel`` — more than ``MAX_SOURCES`` sources in the two D-chunked kernels: pass 1 per chunk of sources
-  writes per-token scores (and ``go·v``) to ``[S, K, T]`` fp32 scratch; torch forms the softmax and the per-source
-  coefficients on these small tensors; ``depth_attn_partial_fwd_kernel`` / ``depth_attn_bwd_kernel_multi`` then run pass 2 per chunk
-  (``FUSED=False``).
-- ``depth_attn_merge_fwd_kernel`` / ``depth_attn_merge_bwd_kernel`` — ``depth_attn_merge``: one extra source merged by log-sum-exp.
-  Whole row on chip; the backward is persistent with a per-program fp32 ``du`` row in registers.
+- ``depth_attn_stats_kernel`` — more than ``MAX_SOURCES`` sources in the two D-chunked kernels: pass 1 per chunk of
+  sources writes per-token scores (and ``go·v``) to ``[S, K, T]`` fp32 scratch; torch forms the softmax and the
+  per-source coefficients on these small tensors; ``depth_attn_partial_fwd_kernel`` / ``depth_attn_bwd_kernel_multi``
+  then run pass 2 per chunk (``FUSED=False``).
+- ``depth_attn_merge_fwd_kernel`` / ``depth_attn_merge_bwd_kernel`` — ``depth_attn_merge``: one extra source merged
+  by log-sum-exp. Whole row on chip; the backward is persistent with a per-program fp32 ``du`` row in registers.
 
 Parameter gradients (queries, gains) are reduced over tokens as per-program fp32 partials, summed with torch
 (deterministic; no atomics).

@@ -1,8 +1,9 @@
 """``depthrewrite::depth_attn`` and the two-phase pair ``depth_attn_partial`` / ``depth_attn_merge`` as registered ops.
 
-One node per mixing site in exported and compiled graphs. Each op body dispatches: the fused Triton kernel
-(:mod:`.fused`, imported lazily) when :func:`~depthrewrite.kernels.dispatch.route` says so: the backend picks Triton and the gate
-:func:`.limits.covers` (:func:`.limits.covers_merge`) takes the call, the PyTorch reference (:mod:`.reference`) otherwise. Each backward is its own registered op
+One node per mixing site in exported and compiled graphs; the ops are documented once, in :mod:`.reference`. Each
+op body dispatches with :func:`~depthrewrite.kernels.dispatch.route`: the fused Triton kernel (:mod:`.fused`,
+imported lazily) when the backend picks Triton and the gate :func:`.limits.covers` (:func:`.limits.covers_merge`)
+takes the call, the PyTorch reference (:mod:`.reference`) otherwise. Each backward is its own registered op
 (``depthrewrite::depth_attn_backward``, ``…_partial_backward``, ``…_merge_backward``), called from the registered
 autograd formula, so a compiled backward graph shows one opaque node per site; it dispatches the same way, to the
 Triton backward or to the reference formulas below. Nothing but the inputs is saved for backward: scores and
@@ -287,28 +288,31 @@ depth_attn_merge.register_autograd(_merge_backward, setup_context=_merge_setup_c
 register_kernel_info(
     KernelInfo(
         op="depthrewrite::depth_attn",
-        forward="fused.depth_attn_fwd_kernel: one program per token block, whole row on chip, online softmax over the sources",
-        backward="depthrewrite::depth_attn_backward -> fused.depth_attn_bwd_kernel_multi (S = 1): persistent, recomputes "
-        "scores/weights from the sources, writes every source's gradient; query/gain gradients from per-program fp32 "
-        "rows summed with torch",
+        forward="fused.depth_attn_fwd_kernel: one program per token block, whole row on chip, online softmax over "
+        "the sources",
+        backward="depthrewrite::depth_attn_backward -> fused.depth_attn_bwd_kernel_multi (S = 1): persistent, "
+        "recomputes scores/weights from the sources, writes every source's gradient; query/gain gradients from "
+        "per-program fp32 rows summed with torch",
         fuses="key RMS statistics, K scores, softmax, weighted sum and scale in one read of each source (the reference "
         "stacks the sources into an fp32 copy and reads it several times)",
         falls_back=f"fp64 or mixed-dtype sources, or a non-float query/gain; forward with D > {MAX_ROW}. (More than "
-        f"{MAX_SOURCES} sources is still fused: the forward runs chunks of {MAX_SOURCES} that carry the online-softmax state through fp32 "
-        "scratch; the backward computes per-token scores into [K, T] fp32 scratch, then gradients per chunk.)",
+        f"{MAX_SOURCES} sources is still fused: the forward runs chunks of {MAX_SOURCES} that carry the "
+        "online-softmax state through fp32 scratch; the backward computes per-token scores into [K, T] fp32 scratch, "
+        "then gradients per chunk.)",
     )
 )
 register_kernel_info(
     KernelInfo(
         op="depthrewrite::depth_attn_partial",
-        forward="fused.depth_attn_partial_fwd_kernel: S queries against the same sources; pass 1 reads each source once for all "
-        "S scores, pass 2 re-reads the (L2-resident) token block and writes o [S, T, D] fp32 and lse [S, T]",
-        backward="depthrewrite::depth_attn_partial_backward -> fused.depth_attn_bwd_kernel_multi: persistent, recomputes scores "
-        "and weights, gradients flow through o and lse",
+        forward="fused.depth_attn_partial_fwd_kernel: S queries against the same sources; pass 1 reads each source "
+        "once for all S scores, pass 2 re-reads the (L2-resident) token block and writes o [S, T, D] fp32 and "
+        "lse [S, T]",
+        backward="depthrewrite::depth_attn_partial_backward -> fused.depth_attn_bwd_kernel_multi: persistent, "
+        "recomputes scores and weights, gradients flow through o and lse",
         fuses="the S per-site mixes of a block's completed sources (attnres spec §7 phase 1) in one pass",
         falls_back=f"fp64 or mixed-dtype sources, or non-float queries/gains. (More than {MAX_SOURCES} sources is "
-        "still fused: "
-        f"per-token scores into [S, K, T] fp32 scratch per chunk of {MAX_SOURCES}, softmax in torch, then one pass per chunk.)",
+        f"still fused: per-token scores into [S, K, T] fp32 scratch per chunk of {MAX_SOURCES}, softmax in torch, "
+        "then one pass per chunk.)",
     )
 )
 register_kernel_info(

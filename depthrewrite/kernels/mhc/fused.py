@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_utils import num_sms, pow2
+from .._triton_utils import num_sms
 from .limits import SEG, apply_blocks, coeff_blocks, coeff_layout
 
 __all__ = [

@@ -1,7 +1,7 @@
 """``depthrewrite::mhc_coeffs``, ``mhc_pre``, ``mhc_post``, ``mhc_collapse``: the mHC site as registered ops.
 
-Each op body dispatches with :func:`~depthrewrite.kernels.dispatch.route` and the gate :func:`.limits.covers`: the fused Triton kernels of
-``fused.py`` (imported lazily, only then) or the PyTorch reference of ``reference.py``. The backward of
+Each op body dispatches with :func:`~depthrewrite.kernels.dispatch.route` and the gate :func:`.limits.covers`: the
+fused Triton kernels of ``fused.py`` (imported lazily, only then) or the PyTorch reference of ``reference.py``. The backward of
 ``mhc_coeffs``, ``mhc_pre`` and ``mhc_post`` is its own registered op (``depthrewrite::mhc_coeffs_backward``,
 ``mhc_pre_backward``, ``mhc_post_backward``), called from the registered autograd formula, so a compiled backward
 graph shows one opaque node per site; it dispatches the same way, to the Triton backward kernels or to the

@@ -3,8 +3,8 @@ layout as registered ops.
 
 ``moda_attn`` runs the fused Triton kernel (``fused.py``, imported lazily) when
 :func:`~depthrewrite.kernels.dispatch.route` picks it: the backend decision, then the gate :func:`.limits.covers`
-(``None``, or the reason for the reference). The op is documented once, in :mod:`.reference`. Its backward is its own registered op,
-``depthrewrite::moda_attn_backward`` (one opaque node per site in a compiled backward graph), which dispatches the
+(``None``, or the reason for the reference). The op is documented once, in :mod:`.reference`. Its backward is its
+own registered op, ``depthrewrite::moda_attn_backward`` (one opaque node per site in a compiled backward graph), which dispatches the
 same way: the Triton backward (recomputes the LSE, then dQ + depth gradients and dK/dV) or the reference
 recomputation. Dropout masks come from a seed input, so the reference recomputation sees the same masks.
 ``moda_slots`` is a layout copy and stays a PyTorch op."""
@@ -230,11 +230,11 @@ moda_attn.register_autograd(_backward, setup_context=_setup)
 register_kernel_info(
     KernelInfo(
         op="depthrewrite::moda_attn",
-        forward="moda_attn_fwd_kernel: flash-style (FA2) online softmax; grid (T/BMT, B·Hk), the G query heads of a KV head "
-        "folded into the rows; depth slots first, then the sequence blocks (tl.dot QKᵀ and PV)",
-        backward="depthrewrite::moda_attn_backward: moda_attn_fwd_kernel (stats only, recomputes the LSE), moda_attn_bwd_kernel_dq "
-        "(dQ + dKd/dVd + per-row dλ partials + dS for a learned additive mask), moda_attn_bwd_kernel_dkdv (dK/dV, G heads "
-        "folded); no atomics",
+        forward="moda_attn_fwd_kernel: flash-style (FA2) online softmax; grid (T/BMT, B·Hk), the G query heads of a "
+        "KV head folded into the rows; depth slots first, then the sequence blocks (tl.dot QKᵀ and PV)",
+        backward="depthrewrite::moda_attn_backward: moda_attn_fwd_kernel (stats only, recomputes the LSE), "
+        "moda_attn_bwd_kernel_dq (dQ + dKd/dVd + per-row dλ partials + dS for a learned additive mask), "
+        "moda_attn_bwd_kernel_dkdv (dK/dV, G heads folded); no atomics",
         fuses="sequence attention (causal / bool / additive mask, soft-cap) and the same-token depth slots with λ "
         "in one online softmax; no logits, probabilities or separate LSE merge in HBM",
         falls_back="dropout_p > 0 (seeded torch.rand masks); dtypes other than fp32/bf16/fp16 or mixed input "

@@ -1,8 +1,8 @@
 """``depthrewrite::msar_mix``: the MSAR site as one registered op, and ``depthrewrite::msar_mix_backward``, its
 backward as a second op (one opaque node per site in a compiled backward graph).
 
-Both dispatch with :func:`~depthrewrite.kernels.dispatch.route` and the gate :func:`.limits.covers`: the fused Triton kernels of :mod:`.fused`
-(imported lazily, only then) or the PyTorch reference (:mod:`.reference`; the backward recomputes it from the saved
+Both dispatch with :func:`~depthrewrite.kernels.dispatch.route` and the gate :func:`.limits.covers`: the fused
+Triton kernels of :mod:`.fused` (imported lazily, only then) or the PyTorch reference (:mod:`.reference`; the backward recomputes it from the saved
 inputs under autograd). Cases the kernels do not cover fall back to the reference inside the op (see ``falls_back``
 in the registered :class:`~depthrewrite.kernels.dispatch.KernelInfo`).
 """
@@ -204,7 +204,8 @@ register_kernel_info(
         fuses="causal conv stream expansion + m per-stream key RMSNorm/logits/depth softmaxes + weighted sums + "
         "RMS/sigmoid (or mean) mixer + final combination; the m stream views and Z are never written, only h",
         falls_back=f"more than {MAX_SOURCES} sources, more than {MAX_STREAMS} streams, a conv filter longer than "
-        f"{MAX_KERNEL} taps or len(conv) != m-1, float64 or mixed-dtype/shape sources, empty inputs, bf16 CPU tensors (the interpreter has no bf16)",
+        f"{MAX_KERNEL} taps or len(conv) != m-1, float64 or mixed-dtype/shape sources, empty inputs, bf16 CPU "
+        "tensors (the interpreter has no bf16)",
     )
 )
 register_kernel_info(
