@@ -235,6 +235,37 @@ def _dz(gh, Zr, gsr, dp0, dp1, dp2, dp3, cz, phiT, cols, cm, D, r: tl.constexpr,
 
 
 @triton.jit
+def _grad_mix(
+    srcs, gh, A0, A1, A2, A3, kk, wp, rows, tpos, row_ok, cols, cm, D,
+    NSRC: tl.constexpr, M: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr,
+    KMAX: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, CONV_VALUES: tl.constexpr, SIGMOID: tl.constexpr,
+):  # fmt: skip
+    """The backward's Z_r chunk: recomputed with the sigmoid mixer (its gradient needs Z), else unused (``gh``)."""
+    if SIGMOID:
+        Z0, Z1, Z2, Z3 = _mix(
+            srcs, A0, A1, A2, A3, kk, wp, rows, tpos, row_ok, cols, cm, D,
+            NSRC, M, K1, K2, K3, KMAX, BT, BD, CONV_VALUES,
+        )  # fmt: skip
+    else:
+        Z0 = gh
+        Z1 = gh
+        Z2 = gh
+        Z3 = gh
+    return Z0, Z1, Z2, Z3
+
+
+@triton.jit
+def _dzs(gh, Z0, Z1, Z2, Z3, gs0, gs1, gs2, gs3, dp0, dp1, dp2, dp3, cz, phiT, cols, cm, D, M: tl.constexpr,
+         SIGMOID: tl.constexpr):  # fmt: skip
+    """dZ_r of every stream for one chunk (:func:`_dz`)."""
+    dZ0 = _dz(gh, Z0, gs0, dp0, dp1, dp2, dp3, cz, phiT, cols, cm, D, 0, M, SIGMOID)
+    dZ1 = _dz(gh, Z1, gs1, dp0, dp1, dp2, dp3, cz, phiT, cols, cm, D, 1, M, SIGMOID)
+    dZ2 = _dz(gh, Z2, gs2, dp0, dp1, dp2, dp3, cz, phiT, cols, cm, D, 2, M, SIGMOID)
+    dZ3 = _dz(gh, Z3, gs3, dp0, dp1, dp2, dp3, cz, phiT, cols, cm, D, 3, M, SIGMOID)
+    return dZ0, dZ1, dZ2, dZ3
+
+
+@triton.jit
 def _mixer_stats(
     srcs,
     A0, A1, A2, A3, kk, wp, phiT, gh_ptr, rows, tpos, row_ok, D, eps,
@@ -454,21 +485,12 @@ def msar_bwd_kernel_stats(
         cm = cols < D
         gofs = rows64[:, None] * D + cols[None, :]
         gh = tl.load(gh_ptr + gofs, mask=row_ok[:, None] & cm[None, :], other=0.0).to(tl.float32)
-        if SIGMOID:
-            Z0, Z1, Z2, Z3 = _mix(
-                srcs,
-                A0, A1, A2, A3, kk, wp, rows, tpos, row_ok, cols, cm, D,
-                NSRC, M, K1, K2, K3, KMAX, BT, BD, CONV_VALUES,
-            )  # fmt: skip
-        else:
-            Z0 = gh
-            Z1 = gh
-            Z2 = gh
-            Z3 = gh
-        dZ0 = _dz(gh, Z0, gs0, dp0, dp1, dp2, dp3, cz, phiT, cols, cm, D, 0, M, SIGMOID)
-        dZ1 = _dz(gh, Z1, gs1, dp0, dp1, dp2, dp3, cz, phiT, cols, cm, D, 1, M, SIGMOID)
-        dZ2 = _dz(gh, Z2, gs2, dp0, dp1, dp2, dp3, cz, phiT, cols, cm, D, 2, M, SIGMOID)
-        dZ3 = _dz(gh, Z3, gs3, dp0, dp1, dp2, dp3, cz, phiT, cols, cm, D, 3, M, SIGMOID)
+        Z0, Z1, Z2, Z3 = _grad_mix(
+            srcs, gh, A0, A1, A2, A3, kk, wp, rows, tpos, row_ok, cols, cm, D,
+            NSRC, M, K1, K2, K3, KMAX, BT, BD, CONV_VALUES, SIGMOID,
+        )  # fmt: skip
+        dZ0, dZ1, dZ2, dZ3 = _dzs(gh, Z0, Z1, Z2, Z3, gs0, gs1, gs2, gs3, dp0, dp1, dp2, dp3, cz, phiT, cols, cm, D,
+                                  M, SIGMOID)  # fmt: skip
         for i in range(NSRC):
             sp = _pick(srcs, i, NSRC)
             x, v1, v2, v3 = _values(sp, wp, rows, tpos, row_ok, cols, cm, D, K1, K2, K3, KMAX, CONV_VALUES)
@@ -560,12 +582,11 @@ def msar_bwd_kernel_grad(
         m2 = row_ok[:, None] & cm[None, :]
         own2 = own[:, None] & cm[None, :]
         gh = tl.load(gh_ptr + rows64[:, None] * D + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+        Z0, Z1, Z2, Z3 = _grad_mix(
+            srcs, gh, A0, A1, A2, A3, kk, wp, rows, tpos, row_ok, cols, cm, D,
+            NSRC, M, K1, K2, K3, KMAX, ET, BD, CONV_VALUES, SIGMOID,
+        )  # fmt: skip
         if SIGMOID:
-            Z0, Z1, Z2, Z3 = _mix(
-                srcs,
-                A0, A1, A2, A3, kk, wp, rows, tpos, row_ok, cols, cm, D,
-                NSRC, M, K1, K2, K3, KMAX, ET, BD, CONV_VALUES,
-            )  # fmt: skip
             # dφ[r·D + c, j] += Σ_t Z_r[t, c] dp_j[t] over the owned rows
             _dphi_add(dphiT_ptr, Z0, dp0, dp1, dp2, dp3, own, cols, cm, D, 0, M)
             if M > 1:
@@ -574,15 +595,8 @@ def msar_bwd_kernel_grad(
                 _dphi_add(dphiT_ptr, Z2, dp0, dp1, dp2, dp3, own, cols, cm, D, 2, M)
             if M > 3:
                 _dphi_add(dphiT_ptr, Z3, dp0, dp1, dp2, dp3, own, cols, cm, D, 3, M)
-        else:
-            Z0 = gh
-            Z1 = gh
-            Z2 = gh
-            Z3 = gh
-        dZ0 = _dz(gh, Z0, gs0, dp0, dp1, dp2, dp3, cz, phiT, cols, cm, D, 0, M, SIGMOID)
-        dZ1 = _dz(gh, Z1, gs1, dp0, dp1, dp2, dp3, cz, phiT, cols, cm, D, 1, M, SIGMOID)
-        dZ2 = _dz(gh, Z2, gs2, dp0, dp1, dp2, dp3, cz, phiT, cols, cm, D, 2, M, SIGMOID)
-        dZ3 = _dz(gh, Z3, gs3, dp0, dp1, dp2, dp3, cz, phiT, cols, cm, D, 3, M, SIGMOID)
+        dZ0, dZ1, dZ2, dZ3 = _dzs(gh, Z0, Z1, Z2, Z3, gs0, gs1, gs2, gs3, dp0, dp1, dp2, dp3, cz, phiT, cols, cm, D,
+                                  M, SIGMOID)  # fmt: skip
         u0 = tl.load(u_ptr + cols, mask=cm, other=0.0)[None, :]
         u1 = tl.load(u_ptr + D + cols, mask=cm, other=0.0)[None, :]  # u is padded to 4 streams
         u2 = tl.load(u_ptr + 2 * D + cols, mask=cm, other=0.0)[None, :]
