@@ -322,19 +322,25 @@ def depth_attn_bwd_kernel_multi(
 
 
 @triton.jit
-def depth_attn_merge_fwd_kernel(
-    o_ptr, lse_ptr, v_ptr, q_ptr, g_ptr, out_ptr, T, D, eps, scale, BT: tl.constexpr, BD: tl.constexpr
-):
-    rows, rmask, cols, cmask, mask, offs = _row_tile(tl.program_id(0), T, D, BT, BD)
-    u = _key(q_ptr, g_ptr, cols, cmask)
+def _merge_terms(o_ptr, lse_ptr, v_ptr, u, rows, rmask, offs, mask, D, eps):
+    """One token block of the merge: the last source ``v`` and partial mix ``o`` (fp32), ``v``'s inverse RMS ``r``
+    and score ``s2``, and the unnormalised weights ``a = e^{lse-m}``, ``b = e^{s2-m}`` of ``o`` and ``v``."""
     v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     o = tl.load(o_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     lse = tl.load(lse_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     r = tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
     s2 = tl.sum(v * u[None, :], axis=1) * r
     m = tl.maximum(lse, s2)
-    a = tl.exp(lse - m)
-    b = tl.exp(s2 - m)
+    return v, o, r, s2, tl.exp(lse - m), tl.exp(s2 - m)
+
+
+@triton.jit
+def depth_attn_merge_fwd_kernel(
+    o_ptr, lse_ptr, v_ptr, q_ptr, g_ptr, out_ptr, T, D, eps, scale, BT: tl.constexpr, BD: tl.constexpr
+):
+    rows, rmask, cols, cmask, mask, offs = _row_tile(tl.program_id(0), T, D, BT, BD)
+    u = _key(q_ptr, g_ptr, cols, cmask)
+    v, o, r, s2, a, b = _merge_terms(o_ptr, lse_ptr, v_ptr, u, rows, rmask, offs, mask, D, eps)
     inv = scale / (a + b)
     h = (a * inv)[:, None] * o + (b * inv)[:, None] * v
     tl.store(out_ptr + offs, h.to(out_ptr.dtype.element_ty), mask=mask)
@@ -352,19 +358,9 @@ def depth_attn_merge_bwd_kernel(
     u = _key(q_ptr, g_ptr, cols, cmask)
     du = tl.zeros([BD], tl.float32)
     for tile in range(pid, n_tiles, nprog):
-        rows = tile * BT + tl.arange(0, BT)
-        rmask = rows < T
-        mask = rmask[:, None] & cmask[None, :]
-        offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        o = tl.load(o_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        rows, rmask, _cols, _cmask, mask, offs = _row_tile(tile, T, D, BT, BD)
+        v, o, r, s2, a, b = _merge_terms(o_ptr, lse_ptr, v_ptr, u, rows, rmask, offs, mask, D, eps)
         g = tl.load(gh_ptr + offs, mask=mask, other=0.0).to(tl.float32) * scale
-        lse = tl.load(lse_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
-        r = tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
-        s2 = tl.sum(v * u[None, :], axis=1) * r
-        m = tl.maximum(lse, s2)
-        a = tl.exp(lse - m)
-        b = tl.exp(s2 - m)
         w1 = a / (a + b)
         w2 = b / (a + b)
         t = w1 * w2 * tl.sum(g * (v - o), axis=1)  # d loss / d s2 (= -d loss / d lse)
