@@ -195,12 +195,9 @@ def _coeffs_gemm(X, PHI, rows, rmask, T, K, M, cpp, cpp_ok, cr_col, cr_ok,
 
 
 @triton.jit
-def _coeffs_tile(X, PHI, ALPHA, T, K, M, eps, N: tl.constexpr, NP: tl.constexpr, PP: tl.constexpr, BT: tl.constexpr,
-                 BK: tl.constexpr, PREC: tl.constexpr, XEXACT: tl.constexpr):
-    """The program's ``BT`` tokens: the padded column layout, ``x @ φ`` (pre/post and res parts), the inverse RMS
-    ``r`` and the three α. Returns ``(rows, rmask, cpp, cpp_ok, cr_ok, cr_col, acc_pp, acc_r, r, a0, a1, a2)``."""
-    rows = tl.program_id(0) * BT + tl.arange(0, BT)
-    rmask = rows < T
+def _coeff_columns(N: tl.constexpr, NP: tl.constexpr, PP: tl.constexpr):
+    """The padded column layout: pre/post columns ``cpp`` (valid ``< 2N``) and res columns ``cr = i·NP + j`` (valid
+    for ``i, j < N``) with their φ / bias column ``cr_col = 2N + i·N + j``."""
     cpp = tl.arange(0, PP)
     cpp_ok = cpp < 2 * N
     cr = tl.arange(0, NP * NP)
@@ -208,6 +205,17 @@ def _coeffs_tile(X, PHI, ALPHA, T, K, M, eps, N: tl.constexpr, NP: tl.constexpr,
     rj = cr % NP
     cr_ok = (ri < N) & (rj < N)
     cr_col = 2 * N + ri * N + rj
+    return cpp, cpp_ok, cr, cr_ok, cr_col
+
+
+@triton.jit
+def _coeffs_tile(X, PHI, ALPHA, T, K, M, eps, N: tl.constexpr, NP: tl.constexpr, PP: tl.constexpr, BT: tl.constexpr,
+                 BK: tl.constexpr, PREC: tl.constexpr, XEXACT: tl.constexpr):
+    """The program's ``BT`` tokens: the padded column layout, ``x @ φ`` (pre/post and res parts), the inverse RMS
+    ``r`` and the three α. Returns ``(rows, rmask, cpp, cpp_ok, cr_ok, cr_col, acc_pp, acc_r, r, a0, a1, a2)``."""
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    rmask = rows < T
+    cpp, cpp_ok, cr, cr_ok, cr_col = _coeff_columns(N, NP, PP)
     acc_pp, acc_r, ss = _coeffs_gemm(X, PHI, rows, rmask, T, K, M, cpp, cpp_ok, cr_col, cr_ok, BT, BK, PP, NP, PREC, XEXACT)
     r = 1.0 / tl.sqrt(ss / K + eps)
     a0 = tl.load(ALPHA).to(tl.float32)
@@ -300,13 +308,7 @@ def mhc_coeffs_bwd_kernel_x(X, PHI, GZ, CX, GX, GPHI_PART, T, K, M, blocks_per_s
     seg = tl.program_id(1)
     ks = kb * BK + tl.arange(0, BK)
     kmask = ks < K
-    cpp = tl.arange(0, PP)
-    cpp_ok = cpp < 2 * N
-    cr = tl.arange(0, NP * NP)
-    ri = cr // NP
-    rj = cr % NP
-    cr_ok = (ri < N) & (rj < N)
-    cr_col = 2 * N + ri * N + rj
+    cpp, cpp_ok, cr, cr_ok, cr_col = _coeff_columns(N, NP, PP)
     prow = PHI + ks.to(tl.int64)[:, None] * M
     p1 = tl.load(prow + cpp[None, :], mask=kmask[:, None] & cpp_ok[None, :], other=0.0).to(tl.float32)
     p2 = tl.load(prow + cr_col[None, :], mask=kmask[:, None] & cr_ok[None, :], other=0.0).to(tl.float32)
