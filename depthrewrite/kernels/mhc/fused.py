@@ -551,6 +551,20 @@ def mhc_post_bwd_kernel(X, RES, POST, Y, GO, GX, GRES, GPOST, GY, T, D, N: tl.co
     tl.store(GPOST + r64[:, None] * N + i[None, :], gpost, mask=rmask[:, None] & imask[None, :])
 
 
+def _pre_inputs(X: torch.Tensor, pre: torch.Tensor):
+    """``(n, D, T, x [T, n, D], pre [T, n])``, contiguous, for the apply kernels."""
+    n, D = X.shape[-2], X.shape[-1]
+    x = X.contiguous().reshape(-1, n, D)
+    T = x.shape[0]
+    return n, D, T, x, pre.contiguous().reshape(T, n)
+
+
+def _post_inputs(X: torch.Tensor, res: torch.Tensor, post: torch.Tensor, y: torch.Tensor):
+    """``(n, D, T, x [T, n, D], res [T, n, n], post [T, n], y [T, D])``, contiguous, for the apply kernels."""
+    n, D, T, x, p = _pre_inputs(X, post)
+    return n, D, T, x, res.contiguous().reshape(T, n, n), p, y.contiguous().reshape(T, D)
+
+
 def mhc_pre_fwd(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """u = Σ_i pre_i X_i, one read of X.
 
@@ -560,10 +574,7 @@ def mhc_pre_fwd(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     Returns:
         u ``[..., D]`` in X's dtype.
     """
-    n, D = X.shape[-2], X.shape[-1]
-    x = X.contiguous().reshape(-1, n, D)
-    T = x.shape[0]
-    w = pre.contiguous().reshape(T, n)
+    n, D, T, x, w = _pre_inputs(X, pre)
     u = torch.empty(T, D, device=X.device, dtype=X.dtype)
     NP, BT, BD = apply_blocks(T, D, n)
     mhc_pre_fwd_kernel[(triton.cdiv(T, BT), triton.cdiv(D, BD))](x, w, u, T, D, N=n, NP=NP, BT=BT, BD=BD, num_warps=4)
@@ -579,10 +590,7 @@ def mhc_pre_bwd(X: torch.Tensor, pre: torch.Tensor, gu: torch.Tensor) -> tuple[t
     Returns:
         (grad X = pre ⊗ gu in X's dtype, grad pre = ⟨gu, X_i⟩ in pre's dtype); per-token reductions over D.
     """
-    n, D = X.shape[-2], X.shape[-1]
-    x = X.contiguous().reshape(-1, n, D)
-    T = x.shape[0]
-    w = pre.contiguous().reshape(T, n)
+    n, D, T, x, w = _pre_inputs(X, pre)
     g = gu.contiguous().reshape(T, D)
     gx = torch.empty_like(x)
     gw = torch.empty(T, n, device=X.device, dtype=torch.float32)
@@ -600,12 +608,7 @@ def mhc_post_fwd(X: torch.Tensor, res: torch.Tensor, post: torch.Tensor, y: torc
     Returns:
         X' ``[..., n, D]`` in X's dtype (fp32 accumulation).
     """
-    n, D = X.shape[-2], X.shape[-1]
-    x = X.contiguous().reshape(-1, n, D)
-    T = x.shape[0]
-    r = res.contiguous().reshape(T, n, n)
-    p = post.contiguous().reshape(T, n)
-    yy = y.contiguous().reshape(T, D)
+    n, D, T, x, r, p, yy = _post_inputs(X, res, post, y)
     out = torch.empty_like(x)
     NP, BT, BD = apply_blocks(T, D, n)
     mhc_post_fwd_kernel[(triton.cdiv(T, BT), triton.cdiv(D, BD))](
@@ -626,12 +629,7 @@ def mhc_post_bwd(
         (grad X = H_resᵀ gX' in X's dtype, grad res ``[j, i] = ⟨gX'_j, X_i⟩``, grad post ``[j] = ⟨gX'_j, y⟩``,
         grad y = Σ_j post_j gX'_j), each in its input's dtype; the coefficient grads are per-token reductions over D.
     """
-    n, D = X.shape[-2], X.shape[-1]
-    x = X.contiguous().reshape(-1, n, D)
-    T = x.shape[0]
-    r = res.contiguous().reshape(T, n, n)
-    p = post.contiguous().reshape(T, n)
-    yy = y.contiguous().reshape(T, D)
+    n, D, T, x, r, p, yy = _post_inputs(X, res, post, y)
     go = gout.contiguous().reshape(T, n, D)
     gx = torch.empty_like(x)
     gy = torch.empty_like(yy)
