@@ -235,6 +235,21 @@ def _dz(gh, Zr, gsr, dp0, dp1, dp2, dp3, cz, phiT, cols, cm, D, r: tl.constexpr,
 
 
 @triton.jit
+def _mix_chunk(
+    srcs, A0, A1, A2, A3, kk, wp, rows, tpos, row_ok, d0, D,
+    NSRC: tl.constexpr, M: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr,
+    KMAX: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, CONV_VALUES: tl.constexpr,
+):  # fmt: skip
+    """The D chunk at ``d0``: its columns, their mask and :func:`_mix` on it."""
+    cols = d0 + tl.arange(0, BD)
+    cm = cols < D
+    Z0, Z1, Z2, Z3 = _mix(
+        srcs, A0, A1, A2, A3, kk, wp, rows, tpos, row_ok, cols, cm, D, NSRC, M, K1, K2, K3, KMAX, BT, BD, CONV_VALUES
+    )
+    return cols, cm, Z0, Z1, Z2, Z3
+
+
+@triton.jit
 def _grad_mix(
     srcs, gh, A0, A1, A2, A3, kk, wp, rows, tpos, row_ok, cols, cm, D,
     NSRC: tl.constexpr, M: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr,
@@ -277,13 +292,9 @@ def _mixer_stats(
     p0, p1, p2, p3 = _zeros4v(BT)
     q0, q1, q2, q3 = _zeros4v(BT)
     for d0 in range(0, D, BD):
-        cols = d0 + tl.arange(0, BD)
-        cm = cols < D
-        Z0, Z1, Z2, Z3 = _mix(
-            srcs,
-            A0, A1, A2, A3, kk, wp, rows, tpos, row_ok, cols, cm, D,
-            NSRC, M, K1, K2, K3, KMAX, BT, BD, CONV_VALUES,
-        )  # fmt: skip
+        cols, cm, Z0, Z1, Z2, Z3 = _mix_chunk(
+            srcs, A0, A1, A2, A3, kk, wp, rows, tpos, row_ok, d0, D, NSRC, M, K1, K2, K3, KMAX, BT, BD, CONV_VALUES
+        )
         zz += tl.sum(Z0 * Z0, axis=1)
         if M > 1:
             zz += tl.sum(Z1 * Z1, axis=1)
@@ -397,13 +408,9 @@ def msar_fwd_kernel(
         g2 = g0
         g3 = g0
     for d0 in range(0, D, BD):
-        cols = d0 + tl.arange(0, BD)
-        cm = cols < D
-        Z0, Z1, Z2, Z3 = _mix(
-            srcs,
-            A0, A1, A2, A3, kk, wp, rows, tpos, row_ok, cols, cm, D,
-            NSRC, M, K1, K2, K3, KMAX, BT, BD, CONV_VALUES,
-        )  # fmt: skip
+        cols, cm, Z0, Z1, Z2, Z3 = _mix_chunk(
+            srcs, A0, A1, A2, A3, kk, wp, rows, tpos, row_ok, d0, D, NSRC, M, K1, K2, K3, KMAX, BT, BD, CONV_VALUES
+        )
         h = g0[:, None] * Z0
         if M > 1:
             h += g1[:, None] * Z1
