@@ -19,6 +19,12 @@ runs its Triton kernel only if the call is also one the kernel covers, which inc
 Set it with ``DEPTHREWRITE_KERNELS=auto|triton|reference``, :func:`set_kernel_backend`, or the
 :func:`kernel_backend` context manager. Kernel modules also describe themselves with :func:`register_kernel_info`,
 which is what ``depthrewrite.explain()`` prints.
+
+Every op routes a call with :func:`route`: the backend decision above, then the op's own gate ``covers(...)`` (in
+``<op>/limits.py``, Triton-free), which returns ``None`` when the fused kernel takes the call and otherwise the
+reason it does not. :func:`last_routes` keeps, per op, what its last call ran and why, for ``explain()``.
+
+This module imports no op package (the op packages import it): the dependency is one-way.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +54,11 @@ __all__ = [
     "interpreting",
     "register_kernel_info",
     "kernel_info",
+    "backend_reason",
+    "route",
+    "Route",
+    "last_routes",
+    "dtype_reason",
 ]
 
 BACKENDS = ("auto", "triton", "reference")
@@ -193,7 +204,60 @@ def register_kernel_info(info: KernelInfo) -> KernelInfo:
 
 
 def kernel_info() -> dict[str, KernelInfo]:
-    """Every registered op's kernel description, by op name (imports all kernel modules first)."""
-    from . import depth_attn, mhc, moda, msar  # noqa: F401  - importing registers them
-
+    """Every registered op's kernel description, by op name: the op packages imported so far (importing
+    ``depthrewrite.kernels.<op>`` registers it; :func:`depthrewrite.kernels.all_kernel_info` imports all four)."""
     return dict(_INFO)
+
+
+def dtype_reason(*tensors: torch.Tensor | None, what: str = "inputs") -> str | None:
+    """``None`` when :func:`kernel_dtypes_ok` holds for ``tensors``, else the reason (for the ops' ``covers``)."""
+    ts = [t for t in tensors if t is not None]
+    for t in ts:
+        if t.dtype not in KERNEL_DTYPES:
+            return f"{str(t.dtype).removeprefix('torch.')} {what} (the kernels take fp32/bf16/fp16)"
+        if t.dtype == torch.bfloat16 and not t.is_cuda:
+            return f"bf16 CPU {what} (Triton's interpreter has no bf16)"
+    return None
+
+
+def backend_reason(op: str, *tensors: torch.Tensor | None) -> str | None:
+    """``None`` when :func:`decide` picks Triton for these tensors, else why it picks the reference (raises as
+    :func:`decide` does when the forced ``"triton"`` backend cannot run)."""
+    if decide(op, *tensors) != "reference":
+        return None
+    mode = get_kernel_backend()
+    if mode == "reference":
+        return "kernel backend 'reference'"
+    ts = [t for t in tensors if t is not None]
+    if not ts or not all(t.is_cuda for t in ts):
+        return "CPU tensors under the 'auto' backend (DEPTHREWRITE_KERNELS=triton with TRITON_INTERPRET=1 runs them)"
+    if not triton_available():
+        return "triton does not import"
+    return "a GPU the kernels were not written for (ROCm, or compute capability below 8.0)"
+
+
+@dataclass(frozen=True)
+class Route:
+    """What one call of a registered op ran: ``impl`` is ``"triton"``, ``"triton-interpreter"`` or ``"reference"``;
+    ``reason`` says why it is the reference (``None`` when fused)."""
+
+    impl: str
+    reason: str | None = None
+
+
+_ROUTES: dict[str, Route] = {}
+
+
+def route(op: str, tensors: tuple, covers: Callable[[], str | None]) -> bool:
+    """Whether the op named ``op`` runs its fused kernel on this call: the backend decision (:func:`decide` on
+    ``tensors``), then the op's gate (``covers()``, evaluated only when the backend picks Triton). The outcome and
+    the fallback reason are recorded for :func:`last_routes`."""
+    how = decide(op, *tensors)
+    why = backend_reason(op, *tensors) if how == "reference" else covers()
+    _ROUTES[op] = Route(how if why is None else "reference", why)
+    return why is None
+
+
+def last_routes() -> dict[str, Route]:
+    """Per op name, what its last call in this process ran and why (see :func:`route`)."""
+    return dict(_ROUTES)

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from ..backend import GraphRecord, records_for
-from ..kernels.dispatch import get_kernel_backend, interpreting, kernel_info, triton_available, triton_supported_device
+from ..kernels import all_kernel_info as kernel_info
+from ..kernels.dispatch import get_kernel_backend, interpreting, last_routes, triton_available, triton_supported_device
 
 __all__ = ["explain", "Explanation", "implementation_of"]
 
@@ -72,6 +73,18 @@ class Explanation:
                 ops.update(a.depth_ops)
         return {op: implementation_of(op, self.device) for op in sorted(ops)}
 
+    def routes(self) -> dict[str, str]:
+        """op -> what its last call in this process ran and, for a fallback, why (the op's ``covers`` gate or the
+        backend decision; :func:`depthrewrite.kernels.dispatch.last_routes`), for the depth ops of these graphs that
+        have run."""
+        seen = last_routes()
+        out = {}
+        for op in self.kernels():
+            r = seen.get(f"depthrewrite::{op}")
+            if r is not None:
+                out[op] = r.impl if r.reason is None else f"{r.impl}: {r.reason}"
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         return dict(
             model=self.model,
@@ -81,6 +94,7 @@ class Explanation:
             graph_breaks=self.graph_breaks,
             break_reasons=list(self.break_reasons),
             kernels=self.kernels(),
+            last_calls=self.routes(),
             graphs=[
                 dict(
                     index=g.index,
@@ -148,6 +162,10 @@ class Explanation:
             if fused:
                 lines.append("what each fused kernel fuses:")
                 lines += [f"  {op:<{width}}  {text}" for op, text in fused.items()]
+            routes = self.routes()
+            if routes:
+                lines.append("last call of each op (what ran; why a call fell back):")
+                lines += [f"  {op:<{width}}  {text}" for op, text in routes.items()]
         return "\n".join(lines)
 
     def _repr_pretty_(self, p, cycle):  # IPython

@@ -171,7 +171,8 @@ def test_the_kernels_run_and_do_not_fall_back(monkeypatch):
     from depthrewrite.kernels.depth_attn import fused
 
     calls = []
-    for name in ("_fwd_kernel", "_stats_kernel", "_multi_fwd_kernel", "_multi_bwd_kernel", "_merge_fwd_kernel"):
+    for name in ("depth_attn_fwd_kernel", "depth_attn_stats_kernel", "depth_attn_partial_fwd_kernel",
+                 "depth_attn_bwd_kernel_multi", "depth_attn_merge_fwd_kernel"):  # fmt: skip
         kernel = getattr(fused, name)
 
         class Spy:
@@ -186,9 +187,10 @@ def test_the_kernels_run_and_do_not_fall_back(monkeypatch):
         depth_attn(src, _rand(8), _rand(8), 1e-6, 1.0).sum().backward()
         o, lse = depth_attn_partial(src[:3], _rand(2, 8), _rand(2, 8), 1e-6)
         depth_attn_merge(o[0], lse[0], src[3], _rand(8), _rand(8), 1e-6, 4.0)
-    assert calls == ["_fwd_kernel"] * 2 + ["_stats_kernel", "_stats_kernel", "_multi_bwd_kernel", "_multi_bwd_kernel"] + [
-        "_multi_fwd_kernel",
-        "_merge_fwd_kernel",
+    assert calls == ["depth_attn_fwd_kernel"] * 2 + ["depth_attn_stats_kernel", "depth_attn_stats_kernel",
+                                                     "depth_attn_bwd_kernel_multi", "depth_attn_bwd_kernel_multi"] + [
+        "depth_attn_partial_fwd_kernel",
+        "depth_attn_merge_fwd_kernel",
     ]
 
 

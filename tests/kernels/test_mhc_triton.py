@@ -65,7 +65,7 @@ def calls(monkeypatch):
     """Counts the fused launcher calls (to tell the kernel path from the fallback)."""
     from depthrewrite.kernels.mhc import fused
 
-    names = ("coeffs_forward", "coeffs_backward", "pre_forward", "pre_backward", "post_forward", "post_backward")
+    names = ("mhc_coeffs_fwd", "mhc_coeffs_bwd", "mhc_pre_fwd", "mhc_pre_bwd", "mhc_post_fwd", "mhc_post_bwd")
     return spy_calls(monkeypatch, fused, names)
 
 
@@ -87,7 +87,7 @@ def test_coeffs_forward_and_grads(n, D, lead, iters, dtype, calls):
         want, gwant = _grads(f, (X, phi, bias, alpha))
     with kernel_backend("triton"):
         got, ggot = _grads(f, (X, phi, bias, alpha))
-    assert calls == ["coeffs_forward", "coeffs_backward"]
+    assert calls == ["mhc_coeffs_fwd", "mhc_coeffs_bwd"]
     _close(got, want, TOL[dtype]["fwd"])
     _close(ggot, gwant, TOL[dtype]["grad"])
     torch.testing.assert_close(got[2].sum(-1), torch.ones_like(got[2].sum(-1)), atol=1e-5, rtol=0)
@@ -121,7 +121,7 @@ def test_coeffs_backward_token_segments():
     g = torch.Generator().manual_seed(1)
     cot = [torch.randn(o.shape, generator=g).to(DEV) for o in (pre, post, res)]
     for segments in (1, 2, 3):
-        got = fused.coeffs_backward(X, phi, bias, alpha, *cot, ITERS, EPS, segments=segments)
+        got = fused.mhc_coeffs_bwd(X, phi, bias, alpha, *cot, ITERS, EPS, segments=segments)
         _close(got, want, TOL[torch.float32]["grad"])
 
 
@@ -149,7 +149,7 @@ def test_apply_forward_and_grads(n, D, lead, dtype, calls):
             got, ggot = _grads(op, args)
         _close(got, want, TOL[dtype]["fwd"])
         _close(ggot, gwant, TOL[dtype]["grad"])
-    assert calls == ["pre_forward", "pre_backward", "post_forward", "post_backward"]
+    assert calls == ["mhc_pre_fwd", "mhc_pre_bwd", "mhc_post_fwd", "mhc_post_bwd"]
 
 
 def test_fallbacks_are_silent_and_exact(calls):

@@ -292,11 +292,11 @@ for dt, d, G, mk in [("bf16", 128, 4, 0), ("bf16", 64, 4, 1), ("fp16", 128, 3, 2
     io = dict(Q=P, K=P, V=P, KD=P, VD=P, LAM="*fp32", MASK=mptr, LSE="*fp32", DELTA="*fp32", DO=P, DQ=P, DKD=P,
               DVD=P, DLAM="*fp32", DS="*fp32", DK=P, DV=P)
     stacks = [
-        build(F._moda_fwd, dict(io, O=P), dict(com, BMT=c["fwd_BMT"], BN=c["fwd_BN"], HAS_LAM=True, STATS_ONLY=False),
+        build(F.moda_attn_fwd_kernel, dict(io, O=P), dict(com, BMT=c["fwd_BMT"], BN=c["fwd_BN"], HAS_LAM=True, STATS_ONLY=False),
               c["fwd_warps"], c["fwd_stages"]),
-        build(F._moda_bwd_dq, io, dict(com, BMT=c["dq_BMT"], BN=c["dq_BN"], HAS_LAM=True, STORE_DS=mk == 2),
+        build(F.moda_attn_bwd_kernel_dq, io, dict(com, BMT=c["dq_BMT"], BN=c["dq_BN"], HAS_LAM=True, STORE_DS=mk == 2),
               c["dq_warps"], c["dq_stages"]),
-        build(F._moda_bwd_dkdv, io, dict(com, BMT=c["kv_BMT"], BN=c["kv_BN"]), c["kv_warps"], c["kv_stages"]),
+        build(F.moda_attn_bwd_kernel_dkdv, io, dict(com, BMT=c["kv_BMT"], BN=c["kv_BN"]), c["kv_warps"], c["kv_stages"]),
     ]
     assert stacks == [0, 0, 0], (dt, d, G, mk, stacks)
 print("ok")

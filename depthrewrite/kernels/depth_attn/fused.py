@@ -1,29 +1,29 @@
 """Fused Triton kernels for the depth-attention ops (AttnRes / Block AttnRes), forward and backward.
 
-Imported lazily by :mod:`.op`, only when :func:`depthrewrite.kernels.dispatch.use_triton` says so (``@triton.jit``
+Imported lazily by :mod:`.op`, only when :func:`depthrewrite.kernels.dispatch.route` picks the kernel (``@triton.jit``
 reads ``TRITON_INTERPRET`` when it decorates, and CPU users must not pay for importing Triton).
 
-Kernels (all statistics, softmax and accumulation in fp32; sources are read through up to ``MAX_SOURCES`` separate
-pointer arguments, never ``torch.stack``-ed):
+Kernels (all statistics, softmax and accumulation in fp32; the sources are one tuple argument of up to
+``limits.MAX_SOURCES`` pointers per launch, never ``torch.stack``-ed). The ops are documented in :mod:`.reference`.
 
-- ``_fwd_kernel`` — ``depth_attn`` forward. One program per block of ``BT`` tokens with the whole row
+- ``depth_attn_fwd_kernel`` — ``depth_attn`` forward. One program per block of ``BT`` tokens with the whole row
   (``BD = next_power_of_2(D)``) on chip; an online softmax over the sources reads each source exactly once and
   keeps the fp32 accumulator in registers. More than ``MAX_SOURCES`` sources: consecutive launches carry the
   online-softmax state (running max, denominator ``[T]`` and accumulator ``[T, D]``, fp32) through scratch.
-- ``_multi_fwd_kernel`` — ``depth_attn_partial`` forward: S queries against the same sources. D is processed in
-  chunks: pass 1 reads the token block's sources once for all S queries (sum of squares and S dot products per
-  source), the S softmaxes are formed on chip, pass 2 re-reads the same sources (the block is sized to still be in
-  L2) and writes ``o`` and ``lse``.
-- ``_multi_bwd_kernel`` — backward of ``depth_attn_partial`` and of ``depth_attn`` (the case S = 1, no ``lse``).
-  Persistent grid; pass 1 recomputes scores, weights and ``go·v`` from the sources, pass 2 writes every source's
-  gradient and accumulates the query-gradient ``du = Σ_t Σ_i ds_i r_i v_i`` into one fp32 row per program
+- ``depth_attn_partial_fwd_kernel`` — ``depth_attn_partial`` forward: S queries against the same sources. D is
+  processed in chunks: pass 1 reads the token block's sources once for all S queries (sum of squares and S dot
+  products per source), the S softmaxes are formed on chip, pass 2 re-reads the same sources (the block is sized to
+  still be in L2) and writes ``o`` and ``lse``.
+- ``depth_attn_bwd_kernel_multi`` — backward of ``depth_attn_partial`` and of ``depth_attn`` (the case S = 1, no
+  ``lse``). Persistent grid; pass 1 recomputes scores, weights and ``go·v`` from the sources, pass 2 writes every
+  source's gradient and accumulates the query-gradient ``du = Σ_t Σ_i ds_i r_i v_i`` into one fp32 row per program
   (read-modify-write of the program's own row, no atomics); the rows are summed with torch.
-- ``_stats_kernel`` — more than ``MAX_SOURCES`` sources in the two D-chunked kernels: pass 1 per chunk of sources
-  writes per-token scores (and ``go·v``) to ``[S, K, T]`` fp32 scratch; torch forms the softmax and the per-source
-  coefficients on these small tensors; ``_multi_fwd_kernel`` / ``_multi_bwd_kernel`` then run pass 2 per chunk
-  (``FUSED=False``).
-- ``_merge_fwd_kernel`` / ``_merge_bwd_kernel`` — ``depth_attn_merge``: one extra source merged by log-sum-exp.
-  Whole row on chip; the backward is persistent with a per-program fp32 ``du`` row in registers.
+- ``depth_attn_stats_kernel`` — more than ``MAX_SOURCES`` sources in the two D-chunked kernels: pass 1 per chunk of
+  sources writes per-token scores (and ``go·v``) to ``[S, K, T]`` fp32 scratch; torch forms the softmax and the
+  per-source coefficients on these small tensors; ``depth_attn_partial_fwd_kernel`` / ``depth_attn_bwd_kernel_multi``
+  then run pass 2 per chunk (``FUSED=False``).
+- ``depth_attn_merge_fwd_kernel`` / ``depth_attn_merge_bwd_kernel`` — ``depth_attn_merge``: one extra source merged
+  by log-sum-exp. Whole row on chip; the backward is persistent with a per-program fp32 ``du`` row in registers.
 
 Parameter gradients (queries, gains) are reduced over tokens as per-program fp32 partials, summed with torch
 (deterministic; no atomics).
@@ -35,7 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_utils import pow2
+from .._triton_utils import flat_rows, persistent_programs, pow2
+from .limits import MAX_ROW, MAX_SOURCES, chunk_config, row_config
 
 __all__ = [
     "MAX_SOURCES",
@@ -48,66 +49,45 @@ __all__ = [
     "depth_attn_merge_bwd",
 ]
 
-from .op import MAX_ROW, MAX_SOURCES  # pointer arguments per launch; largest D of the whole-row kernels
-
 
 # ---- kernels ------------------------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _pick(j: tl.constexpr, p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15):
-    """The j-th of 16 pointer arguments (``j`` is a compile-time constant, so this folds away)."""
-    p = p0
-    if j == 1:
-        p = p1
-    if j == 2:
-        p = p2
-    if j == 3:
-        p = p3
-    if j == 4:
-        p = p4
-    if j == 5:
-        p = p5
-    if j == 6:
-        p = p6
-    if j == 7:
-        p = p7
-    if j == 8:
-        p = p8
-    if j == 9:
-        p = p9
-    if j == 10:
-        p = p10
-    if j == 11:
-        p = p11
-    if j == 12:
-        p = p12
-    if j == 13:
-        p = p13
-    if j == 14:
-        p = p14
-    if j == 15:
-        p = p15
-    return p
+def _key(q_ptr, g_ptr, offs, mask):
+    """``u = gain ⊙ query`` in fp32 at ``offs``."""
+    return tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(g_ptr + offs, mask=mask, other=0.0).to(
+        tl.float32
+    )
 
 
 @triton.jit
-def _fwd_kernel(
-    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-    q_ptr, g_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
-    T, D, eps, scale,
-    NSRC: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-):  # fmt: skip
-    pid = tl.program_id(0)
-    rows = pid * BT + tl.arange(0, BT)
+def _row_tile(tile, T, D, BT: tl.constexpr, BD: tl.constexpr):
+    """Token block ``tile`` of a whole-row kernel: ``(rows, rmask, cols, cmask, mask, offs)`` of ``[BT, BD]``."""
+    rows = tile * BT + tl.arange(0, BT)
     cols = tl.arange(0, BD)
     rmask = rows < T
     cmask = cols < D
     mask = rmask[:, None] & cmask[None, :]
     offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
-    u = tl.load(q_ptr + cols, mask=cmask, other=0.0).to(tl.float32) * tl.load(g_ptr + cols, mask=cmask, other=0.0).to(
-        tl.float32
-    )
+    return rows, rmask, cols, cmask, mask, offs
+
+
+@triton.jit
+def _go_offsets(s_ar, rows, cols, T, D):
+    """Offsets of ``go [S, T, D]`` for queries ``s_ar``, tokens ``rows`` and columns ``cols``: ``[SP, BT, BDC]``."""
+    return (s_ar.to(tl.int64)[:, None, None] * T + rows.to(tl.int64)[None, :, None]) * D + cols[None, None, :]
+
+
+@triton.jit
+def depth_attn_fwd_kernel(
+    xs,
+    q_ptr, g_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
+    T, D, eps, scale,
+    NSRC: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+):  # fmt: skip
+    rows, rmask, cols, cmask, mask, offs = _row_tile(tl.program_id(0), T, D, BT, BD)
+    u = _key(q_ptr, g_ptr, cols, cmask)
     if FIRST:
         m = tl.full([BT], float("-inf"), tl.float32)
         den = tl.zeros([BT], tl.float32)
@@ -117,7 +97,7 @@ def _fwd_kernel(
         den = tl.load(l_ptr + rows, mask=rmask, other=1.0)
         acc = tl.load(acc_ptr + offs, mask=mask, other=0.0)
     for j in tl.static_range(NSRC):
-        src = _pick(j, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+        src = xs[j]
         v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
         r = tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
         s = tl.sum(v * u[None, :], axis=1) * r
@@ -138,7 +118,7 @@ def _fwd_kernel(
 
 @triton.jit
 def _scores(
-    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+    xs,
     q_ptr, g_ptr, go_ptr, gscale, rows, S, T, D,
     NSRC: tl.constexpr, HAS_GO: tl.constexpr, SP: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
     BDC: tl.constexpr,
@@ -158,18 +138,16 @@ def _scores(
         cmask = cols < D
         uoffs = s_ar[:, None] * D + cols[None, :]
         umask = smask[:, None] & cmask[None, :]
-        u = tl.load(q_ptr + uoffs, mask=umask, other=0.0).to(tl.float32) * tl.load(
-            g_ptr + uoffs, mask=umask, other=0.0
-        ).to(tl.float32)
+        u = _key(q_ptr, g_ptr, uoffs, umask)
         u3 = u[:, None, :]
         mask = rmask[:, None] & cmask[None, :]
         offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
         if HAS_GO:
-            goffs = (s_ar.to(tl.int64)[:, None, None] * T + rows.to(tl.int64)[None, :, None]) * D + cols[None, None, :]
+            goffs = _go_offsets(s_ar, rows, cols, T, D)
             gmask = smask[:, None, None] & mask[None, :, :]
             go = tl.load(go_ptr + goffs, mask=gmask, other=0.0).to(tl.float32) * gscale
         for j in tl.static_range(NSRC):
-            src = _pick(j, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+            src = xs[j]
             v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
             vb = v[None, :, :]
             ss += tl.where(k2 == j, tl.sum(v * v, axis=1)[:, None], 0.0)
@@ -198,8 +176,8 @@ def _offs2(rows, T, j0, NSRC: tl.constexpr, KP: tl.constexpr):
 
 
 @triton.jit
-def _stats_kernel(
-    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+def depth_attn_stats_kernel(
+    xs,
     q_ptr, g_ptr, go_ptr, gscale, ss_ptr, dot_ptr, gv_ptr,
     S, T, D, K_total, j0,
     NSRC: tl.constexpr, HAS_GO: tl.constexpr, SP: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
@@ -210,7 +188,7 @@ def _stats_kernel(
     rows = pid * BT + tl.arange(0, BT)
     s_ar = tl.arange(0, SP)
     ss, dot, gv = _scores(
-        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+        xs,
         q_ptr, g_ptr, go_ptr, gscale, rows, S, T, D,
         NSRC, HAS_GO, SP, KP, BT, BDC,
     )  # fmt: skip
@@ -223,8 +201,8 @@ def _stats_kernel(
 
 
 @triton.jit
-def _multi_fwd_kernel(
-    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+def depth_attn_partial_fwd_kernel(
+    xs,
     q_ptr, g_ptr, o_ptr, lse_ptr, p_ptr,
     S, T, D, eps, K_total, j0,
     NSRC: tl.constexpr, FUSED: tl.constexpr, ACCUM: tl.constexpr, SP: tl.constexpr, KP: tl.constexpr,
@@ -238,7 +216,7 @@ def _multi_fwd_kernel(
     k3 = tl.arange(0, KP)[None, None, :]
     if FUSED:
         ss, dot, gv = _scores(
-            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+            xs,
             q_ptr, g_ptr, q_ptr, 1.0, rows, S, T, D,
             NSRC, False, SP, KP, BT, BDC,
         )  # fmt: skip
@@ -250,7 +228,7 @@ def _multi_fwd_kernel(
         p = e / den[:, :, None]
         lse = m + tl.log(den)
         tl.store(lse_ptr + s_ar[:, None] * T + rows[None, :], lse, mask=smask[:, None] & rmask[None, :])
-    else:  # weights of this chunk of sources, from the scratch filled by _stats_kernel + torch
+    else:  # weights of this chunk of sources, from the scratch filled by depth_attn_stats_kernel + torch
         offs3, mask3 = _offs3(s_ar, rows, S, T, K_total, j0, NSRC, KP)
         p = tl.load(p_ptr + offs3, mask=mask3, other=0.0)
     for d0 in range(0, D, BDC):
@@ -260,7 +238,7 @@ def _multi_fwd_kernel(
         offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
         o = tl.zeros([SP, BT, BDC], tl.float32)
         for j in tl.static_range(NSRC):
-            src = _pick(j, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+            src = xs[j]
             v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
             pj = tl.sum(tl.where(k3 == j, p, 0.0), axis=2)  # [SP, BT]
             o += pj[:, :, None] * v[None, :, :]
@@ -272,9 +250,8 @@ def _multi_fwd_kernel(
 
 
 @triton.jit
-def _multi_bwd_kernel(
-    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-    dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15,
+def depth_attn_bwd_kernel_multi(
+    xs, dxs,
     q_ptr, g_ptr, go_ptr, glse_ptr, du_ptr, p_ptr, cu_ptr, cv_ptr,
     S, T, D, eps, gscale, n_tiles, K_total, j0,
     NSRC: tl.constexpr, FUSED: tl.constexpr, HAS_GLSE: tl.constexpr, SP: tl.constexpr, KP: tl.constexpr,
@@ -291,7 +268,7 @@ def _multi_bwd_kernel(
         rmask = rows < T
         if FUSED:
             ss, dot, gv = _scores(
-                x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                xs,
                 q_ptr, g_ptr, go_ptr, gscale, rows, S, T, D,
                 NSRC, True, SP, KP, BT, BDC,
             )  # fmt: skip
@@ -311,7 +288,7 @@ def _multi_bwd_kernel(
             ds = tl.where(smask[:, None, None], ds, 0.0)
             coef_u = ds * r[None, :, :]  # [SP, BT, KP]: coefficient of u_s in dv_i, and of v_i in du_s
             coef_v = r * r / D * tl.sum(ds * tl.where(valid, sc, 0.0), axis=0)  # [BT, KP]: coefficient of -v_i
-        else:  # coefficients of this chunk of sources, from the scratch filled by _stats_kernel + torch
+        else:  # coefficients of this chunk of sources, from the scratch filled by depth_attn_stats_kernel + torch
             offs3, mask3 = _offs3(s_ar, rows, S, T, K_total, j0, NSRC, KP)
             p = tl.load(p_ptr + offs3, mask=mask3, other=0.0)
             coef_u = tl.load(cu_ptr + offs3, mask=mask3, other=0.0)
@@ -325,16 +302,14 @@ def _multi_bwd_kernel(
             offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
             uoffs = s_ar[:, None] * D + cols[None, :]
             umask = smask[:, None] & cmask[None, :]
-            u = tl.load(q_ptr + uoffs, mask=umask, other=0.0).to(tl.float32) * tl.load(
-                g_ptr + uoffs, mask=umask, other=0.0
-            ).to(tl.float32)
-            goffs = (s_ar.to(tl.int64)[:, None, None] * T + rows.to(tl.int64)[None, :, None]) * D + cols[None, None, :]
+            u = _key(q_ptr, g_ptr, uoffs, umask)
+            goffs = _go_offsets(s_ar, rows, cols, T, D)
             go = tl.load(go_ptr + goffs, mask=smask[:, None, None] & mask[None, :, :], other=0.0).to(tl.float32)
             go = go * gscale
             du = tl.zeros([SP, BDC], tl.float32)
             for j in tl.static_range(NSRC):
-                src = _pick(j, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
-                dst = _pick(j, dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
+                src = xs[j]
+                dst = dxs[j]
                 v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
                 pj = tl.sum(tl.where(k3 == j, p, 0.0), axis=2)  # [SP, BT]
                 cu = tl.sum(tl.where(k3 == j, coef_u, 0.0), axis=2)  # [SP, BT]
@@ -347,34 +322,32 @@ def _multi_bwd_kernel(
 
 
 @triton.jit
-def _merge_fwd_kernel(
-    o_ptr, lse_ptr, v_ptr, q_ptr, g_ptr, out_ptr, T, D, eps, scale, BT: tl.constexpr, BD: tl.constexpr
-):
-    pid = tl.program_id(0)
-    rows = pid * BT + tl.arange(0, BT)
-    cols = tl.arange(0, BD)
-    rmask = rows < T
-    cmask = cols < D
-    mask = rmask[:, None] & cmask[None, :]
-    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
-    u = tl.load(q_ptr + cols, mask=cmask, other=0.0).to(tl.float32) * tl.load(g_ptr + cols, mask=cmask, other=0.0).to(
-        tl.float32
-    )
+def _merge_terms(o_ptr, lse_ptr, v_ptr, u, rows, rmask, offs, mask, D, eps):
+    """One token block of the merge: the last source ``v`` and partial mix ``o`` (fp32), ``v``'s inverse RMS ``r``
+    and score ``s2``, and the unnormalised weights ``a = e^{lse-m}``, ``b = e^{s2-m}`` of ``o`` and ``v``."""
     v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     o = tl.load(o_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     lse = tl.load(lse_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     r = tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
     s2 = tl.sum(v * u[None, :], axis=1) * r
     m = tl.maximum(lse, s2)
-    a = tl.exp(lse - m)
-    b = tl.exp(s2 - m)
+    return v, o, r, s2, tl.exp(lse - m), tl.exp(s2 - m)
+
+
+@triton.jit
+def depth_attn_merge_fwd_kernel(
+    o_ptr, lse_ptr, v_ptr, q_ptr, g_ptr, out_ptr, T, D, eps, scale, BT: tl.constexpr, BD: tl.constexpr
+):
+    rows, rmask, cols, cmask, mask, offs = _row_tile(tl.program_id(0), T, D, BT, BD)
+    u = _key(q_ptr, g_ptr, cols, cmask)
+    v, o, r, s2, a, b = _merge_terms(o_ptr, lse_ptr, v_ptr, u, rows, rmask, offs, mask, D, eps)
     inv = scale / (a + b)
     h = (a * inv)[:, None] * o + (b * inv)[:, None] * v
     tl.store(out_ptr + offs, h.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _merge_bwd_kernel(
+def depth_attn_merge_bwd_kernel(
     gh_ptr, o_ptr, lse_ptr, v_ptr, q_ptr, g_ptr, go_ptr, glse_ptr, gv_ptr, du_ptr,
     T, D, eps, scale, n_tiles, BT: tl.constexpr, BD: tl.constexpr,
 ):  # fmt: skip
@@ -382,24 +355,12 @@ def _merge_bwd_kernel(
     nprog = tl.num_programs(0)
     cols = tl.arange(0, BD)
     cmask = cols < D
-    u = tl.load(q_ptr + cols, mask=cmask, other=0.0).to(tl.float32) * tl.load(g_ptr + cols, mask=cmask, other=0.0).to(
-        tl.float32
-    )
+    u = _key(q_ptr, g_ptr, cols, cmask)
     du = tl.zeros([BD], tl.float32)
     for tile in range(pid, n_tiles, nprog):
-        rows = tile * BT + tl.arange(0, BT)
-        rmask = rows < T
-        mask = rmask[:, None] & cmask[None, :]
-        offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        o = tl.load(o_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        rows, rmask, _cols, _cmask, mask, offs = _row_tile(tile, T, D, BT, BD)
+        v, o, r, s2, a, b = _merge_terms(o_ptr, lse_ptr, v_ptr, u, rows, rmask, offs, mask, D, eps)
         g = tl.load(gh_ptr + offs, mask=mask, other=0.0).to(tl.float32) * scale
-        lse = tl.load(lse_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
-        r = tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
-        s2 = tl.sum(v * u[None, :], axis=1) * r
-        m = tl.maximum(lse, s2)
-        a = tl.exp(lse - m)
-        b = tl.exp(s2 - m)
         w1 = a / (a + b)
         w2 = b / (a + b)
         t = w1 * w2 * tl.sum(g * (v - o), axis=1)  # d loss / d s2 (= -d loss / d lse)
@@ -410,54 +371,6 @@ def _merge_bwd_kernel(
         tl.store(gv_ptr + offs, dv.to(gv_ptr.dtype.element_ty), mask=mask)
         du += tl.sum(cr[:, None] * v, axis=0)
     tl.store(du_ptr + pid * D + cols, du, mask=cmask)
-
-
-# ---- launch configuration -----------------------------------------------------------------------------------------
-
-
-def _warps(elems: int) -> int:
-    return 4 if elems <= 2048 else 8 if elems <= 8192 else 16
-
-
-def _programs(device: torch.device, n_tiles: int, per_sm: int = 4) -> int:
-    """Grid size of the persistent kernels: ``per_sm`` programs per multiprocessor (2 under the interpreter).
-
-    Each program owns one fp32 ``du`` row block (``[SP, D]``); fewer programs keep that buffer L2-resident.
-    """
-    if device.type == "cuda":
-        return max(1, min(n_tiles, per_sm * torch.cuda.get_device_properties(device).multi_processor_count))
-    return max(1, min(n_tiles, 2))
-
-
-def _row_config(device: torch.device, D: int) -> tuple[int, int, int]:
-    """(BT, BD, num_warps) of the whole-row kernels."""
-    bd = pow2(D)
-    bt = max(1, min(16, 2048 // bd)) if device.type == "cuda" else 2
-    return bt, bd, _warps(bt * bd)
-
-
-def _chunk_config(device: torch.device, S: int, K: int, D: int, T: int, elt: int) -> tuple[int, int, int, int, int]:
-    """(SP, KP, BT, BDC, num_warps) of the D-chunked kernels.
-
-    ``BT`` keeps one program's token block (``BT·K·D·elt`` bytes, read twice) small enough to stay in L2 between the
-    two passes; ``BDC`` keeps the ``[SP, BT, BDC]`` fp32 tiles at about 4096 elements.
-    """
-    sp, kp = pow2(S), pow2(K)
-    if device.type != "cuda":  # the interpreter: tiny blocks, so that small tests exercise every loop and mask
-        return sp, kp, 2, 16, 4
-    bt = 1
-    while bt < 16 and bt * 2 * K * D * elt <= 128 * 1024 and bt * 2 <= pow2(T):
-        bt *= 2
-    bdc = max(16, min(pow2(D), 4096 // (sp * bt), 1024))
-    return sp, kp, bt, bdc, _warps(sp * bt * bdc)
-
-
-def _ptrs(ts: list[torch.Tensor]) -> list[torch.Tensor]:
-    return ts + [ts[0]] * (MAX_SOURCES - len(ts))
-
-
-def _flat(t: torch.Tensor, D: int) -> torch.Tensor:
-    return t.contiguous().view(-1, D)
 
 
 # ---- launchers ----------------------------------------------------------------------------------------------------
@@ -482,13 +395,13 @@ def depth_attn_fwd(
     launch and token).
     """
     D = sources[0].shape[-1]
-    vs = [_flat(s, D) for s in sources]
+    vs = [flat_rows(s, D) for s in sources]
     T = vs[0].shape[0]
     out = torch.empty_like(vs[0])
     if T == 0:
         return out.view(sources[0].shape)
     q, g = query.contiguous(), gain.contiguous()
-    bt, bd, nw = _row_config(vs[0].device, D)
+    bt, bd, nw = row_config(vs[0].device, D)
     grid = (triton.cdiv(T, bt),)
     chunks = [vs[i : i + MAX_SOURCES] for i in range(0, len(vs), MAX_SOURCES)]
     if len(chunks) > 1:
@@ -498,8 +411,8 @@ def depth_attn_fwd(
     else:
         m = den = acc = out  # unused
     for c, chunk in enumerate(chunks):
-        _fwd_kernel[grid](
-            *_ptrs(chunk), q, g, out, m, den, acc, T, D, float(eps), float(scale),
+        depth_attn_fwd_kernel[grid](
+            tuple(chunk), q, g, out, m, den, acc, T, D, float(eps), float(scale),
             NSRC=len(chunk), FIRST=c == 0, LAST=c == len(chunks) - 1, BT=bt, BD=bd, num_warps=nw,
         )  # fmt: skip
     return out.view(sources[0].shape)
@@ -509,16 +422,8 @@ def _chunks(vs: list[torch.Tensor]) -> list[tuple[int, list[torch.Tensor]]]:
     return [(j0, vs[j0 : j0 + MAX_SOURCES]) for j0 in range(0, len(vs), MAX_SOURCES)]
 
 
-def _split_stats(
-    vs: list[torch.Tensor],
-    queries: torch.Tensor,
-    gains: torch.Tensor,
-    go: torch.Tensor | None,
-    gscale: float,
-    eps: float,
-    cfg: tuple[int, int, int, int, int],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """More than MAX_SOURCES sources: ``_stats_kernel`` per chunk, then ``(r [K, T], scores [S, K, T], gv)``."""
+def _split_stats(vs, queries, gains, go, gscale, eps, cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """More than MAX_SOURCES sources: ``depth_attn_stats_kernel`` per chunk, then ``(r [K, T], scores [S, K, T], gv)``."""
     S, D = queries.shape
     K, T = len(vs), vs[0].shape[0]
     sp, _, bt, bdc, nw = cfg
@@ -527,8 +432,8 @@ def _split_stats(
     dot = torch.empty(S, K, T, device=dev, dtype=torch.float32)
     gv = torch.empty_like(dot) if go is not None else None
     for j0, chunk in _chunks(vs):
-        _stats_kernel[(triton.cdiv(T, bt),)](
-            *_ptrs(chunk), queries, gains, go if go is not None else dot, float(gscale), ss, dot,
+        depth_attn_stats_kernel[(triton.cdiv(T, bt),)](
+            tuple(chunk), queries, gains, go if go is not None else dot, float(gscale), ss, dot,
             gv if gv is not None else dot, S, T, D, K, j0,
             NSRC=len(chunk), HAS_GO=go is not None, SP=sp, KP=pow2(len(chunk)), BT=bt, BDC=bdc, num_warps=nw,
         )  # fmt: skip
@@ -536,35 +441,27 @@ def _split_stats(
     return r, dot * r, gv
 
 
-def _multi_bwd(
-    go: torch.Tensor,
-    glse: torch.Tensor | None,
-    vs: list[torch.Tensor],
-    queries: torch.Tensor,
-    gains: torch.Tensor,
-    eps: float,
-    gscale: float,
-) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Launch ``_multi_bwd_kernel``; ``go`` ``[S, T, D]``, ``vs`` K tensors ``[T, D]``. Returns (dv list, du [S, D]).
+def _multi_bwd(go, glse, vs, queries, gains, eps, gscale) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Launch ``depth_attn_bwd_kernel_multi``; ``go`` ``[S, T, D]``, ``vs`` K tensors ``[T, D]``. Returns (dv list, du [S, D]).
 
-    ``K ≤ MAX_SOURCES``: one fused launch. More: ``_stats_kernel`` per chunk of sources (scores, ``go·v`` into
+    ``K ≤ MAX_SOURCES``: one fused launch. More: ``depth_attn_stats_kernel`` per chunk of sources (scores, ``go·v`` into
     ``[S, K, T]`` fp32 scratch), the softmax and the per-source coefficients with torch on those small tensors, then
-    ``_multi_bwd_kernel`` per chunk (FUSED=False) reading them.
+    ``depth_attn_bwd_kernel_multi`` per chunk (FUSED=False) reading them.
     """
     S, D = queries.shape
     K, T = len(vs), vs[0].shape[0]
     dvs = [torch.empty_like(v) for v in vs]
     if T == 0:
         return dvs, torch.zeros(S, D, device=go.device, dtype=torch.float32)
-    cfg = _chunk_config(go.device, S, min(K, MAX_SOURCES), D, T, vs[0].element_size())
+    cfg = chunk_config(go.device, S, min(K, MAX_SOURCES), D, T, vs[0].element_size())
     sp, kp, bt, bdc, nw = cfg
     n_tiles = triton.cdiv(T, bt)
-    nprog = _programs(go.device, n_tiles, per_sm=4 if sp == 1 else 2)  # du rows: nprog·SP·D fp32
+    nprog = persistent_programs(go.device, n_tiles, per_sm=4 if sp == 1 else 2)  # du rows: nprog·SP·D fp32
     du = torch.zeros(nprog, sp, D, device=go.device, dtype=torch.float32)
     glse_arg = glse if glse is not None else go
     if K <= MAX_SOURCES:
-        _multi_bwd_kernel[(nprog,)](
-            *_ptrs(vs), *_ptrs(dvs), queries, gains, go, glse_arg, du, go, go, go,
+        depth_attn_bwd_kernel_multi[(nprog,)](
+            tuple(vs), tuple(dvs), queries, gains, go, glse_arg, du, go, go, go,
             S, T, D, float(eps), float(gscale), n_tiles, K, 0,
             NSRC=K, FUSED=True, HAS_GLSE=glse is not None, SP=sp, KP=kp, BT=bt, BDC=bdc, num_warps=nw,
         )  # fmt: skip
@@ -578,8 +475,8 @@ def _multi_bwd(
     cu = (ds * r).contiguous()
     cv = (r * r / D * (ds * sc).sum(0)).contiguous()
     for j0, chunk in _chunks(vs):
-        _multi_bwd_kernel[(nprog,)](
-            *_ptrs(chunk), *_ptrs(dvs[j0 : j0 + len(chunk)]), queries, gains, go, glse_arg, du, p, cu, cv,
+        depth_attn_bwd_kernel_multi[(nprog,)](
+            tuple(chunk), tuple(dvs[j0 : j0 + len(chunk)]), queries, gains, go, glse_arg, du, p, cu, cv,
             S, T, D, float(eps), float(gscale), n_tiles, K, j0,
             NSRC=len(chunk), FUSED=False, HAS_GLSE=glse is not None, SP=sp, KP=pow2(len(chunk)), BT=bt, BDC=bdc,
             num_warps=nw,
@@ -587,14 +484,7 @@ def _multi_bwd(
     return dvs, du.sum(0)[:S]
 
 
-def depth_attn_bwd(
-    grad: torch.Tensor,
-    sources: list[torch.Tensor],
-    query: torch.Tensor,
-    gain: torch.Tensor,
-    eps: float,
-    scale: float,
-) -> list[torch.Tensor]:
+def depth_attn_bwd(grad, sources, query, gain, eps, scale) -> list[torch.Tensor]:
     """``depth_attn`` backward (any K ≥ 1; more than ``MAX_SOURCES`` sources go through the split path of
     :func:`_multi_bwd`).
 
@@ -610,8 +500,8 @@ def depth_attn_bwd(
     program and summed with torch; ``grad_query = gain·du``, ``grad_gain = query·du``.
     """
     D = sources[0].shape[-1]
-    vs = [_flat(s, D) for s in sources]
-    go = _flat(grad, D).unsqueeze(0)
+    vs = [flat_rows(s, D) for s in sources]
+    go = flat_rows(grad, D).unsqueeze(0)
     dvs, du = _multi_bwd(go, None, vs, query.contiguous().view(1, D), gain.contiguous().view(1, D), eps, scale)
     du = du[0]
     gq = (gain.float() * du).to(query.dtype)
@@ -633,13 +523,13 @@ def depth_attn_partial_fwd(
     One program per block of tokens; D in chunks. Pass 1 reads each source of the block once for all S queries
     (sum of squares + S dot products); the S softmaxes are formed on chip; pass 2 re-reads the block's sources
     (L2-resident) and writes ``o`` (S·D fp32 per token) and ``lse``. More than ``MAX_SOURCES`` sources:
-    ``_stats_kernel`` per chunk of sources writes the scores to ``[S, K, T]`` fp32 scratch, torch forms the softmax
-    and ``lse`` on those small tensors, and ``_multi_fwd_kernel`` per chunk (FUSED=False) accumulates ``o``.
+    ``depth_attn_stats_kernel`` per chunk of sources writes the scores to ``[S, K, T]`` fp32 scratch, torch forms the softmax
+    and ``lse`` on those small tensors, and ``depth_attn_partial_fwd_kernel`` per chunk (FUSED=False) accumulates ``o``.
     """
     D = sources[0].shape[-1]
     S = queries.shape[0]
     lead = tuple(sources[0].shape[:-1])
-    vs = [_flat(s, D) for s in sources]
+    vs = [flat_rows(s, D) for s in sources]
     T = vs[0].shape[0]
     K = len(vs)
     o = torch.empty(S, T, D, device=vs[0].device, dtype=torch.float32)
@@ -647,12 +537,12 @@ def depth_attn_partial_fwd(
     if T == 0:
         return o.view(S, *lead, D), lse.view(S, *lead)
     qs, gs = queries.contiguous(), gains.contiguous()
-    cfg = _chunk_config(vs[0].device, S, min(K, MAX_SOURCES), D, T, vs[0].element_size())
+    cfg = chunk_config(vs[0].device, S, min(K, MAX_SOURCES), D, T, vs[0].element_size())
     sp, kp, bt, bdc, nw = cfg
     grid = (triton.cdiv(T, bt),)
     if K <= MAX_SOURCES:
-        _multi_fwd_kernel[grid](
-            *_ptrs(vs), qs, gs, o, lse, o, S, T, D, float(eps), K, 0,
+        depth_attn_partial_fwd_kernel[grid](
+            tuple(vs), qs, gs, o, lse, o, S, T, D, float(eps), K, 0,
             NSRC=K, FUSED=True, ACCUM=False, SP=sp, KP=kp, BT=bt, BDC=bdc, num_warps=nw,
         )  # fmt: skip
         return o.view(S, *lead, D), lse.view(S, *lead)
@@ -660,21 +550,14 @@ def depth_attn_partial_fwd(
     lse = torch.logsumexp(sc, dim=1)
     p = torch.softmax(sc, dim=1).contiguous()
     for j0, chunk in _chunks(vs):
-        _multi_fwd_kernel[grid](
-            *_ptrs(chunk), qs, gs, o, lse, p, S, T, D, float(eps), K, j0,
+        depth_attn_partial_fwd_kernel[grid](
+            tuple(chunk), qs, gs, o, lse, p, S, T, D, float(eps), K, j0,
             NSRC=len(chunk), FUSED=False, ACCUM=j0 > 0, SP=sp, KP=pow2(len(chunk)), BT=bt, BDC=bdc, num_warps=nw,
         )  # fmt: skip
     return o.view(S, *lead, D), lse.view(S, *lead)
 
 
-def depth_attn_partial_bwd(
-    grad_o: torch.Tensor,
-    grad_lse: torch.Tensor,
-    sources: list[torch.Tensor],
-    queries: torch.Tensor,
-    gains: torch.Tensor,
-    eps: float,
-) -> list[torch.Tensor]:
+def depth_attn_partial_bwd(grad_o, grad_lse, sources, queries, gains, eps) -> list[torch.Tensor]:
     """``depth_attn_partial`` backward (any K ≥ 1; see :func:`_multi_bwd` for more than ``MAX_SOURCES``).
 
     Args:
@@ -689,7 +572,7 @@ def depth_attn_partial_bwd(
     ``du_s = Σ_t Σ_i ds_{s,i} r_i v_i`` as per-program fp32 rows summed with torch.
     """
     S, D = queries.shape
-    vs = [_flat(s, D) for s in sources]
+    vs = [flat_rows(s, D) for s in sources]
     T = vs[0].shape[0]
     go = grad_o.contiguous().view(S, T, D)
     glse = grad_lse.to(torch.float32).contiguous().view(S, T)
@@ -699,15 +582,7 @@ def depth_attn_partial_bwd(
     return [gq, gg, *[dv.view(s.shape) for dv, s in zip(dvs, sources)]]
 
 
-def depth_attn_merge_fwd(
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    last: torch.Tensor,
-    query: torch.Tensor,
-    gain: torch.Tensor,
-    eps: float,
-    scale: float,
-) -> torch.Tensor:
+def depth_attn_merge_fwd(o, lse, last, query, gain, eps, scale) -> torch.Tensor:
     """``depth_attn_merge`` forward (``D ≤ MAX_ROW``).
 
     Args:
@@ -721,28 +596,19 @@ def depth_attn_merge_fwd(
     ``o`` (4·D bytes), ``last`` (D elements) and ``lse``, writes D elements.
     """
     D = last.shape[-1]
-    v = _flat(last, D)
+    v = flat_rows(last, D)
     T = v.shape[0]
     out = torch.empty_like(v)
     if T > 0:
-        bt, bd, nw = _row_config(v.device, D)
-        _merge_fwd_kernel[(triton.cdiv(T, bt),)](
-            _flat(o, D), lse.contiguous().view(-1), v, query.contiguous(), gain.contiguous(), out,
+        bt, bd, nw = row_config(v.device, D)
+        depth_attn_merge_fwd_kernel[(triton.cdiv(T, bt),)](
+            flat_rows(o, D), lse.contiguous().view(-1), v, query.contiguous(), gain.contiguous(), out,
             T, D, float(eps), float(scale), BT=bt, BD=bd, num_warps=nw,
         )  # fmt: skip
     return out.view(last.shape)
 
 
-def depth_attn_merge_bwd(
-    grad: torch.Tensor,
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    last: torch.Tensor,
-    query: torch.Tensor,
-    gain: torch.Tensor,
-    eps: float,
-    scale: float,
-) -> list[torch.Tensor]:
+def depth_attn_merge_bwd(grad, o, lse, last, query, gain, eps, scale) -> list[torch.Tensor]:
     """``depth_attn_merge`` backward (``D ≤ MAX_ROW``).
 
     Args:
@@ -757,18 +623,18 @@ def depth_attn_merge_bwd(
     ``du = Σ_t t·r·v`` stays in registers per program (one fp32 row each), summed with torch.
     """
     D = last.shape[-1]
-    v = _flat(last, D)
+    v = flat_rows(last, D)
     T = v.shape[0]
     g_o = torch.empty(T, D, device=v.device, dtype=torch.float32)
     g_lse = torch.empty(T, device=v.device, dtype=torch.float32)
     g_v = torch.empty_like(v)
     if T > 0:
-        bt, bd, nw = _row_config(v.device, D)
+        bt, bd, nw = row_config(v.device, D)
         n_tiles = triton.cdiv(T, bt)
-        nprog = _programs(v.device, n_tiles)
+        nprog = persistent_programs(v.device, n_tiles)
         du = torch.empty(nprog, D, device=v.device, dtype=torch.float32)
-        _merge_bwd_kernel[(nprog,)](
-            _flat(grad, D), _flat(o, D), lse.contiguous().view(-1), v, query.contiguous(), gain.contiguous(),
+        depth_attn_merge_bwd_kernel[(nprog,)](
+            flat_rows(grad, D), flat_rows(o, D), lse.contiguous().view(-1), v, query.contiguous(), gain.contiguous(),
             g_o, g_lse, g_v, du, T, D, float(eps), float(scale), n_tiles, BT=bt, BD=bd, num_warps=nw,
         )  # fmt: skip
         du = du.sum(0)

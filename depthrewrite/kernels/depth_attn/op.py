@@ -1,8 +1,9 @@
 """``depthrewrite::depth_attn`` and the two-phase pair ``depth_attn_partial`` / ``depth_attn_merge`` as registered ops.
 
-One node per mixing site in exported and compiled graphs. Each op body dispatches: the fused Triton kernel
-(:mod:`.fused`, imported lazily) when :func:`~depthrewrite.kernels.dispatch.use_triton` says so and the kernel covers
-the case, the PyTorch reference (:mod:`.reference`) otherwise. Each backward is its own registered op
+One node per mixing site in exported and compiled graphs; the ops are documented once, in :mod:`.reference`. Each
+op body dispatches with :func:`~depthrewrite.kernels.dispatch.route`: the fused Triton kernel (:mod:`.fused`,
+imported lazily) when the backend picks Triton and the gate :func:`.limits.covers` (:func:`.limits.covers_merge`)
+takes the call, the PyTorch reference (:mod:`.reference`) otherwise. Each backward is its own registered op
 (``depthrewrite::depth_attn_backward``, ``…_partial_backward``, ``…_merge_backward``), called from the registered
 autograd formula, so a compiled backward graph shows one opaque node per site; it dispatches the same way, to the
 Triton backward or to the reference formulas below. Nothing but the inputs is saved for backward: scores and
@@ -13,40 +14,17 @@ from __future__ import annotations
 
 import torch
 
-from ..dispatch import KernelInfo, kernel_dtypes_ok, register_kernel_info, use_triton
+from .._triton_utils import acc_dtype as _acc_dtype
+from ..dispatch import KernelInfo, register_kernel_info, route
+from .limits import MAX_ROW, MAX_SOURCES, covers, covers_merge
 from .reference import depth_attn_merge_ref, depth_attn_partial_ref, depth_attn_ref
 
-__all__ = ["depth_attn", "depth_attn_partial", "depth_attn_merge", "MAX_SOURCES", "MAX_ROW"]
-
-MAX_SOURCES = 16  # sources per kernel launch (separate pointer arguments); must equal fused.MAX_SOURCES
-MAX_ROW = 16384  # largest D of the whole-row kernels (depth_attn forward, merge); must equal fused.MAX_ROW
-
-
-def _dtypes_ok(tensors: list[torch.Tensor]) -> bool:
-    """The kernels take fp32/bf16/fp16 sources of one dtype (fp64 runs the reference, e.g. for gradcheck; bf16 only
-    on CUDA: :func:`~depthrewrite.kernels.dispatch.kernel_dtypes_ok`)."""
-    return kernel_dtypes_ok(tensors[0]) and all(t.dtype == tensors[0].dtype for t in tensors)
-
-
-def _params_ok(*params: torch.Tensor) -> bool:
-    return kernel_dtypes_ok(*params)
-
-
-def _acc_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(t.dtype, torch.float32)
-
+__all__ = ["depth_attn", "depth_attn_partial", "depth_attn_merge", "MAX_SOURCES", "MAX_ROW", "covers", "covers_merge"]
 
 # ---- reference backward formulas (attnres spec §9), used when the Triton kernel does not run ------------------------
 
 
-def _partial_backward_ref(
-    grad_o: torch.Tensor,
-    grad_lse: torch.Tensor | None,
-    sources: list[torch.Tensor],
-    queries: torch.Tensor,
-    gains: torch.Tensor,
-    eps: float,
-) -> list[torch.Tensor]:
+def _partial_backward_ref(grad_o, grad_lse, sources, queries, gains, eps) -> list[torch.Tensor]:
     """Gradients of ``(o, lse) = depth_attn_partial_ref(sources, queries, gains, eps)``.
 
     ``grad_o`` ``[S, ..., D]``, ``grad_lse`` ``[S, ...]`` or ``None``. Returns
@@ -80,16 +58,7 @@ def _partial_backward_ref(
     return [gq, gg, *gs]
 
 
-def _merge_backward_ref(
-    grad: torch.Tensor,
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    last: torch.Tensor,
-    query: torch.Tensor,
-    gain: torch.Tensor,
-    eps: float,
-    scale: float,
-) -> list[torch.Tensor]:
+def _merge_backward_ref(grad, o, lse, last, query, gain, eps, scale) -> list[torch.Tensor]:
     """Gradients of ``depth_attn_merge_ref``: ``[grad_o, grad_lse, grad_last, grad_query, grad_gain]``.
 
     With ``w1 = σ(lse − s2)``, ``w2 = 1 − w1``, ``ĝ = scale·grad`` and ``t = w1·w2·ĝ·(v − o)``:
@@ -122,11 +91,8 @@ def _merge_backward_ref(
 
 @torch.library.custom_op("depthrewrite::depth_attn", mutates_args=())
 def depth_attn(sources: list[torch.Tensor], query: torch.Tensor, gain: torch.Tensor, eps: float, scale: float) -> torch.Tensor:
-    if (
-        use_triton(*sources, query, gain, op="depthrewrite::depth_attn")
-        and _dtypes_ok(sources)
-        and _params_ok(query, gain)
-        and sources[0].shape[-1] <= MAX_ROW
+    if route(
+        "depthrewrite::depth_attn", (*sources, query, gain), lambda: covers(sources, query, gain, whole_row=True)
     ):
         from . import fused
 
@@ -144,10 +110,8 @@ def depth_attn_backward(
     grad: torch.Tensor, sources: list[torch.Tensor], query: torch.Tensor, gain: torch.Tensor, eps: float, scale: float
 ) -> list[torch.Tensor]:
     """``[grad_query, grad_gain, *grad_sources]`` of ``depth_attn`` (recomputes the forward's scores and weights)."""
-    if (
-        use_triton(grad, *sources, query, gain, op="depthrewrite::depth_attn_backward")
-        and _dtypes_ok(sources)
-        and _params_ok(query, gain, grad)
+    if route(
+        "depthrewrite::depth_attn_backward", (grad, *sources, query, gain), lambda: covers(sources, query, gain, grad)
     ):
         from . import fused
 
@@ -185,10 +149,8 @@ depth_attn.register_autograd(_backward, setup_context=_setup_context)
 def depth_attn_partial(
     sources: list[torch.Tensor], queries: torch.Tensor, gains: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if (
-        use_triton(*sources, queries, gains, op="depthrewrite::depth_attn_partial")
-        and _dtypes_ok(sources)
-        and _params_ok(queries, gains)
+    if route(
+        "depthrewrite::depth_attn_partial", (*sources, queries, gains), lambda: covers(sources, queries, gains)
     ):
         from . import fused
 
@@ -214,10 +176,10 @@ def depth_attn_partial_backward(
     eps: float,
 ) -> list[torch.Tensor]:
     """``[grad_queries, grad_gains, *grad_sources]`` of ``depth_attn_partial``."""
-    if (
-        use_triton(grad_o, grad_lse, *sources, queries, gains, op="depthrewrite::depth_attn_partial_backward")
-        and _dtypes_ok(sources)
-        and _params_ok(queries, gains, grad_o, grad_lse)
+    if route(
+        "depthrewrite::depth_attn_partial_backward",
+        (grad_o, grad_lse, *sources, queries, gains),
+        lambda: covers(sources, queries, gains, grad_o, grad_lse),
     ):
         from . import fused
 
@@ -254,16 +216,6 @@ depth_attn_partial.register_autograd(_partial_backward, setup_context=_partial_s
 # ---- depthrewrite::depth_attn_merge (two-phase, phase 2) -------------------------------------------------------------
 
 
-def _merge_kernel_ok(o, lse, last, query, gain) -> bool:
-    return (
-        kernel_dtypes_ok(last)
-        and o.dtype == torch.float32
-        and lse.dtype == torch.float32
-        and _params_ok(query, gain)
-        and last.shape[-1] <= MAX_ROW
-    )
-
-
 @torch.library.custom_op("depthrewrite::depth_attn_merge", mutates_args=())
 def depth_attn_merge(
     o: torch.Tensor,
@@ -274,8 +226,8 @@ def depth_attn_merge(
     eps: float,
     scale: float,
 ) -> torch.Tensor:
-    if use_triton(o, lse, last, query, gain, op="depthrewrite::depth_attn_merge") and _merge_kernel_ok(
-        o, lse, last, query, gain
+    if route(
+        "depthrewrite::depth_attn_merge", (o, lse, last, query, gain), lambda: covers_merge(o, lse, last, query, gain)
     ):
         from . import fused
 
@@ -300,10 +252,10 @@ def depth_attn_merge_backward(
     scale: float,
 ) -> list[torch.Tensor]:
     """``[grad_o, grad_lse, grad_last, grad_query, grad_gain]`` of ``depth_attn_merge``."""
-    if (
-        use_triton(grad, o, lse, last, query, gain, op="depthrewrite::depth_attn_merge_backward")
-        and _merge_kernel_ok(o, lse, last, query, gain)
-        and kernel_dtypes_ok(grad)
+    if route(
+        "depthrewrite::depth_attn_merge_backward",
+        (grad, o, lse, last, query, gain),
+        lambda: covers_merge(o, lse, last, query, gain, grad),
     ):
         from . import fused
 
@@ -336,36 +288,40 @@ depth_attn_merge.register_autograd(_merge_backward, setup_context=_merge_setup_c
 register_kernel_info(
     KernelInfo(
         op="depthrewrite::depth_attn",
-        forward="fused._fwd_kernel: one program per token block, whole row on chip, online softmax over the sources",
-        backward="depthrewrite::depth_attn_backward -> fused._multi_bwd_kernel (S = 1): persistent, recomputes "
-        "scores/weights from the sources, writes every source's gradient; query/gain gradients from per-program fp32 "
-        "rows summed with torch",
+        forward="fused.depth_attn_fwd_kernel: one program per token block, whole row on chip, online softmax over "
+        "the sources",
+        backward="depthrewrite::depth_attn_backward -> fused.depth_attn_bwd_kernel_multi (S = 1): persistent, "
+        "recomputes scores/weights from the sources, writes every source's gradient; query/gain gradients from "
+        "per-program fp32 rows summed with torch",
         fuses="key RMS statistics, K scores, softmax, weighted sum and scale in one read of each source (the reference "
         "stacks the sources into an fp32 copy and reads it several times)",
-        falls_back="fp64 or mixed-dtype sources, or a non-float query/gain; forward with D > 16384. (More than 16 "
-        "sources is still fused: the forward runs chunks of 16 that carry the online-softmax state through fp32 "
-        "scratch; the backward computes per-token scores into [K, T] fp32 scratch, then gradients per chunk.)",
+        falls_back=f"fp64 or mixed-dtype sources, or a non-float query/gain; forward with D > {MAX_ROW}. (More than "
+        f"{MAX_SOURCES} sources is still fused: the forward runs chunks of {MAX_SOURCES} that carry the "
+        "online-softmax state through fp32 scratch; the backward computes per-token scores into [K, T] fp32 scratch, "
+        "then gradients per chunk.)",
     )
 )
 register_kernel_info(
     KernelInfo(
         op="depthrewrite::depth_attn_partial",
-        forward="fused._multi_fwd_kernel: S queries against the same sources; pass 1 reads each source once for all "
-        "S scores, pass 2 re-reads the (L2-resident) token block and writes o [S, T, D] fp32 and lse [S, T]",
-        backward="depthrewrite::depth_attn_partial_backward -> fused._multi_bwd_kernel: persistent, recomputes scores "
-        "and weights, gradients flow through o and lse",
+        forward="fused.depth_attn_partial_fwd_kernel: S queries against the same sources; pass 1 reads each source "
+        "once for all S scores, pass 2 re-reads the (L2-resident) token block and writes o [S, T, D] fp32 and "
+        "lse [S, T]",
+        backward="depthrewrite::depth_attn_partial_backward -> fused.depth_attn_bwd_kernel_multi: persistent, "
+        "recomputes scores and weights, gradients flow through o and lse",
         fuses="the S per-site mixes of a block's completed sources (attnres spec §7 phase 1) in one pass",
-        falls_back="fp64 or mixed-dtype sources, or non-float queries/gains. (More than 16 sources is still fused: "
-        "per-token scores into [S, K, T] fp32 scratch per chunk of 16, softmax in torch, then one pass per chunk.)",
+        falls_back=f"fp64 or mixed-dtype sources, or non-float queries/gains. (More than {MAX_SOURCES} sources is "
+        f"still fused: per-token scores into [S, K, T] fp32 scratch per chunk of {MAX_SOURCES}, softmax in torch, "
+        "then one pass per chunk.)",
     )
 )
 register_kernel_info(
     KernelInfo(
         op="depthrewrite::depth_attn_merge",
-        forward="fused._merge_fwd_kernel: whole row on chip; the last source's RMS and score, log-sum-exp merge, scale",
-        backward="depthrewrite::depth_attn_merge_backward -> fused._merge_bwd_kernel: persistent, query/gain gradients "
+        forward="fused.depth_attn_merge_fwd_kernel: whole row on chip; the last source's RMS and score, log-sum-exp merge, scale",
+        backward="depthrewrite::depth_attn_merge_backward -> fused.depth_attn_merge_bwd_kernel: persistent, query/gain gradients "
         "as per-program fp32 rows in registers, summed with torch",
         fuses="the open partial sum's key norm and score with the online-softmax merge (attnres spec §7 phase 2)",
-        falls_back="fp64 last source, o/lse not fp32; D > 16384",
+        falls_back=f"fp64 last source, o/lse not fp32; D > {MAX_ROW}",
     )
 )

@@ -1,5 +1,5 @@
 """Fused Triton kernels for the mHC site: coefficients (``mhc_coeffs``) and the two applies (``mhc_pre``,
-``mhc_post``), forward and backward. Imported lazily by ``op.py`` only when ``use_triton`` says so.
+``mhc_post``), forward and backward. Imported lazily by ``op.py`` only when ``dispatch.route`` picks the kernel.
 
 Math and numerics: ``reference.py`` (DeepSeek-V4 numerics in paper orientation; spec shared/specs/mhc.md §8, §9).
 
@@ -34,44 +34,22 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_utils import pow2
-from ..dispatch import kernel_dtypes_ok
+from .._triton_utils import num_sms
+from .limits import SEG, apply_blocks, coeff_blocks, coeff_layout
 
 __all__ = [
-    "MAX_STREAMS",
-    "supported",
-    "coeffs_forward",
-    "coeffs_backward",
-    "pre_forward",
-    "pre_backward",
-    "post_forward",
-    "post_backward",
+    "mhc_coeffs_fwd",
+    "mhc_coeffs_bwd",
+    "mhc_pre_fwd",
+    "mhc_pre_bwd",
+    "mhc_post_fwd",
+    "mhc_post_bwd",
 ]
-
-MAX_STREAMS = 8  # the coefficient kernels keep [BT, NP, NP] Sinkhorn tiles in registers; n > 8 falls back
-_SEG = 4  # Sinkhorn backward: pairs of normalisations per recomputation segment
-
-
-def supported(*tensors: torch.Tensor, n: int) -> bool:
-    """Whether the fused kernels cover these inputs: fp32/bf16/fp16 tensors, ``1 <= n <= 8``, no empty tensor (and,
-    in Triton's CPU interpreter, which has no bf16, no bf16 CPU tensor)."""
-    return 1 <= n <= MAX_STREAMS and all(t.numel() > 0 for t in tensors) and kernel_dtypes_ok(*tensors)
-
 
 def _precision() -> str:
     """``"tf32"`` (one TF32 MMA) when PyTorch's fp32 matmuls may use TF32, else ``"3xtf32"`` (fp32-accurate)."""
     return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "3xtf32"
 
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 2
-
-
-def _coeff_layout(n: int) -> tuple[int, int]:
-    """(PP, NP): padded pre/post width and padded Sinkhorn side of the coefficient kernels."""
-    return max(16, pow2(2 * n)), max(4, pow2(n))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -216,13 +194,10 @@ def _coeffs_gemm(X, PHI, rows, rmask, T, K, M, cpp, cpp_ok, cr_col, cr_ok,
     return acc_pp, acc_r, ss
 
 
-@triton.jit(do_not_specialize=["P"])
-def _coeffs_fwd_kernel(X, PHI, BIAS, ALPHA, PRE, POST, RES, T, K, M, eps, P,
-                       N: tl.constexpr, NP: tl.constexpr, PP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                       PREC: tl.constexpr, XEXACT: tl.constexpr):
-    pid = tl.program_id(0)
-    rows = pid * BT + tl.arange(0, BT)
-    rmask = rows < T
+@triton.jit
+def _coeff_columns(N: tl.constexpr, NP: tl.constexpr, PP: tl.constexpr):
+    """The padded column layout: pre/post columns ``cpp`` (valid ``< 2N``) and res columns ``cr = i·NP + j`` (valid
+    for ``i, j < N``) with their φ / bias column ``cr_col = 2N + i·N + j``."""
     cpp = tl.arange(0, PP)
     cpp_ok = cpp < 2 * N
     cr = tl.arange(0, NP * NP)
@@ -230,11 +205,32 @@ def _coeffs_fwd_kernel(X, PHI, BIAS, ALPHA, PRE, POST, RES, T, K, M, eps, P,
     rj = cr % NP
     cr_ok = (ri < N) & (rj < N)
     cr_col = 2 * N + ri * N + rj
+    return cpp, cpp_ok, cr, cr_ok, cr_col
+
+
+@triton.jit
+def _coeffs_tile(X, PHI, ALPHA, T, K, M, eps, N: tl.constexpr, NP: tl.constexpr, PP: tl.constexpr, BT: tl.constexpr,
+                 BK: tl.constexpr, PREC: tl.constexpr, XEXACT: tl.constexpr):
+    """The program's ``BT`` tokens: the padded column layout, ``x @ φ`` (pre/post and res parts), the inverse RMS
+    ``r`` and the three α. Returns ``(rows, rmask, cpp, cpp_ok, cr_ok, cr_col, acc_pp, acc_r, r, a0, a1, a2)``."""
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    rmask = rows < T
+    cpp, cpp_ok, cr, cr_ok, cr_col = _coeff_columns(N, NP, PP)
     acc_pp, acc_r, ss = _coeffs_gemm(X, PHI, rows, rmask, T, K, M, cpp, cpp_ok, cr_col, cr_ok, BT, BK, PP, NP, PREC, XEXACT)
     r = 1.0 / tl.sqrt(ss / K + eps)
     a0 = tl.load(ALPHA).to(tl.float32)
     a1 = tl.load(ALPHA + 1).to(tl.float32)
     a2 = tl.load(ALPHA + 2).to(tl.float32)
+    return rows, rmask, cpp, cpp_ok, cr_ok, cr_col, acc_pp, acc_r, r, a0, a1, a2
+
+
+@triton.jit(do_not_specialize=["P"])
+def mhc_coeffs_fwd_kernel(X, PHI, BIAS, ALPHA, PRE, POST, RES, T, K, M, eps, P,
+                       N: tl.constexpr, NP: tl.constexpr, PP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                       PREC: tl.constexpr, XEXACT: tl.constexpr):
+    rows, rmask, cpp, cpp_ok, cr_ok, cr_col, acc_pp, acc_r, r, a0, a1, a2 = _coeffs_tile(
+        X, PHI, ALPHA, T, K, M, eps, N, NP, PP, BT, BK, PREC, XEXACT
+    )
     # pre / post
     b_pp = tl.load(BIAS + cpp, mask=cpp_ok, other=0.0).to(tl.float32)
     is_pre = cpp < N
@@ -256,25 +252,15 @@ def _coeffs_fwd_kernel(X, PHI, BIAS, ALPHA, PRE, POST, RES, T, K, M, eps, P,
 
 
 @triton.jit(do_not_specialize=["P"])
-def _coeffs_bwd_coef_kernel(X, PHI, BIAS, ALPHA, GPRE, GPOST, GRES, GZ, CX, GB_PART, GA_PART, T, K, M, eps, P,
+def mhc_coeffs_bwd_kernel_coef(X, PHI, BIAS, ALPHA, GPRE, GPOST, GRES, GZ, CX, GB_PART, GA_PART, T, K, M, eps, P,
                             N: tl.constexpr, NP: tl.constexpr, PP: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr,
                             BK: tl.constexpr, PREC: tl.constexpr, SEG: tl.constexpr, XEXACT: tl.constexpr):
+    rows, rmask, cpp, cpp_ok, cr_ok, cr_col, acc_pp, acc_r, r, a0, a1, a2 = _coeffs_tile(
+        X, PHI, ALPHA, T, K, M, eps, N, NP, PP, BT, BK, PREC, XEXACT
+    )
     pid = tl.program_id(0)
-    rows = pid * BT + tl.arange(0, BT)
-    rmask = rows < T
     r64 = rows.to(tl.int64)
-    cpp = tl.arange(0, PP)
-    cpp_ok = cpp < 2 * N
     cr = tl.arange(0, NP * NP)
-    ri = cr // NP
-    rj = cr % NP
-    cr_ok = (ri < N) & (rj < N)
-    cr_col = 2 * N + ri * N + rj
-    acc_pp, acc_r, ss = _coeffs_gemm(X, PHI, rows, rmask, T, K, M, cpp, cpp_ok, cr_col, cr_ok, BT, BK, PP, NP, PREC, XEXACT)
-    r = 1.0 / tl.sqrt(ss / K + eps)
-    a0 = tl.load(ALPHA).to(tl.float32)
-    a1 = tl.load(ALPHA + 1).to(tl.float32)
-    a2 = tl.load(ALPHA + 2).to(tl.float32)
     # pre / post: d/dz of σ(scale·mix + b) (+eps) and 2σ(·)
     mix_pp = acc_pp * r[:, None]
     b_pp = tl.load(BIAS + cpp, mask=cpp_ok, other=0.0).to(tl.float32)
@@ -315,20 +301,14 @@ def _coeffs_bwd_coef_kernel(X, PHI, BIAS, ALPHA, GPRE, GPOST, GRES, GZ, CX, GB_P
 
 
 @triton.jit
-def _coeffs_bwd_x_kernel(X, PHI, GZ, CX, GX, GPHI_PART, T, K, M, blocks_per_seg,
+def mhc_coeffs_bwd_kernel_x(X, PHI, GZ, CX, GX, GPHI_PART, T, K, M, blocks_per_seg,
                          N: tl.constexpr, NP: tl.constexpr, PP: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr,
                          BK: tl.constexpr, PREC: tl.constexpr, XEXACT: tl.constexpr):
     kb = tl.program_id(0)
     seg = tl.program_id(1)
     ks = kb * BK + tl.arange(0, BK)
     kmask = ks < K
-    cpp = tl.arange(0, PP)
-    cpp_ok = cpp < 2 * N
-    cr = tl.arange(0, NP * NP)
-    ri = cr // NP
-    rj = cr % NP
-    cr_ok = (ri < N) & (rj < N)
-    cr_col = 2 * N + ri * N + rj
+    cpp, cpp_ok, cr, cr_ok, cr_col = _coeff_columns(N, NP, PP)
     prow = PHI + ks.to(tl.int64)[:, None] * M
     p1 = tl.load(prow + cpp[None, :], mask=kmask[:, None] & cpp_ok[None, :], other=0.0).to(tl.float32)
     p2 = tl.load(prow + cr_col[None, :], mask=kmask[:, None] & cr_ok[None, :], other=0.0).to(tl.float32)
@@ -360,15 +340,6 @@ def _coeffs_bwd_x_kernel(X, PHI, GZ, CX, GX, GPHI_PART, T, K, M, blocks_per_seg,
     tl.store(out + PP + cr[None, :], g2, mask=kmask[:, None])
 
 
-def _coeff_blocks(T: int, n: int, device: torch.device) -> tuple[int, int]:
-    """(BT, BK) for the coefficient kernels: 64 tokens per program unless that leaves the GPU under-filled, 16 for
-    n > 4 (the Sinkhorn backward keeps about ten [BT, NP, NP] fp32 tiles live; NP = 8 there)."""
-    BT = 64 if triton.cdiv(T, 64) >= _num_sms(device) else 32
-    if T <= 16 or n > 4:
-        BT = 16
-    return BT, 64
-
-
 _COLMAPS: dict[tuple[int, str], torch.Tensor] = {}
 
 
@@ -376,13 +347,13 @@ def _colmap(n: int, device: torch.device) -> torch.Tensor:
     """Index into the padded kernel column layout for each of the n²+2n φ columns."""
     key = (n, str(device))
     if key not in _COLMAPS:
-        PP, NP = _coeff_layout(n)
+        PP, NP = coeff_layout(n)
         idx = list(range(2 * n)) + [PP + i * NP + j for i in range(n) for j in range(n)]
         _COLMAPS[key] = torch.tensor(idx, dtype=torch.long, device=device)
     return _COLMAPS[key]
 
 
-def coeffs_forward(
+def mhc_coeffs_fwd(
     X: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, iters: int, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused mHC coefficients (RMS of the flattened state, projection, σ / 2σ, Sinkhorn) in one kernel.
@@ -404,9 +375,9 @@ def coeffs_forward(
     pre = torch.empty(T, n, device=X.device, dtype=torch.float32)
     post = torch.empty(T, n, device=X.device, dtype=torch.float32)
     res = torch.empty(T, n, n, device=X.device, dtype=torch.float32)
-    PP, NP = _coeff_layout(n)
-    BT, BK = _coeff_blocks(T, n, X.device)
-    _coeffs_fwd_kernel[(triton.cdiv(T, BT),)](
+    PP, NP = coeff_layout(n)
+    BT, BK = coeff_blocks(T, n, X.device)
+    mhc_coeffs_fwd_kernel[(triton.cdiv(T, BT),)](
         x, phi_c, bias_c, alpha_c, pre, post, res, T, K, M, float(eps), max(int(iters) - 1, 0),
         N=n, NP=NP, PP=PP, BT=BT, BK=BK, PREC=_precision(), XEXACT=X.dtype != torch.float32,
         num_warps=4, num_stages=3,
@@ -414,12 +385,12 @@ def coeffs_forward(
     return pre.reshape(*lead, n), post.reshape(*lead, n), res.reshape(*lead, n, n)
 
 
-def coeffs_backward(
+def mhc_coeffs_bwd(
     X: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor,
     gpre: torch.Tensor, gpost: torch.Tensor, gres: torch.Tensor, iters: int, eps: float,
     segments: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward of :func:`coeffs_forward`: two kernels, two reads of X, one write of grad X.
+    """Backward of :func:`mhc_coeffs_fwd`: two kernels, two reads of X, one write of grad X.
 
     Kernel 1 (per token block) recomputes ``x @ φ``, ``Σ x²`` and the Sinkhorn iterates on chip and writes the
     per-token ``∂L/∂(xφ)`` (fp32 ``[T, PP+NP²]``) and RMS coefficient (fp32 ``[T]``), plus per-program fp32
@@ -427,7 +398,7 @@ def coeffs_backward(
     and per-segment fp32 partials of grad φ ``[S, K, PP+NP²]``, summed with torch — no atomics, deterministic.
 
     Args:
-        X, phi, bias, alpha, iters, eps: as :func:`coeffs_forward`.
+        X, phi, bias, alpha, iters, eps: as :func:`mhc_coeffs_fwd`.
         gpre, gpost: ``[..., n]``; gres: ``[..., n, n]`` — gradients of the three outputs.
         segments: token segments of kernel 2 (default: enough programs to fill the GPU twice).
 
@@ -442,9 +413,9 @@ def coeffs_backward(
     gpre_c = gpre.contiguous().reshape(T, n).float()
     gpost_c = gpost.contiguous().reshape(T, n).float()
     gres_c = gres.contiguous().reshape(T, n, n).float()
-    PP, NP = _coeff_layout(n)
+    PP, NP = coeff_layout(n)
     MP = PP + NP * NP
-    BT, BK = _coeff_blocks(T, n, X.device)
+    BT, BK = coeff_blocks(T, n, X.device)
     nblk = triton.cdiv(T, BT)
     dev = X.device
     gz = torch.empty(T, MP, device=dev, dtype=torch.float32)
@@ -452,21 +423,21 @@ def coeffs_backward(
     gb_part = torch.empty(nblk, MP, device=dev, dtype=torch.float32)
     ga_part = torch.empty(nblk, 4, device=dev, dtype=torch.float32)
     prec = _precision()
-    _coeffs_bwd_coef_kernel[(nblk,)](
+    mhc_coeffs_bwd_kernel_coef[(nblk,)](
         x, phi_c, bias_c, alpha_c, gpre_c, gpost_c, gres_c, gz, cx, gb_part, ga_part, T, K, M, float(eps), max(int(iters) - 1, 0),
-        N=n, NP=NP, PP=PP, MP=MP, BT=BT, BK=BK, PREC=prec, SEG=_SEG, XEXACT=X.dtype != torch.float32,
+        N=n, NP=NP, PP=PP, MP=MP, BT=BT, BK=BK, PREC=prec, SEG=SEG, XEXACT=X.dtype != torch.float32,
         num_warps=4, num_stages=3,
     )
     # kernel 2: K-chunks of 128 (a [BT2, 128] slice of X per token block), token blocks of 32, split into S segments
     BT2, BK2 = 32, 128
     nk, nblk2 = triton.cdiv(K, BK2), triton.cdiv(T, BT2)
-    S = segments or max(1, min(nblk2, triton.cdiv(2 * _num_sms(dev), nk)))
+    S = segments or max(1, min(nblk2, triton.cdiv(2 * num_sms(dev), nk)))
     S = max(1, min(int(S), nblk2))
     bps = triton.cdiv(nblk2, S)
     S = triton.cdiv(nblk2, bps)
     gx = torch.empty_like(x)
     gphi_part = torch.empty(S, K, MP, device=dev, dtype=torch.float32)
-    _coeffs_bwd_x_kernel[(nk, S)](
+    mhc_coeffs_bwd_kernel_x[(nk, S)](
         x, phi_c, gz, cx, gx, gphi_part, T, K, M, bps,
         N=n, NP=NP, PP=PP, MP=MP, BT=BT2, BK=BK2, PREC=prec, XEXACT=X.dtype != torch.float32,
         num_warps=8, num_stages=2,
@@ -484,7 +455,7 @@ def coeffs_backward(
 
 
 @triton.jit
-def _pre_fwd_kernel(X, PRE, U, T, D, N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+def mhc_pre_fwd_kernel(X, PRE, U, T, D, N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     ds = tl.program_id(1) * BD + tl.arange(0, BD)
     i = tl.arange(0, NP)
@@ -498,7 +469,7 @@ def _pre_fwd_kernel(X, PRE, U, T, D, N: tl.constexpr, NP: tl.constexpr, BT: tl.c
 
 
 @triton.jit
-def _pre_bwd_kernel(X, PRE, GU, GX, GPRE, T, D, N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr,
+def mhc_pre_bwd_kernel(X, PRE, GU, GX, GPRE, T, D, N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr,
                     BD: tl.constexpr):
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     i = tl.arange(0, NP)
@@ -521,7 +492,7 @@ def _pre_bwd_kernel(X, PRE, GU, GX, GPRE, T, D, N: tl.constexpr, NP: tl.constexp
 
 
 @triton.jit
-def _post_fwd_kernel(X, RES, POST, Y, OUT, T, D, N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr,
+def mhc_post_fwd_kernel(X, RES, POST, Y, OUT, T, D, N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr,
                      BD: tl.constexpr):
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     ds = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -543,7 +514,7 @@ def _post_fwd_kernel(X, RES, POST, Y, OUT, T, D, N: tl.constexpr, NP: tl.constex
 
 
 @triton.jit
-def _post_bwd_kernel(X, RES, POST, Y, GO, GX, GRES, GPOST, GY, T, D, N: tl.constexpr, NP: tl.constexpr,
+def mhc_post_bwd_kernel(X, RES, POST, Y, GO, GX, GRES, GPOST, GY, T, D, N: tl.constexpr, NP: tl.constexpr,
                      BT: tl.constexpr, BD: tl.constexpr):
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     i = tl.arange(0, NP)
@@ -580,15 +551,21 @@ def _post_bwd_kernel(X, RES, POST, Y, GO, GX, GRES, GPOST, GY, T, D, N: tl.const
     tl.store(GPOST + r64[:, None] * N + i[None, :], gpost, mask=rmask[:, None] & imask[None, :])
 
 
-def _apply_blocks(T: int, D: int, n: int) -> tuple[int, int, int]:
-    """(NP, BT, BD) for the apply kernels: tiles of about 4096 elements of X ([BT, NP, BD])."""
-    NP = pow2(n)
-    BD = min(pow2(D), max(64, 4096 // NP))
-    BT = max(1, min(pow2(T), 4096 // (NP * BD)))
-    return NP, BT, BD
+def _pre_inputs(X: torch.Tensor, pre: torch.Tensor):
+    """``(n, D, T, x [T, n, D], pre [T, n])``, contiguous, for the apply kernels."""
+    n, D = X.shape[-2], X.shape[-1]
+    x = X.contiguous().reshape(-1, n, D)
+    T = x.shape[0]
+    return n, D, T, x, pre.contiguous().reshape(T, n)
 
 
-def pre_forward(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+def _post_inputs(X: torch.Tensor, res: torch.Tensor, post: torch.Tensor, y: torch.Tensor):
+    """``(n, D, T, x [T, n, D], res [T, n, n], post [T, n], y [T, D])``, contiguous, for the apply kernels."""
+    n, D, T, x, p = _pre_inputs(X, post)
+    return n, D, T, x, res.contiguous().reshape(T, n, n), p, y.contiguous().reshape(T, D)
+
+
+def mhc_pre_fwd(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """u = Σ_i pre_i X_i, one read of X.
 
     Args:
@@ -597,18 +574,15 @@ def pre_forward(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     Returns:
         u ``[..., D]`` in X's dtype.
     """
-    n, D = X.shape[-2], X.shape[-1]
-    x = X.contiguous().reshape(-1, n, D)
-    T = x.shape[0]
-    w = pre.contiguous().reshape(T, n)
+    n, D, T, x, w = _pre_inputs(X, pre)
     u = torch.empty(T, D, device=X.device, dtype=X.dtype)
-    NP, BT, BD = _apply_blocks(T, D, n)
-    _pre_fwd_kernel[(triton.cdiv(T, BT), triton.cdiv(D, BD))](x, w, u, T, D, N=n, NP=NP, BT=BT, BD=BD, num_warps=4)
+    NP, BT, BD = apply_blocks(T, D, n)
+    mhc_pre_fwd_kernel[(triton.cdiv(T, BT), triton.cdiv(D, BD))](x, w, u, T, D, N=n, NP=NP, BT=BT, BD=BD, num_warps=4)
     return u.reshape(*X.shape[:-2], D)
 
 
-def pre_backward(X: torch.Tensor, pre: torch.Tensor, gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Backward of :func:`pre_forward` in one pass over D per token block (reads X, grad u once).
+def mhc_pre_bwd(X: torch.Tensor, pre: torch.Tensor, gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backward of :func:`mhc_pre_fwd` in one pass over D per token block (reads X, grad u once).
 
     Args:
         X: ``[..., n, D]``; pre: ``[..., n]``; gu: ``[..., D]`` (grad of u).
@@ -616,19 +590,16 @@ def pre_backward(X: torch.Tensor, pre: torch.Tensor, gu: torch.Tensor) -> tuple[
     Returns:
         (grad X = pre ⊗ gu in X's dtype, grad pre = ⟨gu, X_i⟩ in pre's dtype); per-token reductions over D.
     """
-    n, D = X.shape[-2], X.shape[-1]
-    x = X.contiguous().reshape(-1, n, D)
-    T = x.shape[0]
-    w = pre.contiguous().reshape(T, n)
+    n, D, T, x, w = _pre_inputs(X, pre)
     g = gu.contiguous().reshape(T, D)
     gx = torch.empty_like(x)
     gw = torch.empty(T, n, device=X.device, dtype=torch.float32)
-    NP, BT, BD = _apply_blocks(T, D, n)
-    _pre_bwd_kernel[(triton.cdiv(T, BT),)](x, w, g, gx, gw, T, D, N=n, NP=NP, BT=BT, BD=BD, num_warps=4)
+    NP, BT, BD = apply_blocks(T, D, n)
+    mhc_pre_bwd_kernel[(triton.cdiv(T, BT),)](x, w, g, gx, gw, T, D, N=n, NP=NP, BT=BT, BD=BD, num_warps=4)
     return gx.reshape(X.shape), gw.to(pre.dtype).reshape(pre.shape)
 
 
-def post_forward(X: torch.Tensor, res: torch.Tensor, post: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def mhc_post_fwd(X: torch.Tensor, res: torch.Tensor, post: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """X' = H_res X + post ⊗ y (the residual merge), one read of X and y, one write of X'.
 
     Args:
@@ -637,24 +608,19 @@ def post_forward(X: torch.Tensor, res: torch.Tensor, post: torch.Tensor, y: torc
     Returns:
         X' ``[..., n, D]`` in X's dtype (fp32 accumulation).
     """
-    n, D = X.shape[-2], X.shape[-1]
-    x = X.contiguous().reshape(-1, n, D)
-    T = x.shape[0]
-    r = res.contiguous().reshape(T, n, n)
-    p = post.contiguous().reshape(T, n)
-    yy = y.contiguous().reshape(T, D)
+    n, D, T, x, r, p, yy = _post_inputs(X, res, post, y)
     out = torch.empty_like(x)
-    NP, BT, BD = _apply_blocks(T, D, n)
-    _post_fwd_kernel[(triton.cdiv(T, BT), triton.cdiv(D, BD))](
+    NP, BT, BD = apply_blocks(T, D, n)
+    mhc_post_fwd_kernel[(triton.cdiv(T, BT), triton.cdiv(D, BD))](
         x, r, p, yy, out, T, D, N=n, NP=NP, BT=BT, BD=BD, num_warps=4
     )
     return out.reshape(X.shape)
 
 
-def post_backward(
+def mhc_post_bwd(
     X: torch.Tensor, res: torch.Tensor, post: torch.Tensor, y: torch.Tensor, gout: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward of :func:`post_forward` in one pass over D per token block (reads X, y, grad X' once).
+    """Backward of :func:`mhc_post_fwd` in one pass over D per token block (reads X, y, grad X' once).
 
     Args:
         X: ``[..., n, D]``; res: ``[..., n, n]``; post: ``[..., n]``; y: ``[..., D]``; gout: ``[..., n, D]`` (grad X').
@@ -663,18 +629,13 @@ def post_backward(
         (grad X = H_resᵀ gX' in X's dtype, grad res ``[j, i] = ⟨gX'_j, X_i⟩``, grad post ``[j] = ⟨gX'_j, y⟩``,
         grad y = Σ_j post_j gX'_j), each in its input's dtype; the coefficient grads are per-token reductions over D.
     """
-    n, D = X.shape[-2], X.shape[-1]
-    x = X.contiguous().reshape(-1, n, D)
-    T = x.shape[0]
-    r = res.contiguous().reshape(T, n, n)
-    p = post.contiguous().reshape(T, n)
-    yy = y.contiguous().reshape(T, D)
+    n, D, T, x, r, p, yy = _post_inputs(X, res, post, y)
     go = gout.contiguous().reshape(T, n, D)
     gx = torch.empty_like(x)
     gy = torch.empty_like(yy)
     gr = torch.empty(T, n, n, device=X.device, dtype=torch.float32)
     gp = torch.empty(T, n, device=X.device, dtype=torch.float32)
-    NP, BT, BD = _apply_blocks(T, D, n)
-    _post_bwd_kernel[(triton.cdiv(T, BT),)](x, r, p, yy, go, gx, gr, gp, gy, T, D, N=n, NP=NP, BT=BT, BD=BD,
+    NP, BT, BD = apply_blocks(T, D, n)
+    mhc_post_bwd_kernel[(triton.cdiv(T, BT),)](x, r, p, yy, go, gx, gr, gp, gy, T, D, N=n, NP=NP, BT=BT, BD=BD,
                                              num_warps=4)
     return gx.reshape(X.shape), gr.to(res.dtype).reshape(res.shape), gp.to(post.dtype).reshape(post.shape), gy.reshape(y.shape)

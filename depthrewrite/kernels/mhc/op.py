@@ -1,7 +1,7 @@
 """``depthrewrite::mhc_coeffs``, ``mhc_pre``, ``mhc_post``, ``mhc_collapse``: the mHC site as registered ops.
 
-Each op body dispatches with :func:`~depthrewrite.kernels.dispatch.use_triton`: the fused Triton kernels of
-``fused.py`` (imported lazily, only then) or the PyTorch reference of ``reference.py``. The backward of
+Each op body dispatches with :func:`~depthrewrite.kernels.dispatch.route` and the gate :func:`.limits.covers`: the
+fused Triton kernels of ``fused.py`` (imported lazily, only then) or the PyTorch reference of ``reference.py``. The backward of
 ``mhc_coeffs``, ``mhc_pre`` and ``mhc_post`` is its own registered op (``depthrewrite::mhc_coeffs_backward``,
 ``mhc_pre_backward``, ``mhc_post_backward``), called from the registered autograd formula, so a compiled backward
 graph shows one opaque node per site; it dispatches the same way, to the Triton backward kernels or to the
@@ -16,24 +16,26 @@ from __future__ import annotations
 
 import torch
 
-from ..dispatch import KernelInfo, register_kernel_info, use_triton
+from ..dispatch import KernelInfo, register_kernel_info, route
+from .limits import MAX_STREAMS, covers
 from .reference import mhc_coeffs_ref, mhc_collapse_ref, mhc_post_ref, mhc_pre_ref
 
 __all__ = [
-    "mhc_coeffs", "mhc_pre", "mhc_post", "mhc_collapse",
+    "covers", "mhc_coeffs", "mhc_pre", "mhc_post", "mhc_collapse",
     "mhc_coeffs_backward", "mhc_pre_backward", "mhc_post_backward",
 ]
 
 Tensors4 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def _fused(*tensors: torch.Tensor, n: int, op: str):
-    """The ``fused`` module when the Triton kernels should and can run on these tensors, else ``None``."""
-    if not use_triton(*tensors, op=op):
+def _fused(X: torch.Tensor, *tensors: torch.Tensor, op: str):
+    """The ``fused`` module when the Triton kernels should and can run on this call (:func:`.dispatch.route`: the
+    backend decision, then the gate :func:`.limits.covers`), else ``None``."""
+    if not route(f"depthrewrite::{op}", (X, *tensors), lambda: covers(X, *tensors)):
         return None
     from . import fused
 
-    return fused if fused.supported(*tensors, n=n) else None
+    return fused
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -108,9 +110,9 @@ def _post_backward_ref(X, res, post, y, gout) -> Tensors4:
 def mhc_coeffs(
     X: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, iters: int, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    k = _fused(X, phi, bias, alpha, n=X.shape[-2], op="mhc_coeffs")
+    k = _fused(X, phi, bias, alpha, op="mhc_coeffs")
     if k is not None:
-        return k.coeffs_forward(X, phi, bias, alpha, iters, eps)
+        return k.mhc_coeffs_fwd(X, phi, bias, alpha, iters, eps)
     return mhc_coeffs_ref(X, phi, bias, alpha, iters, eps)
 
 
@@ -124,9 +126,9 @@ def _(X, phi, bias, alpha, iters, eps):
 
 @torch.library.custom_op("depthrewrite::mhc_pre", mutates_args=())
 def mhc_pre(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    k = _fused(X, pre, n=X.shape[-2], op="mhc_pre")
+    k = _fused(X, pre, op="mhc_pre")
     if k is not None:
-        return k.pre_forward(X, pre)
+        return k.mhc_pre_fwd(X, pre)
     return mhc_pre_ref(X, pre)
 
 
@@ -137,9 +139,9 @@ def _(X, pre):
 
 @torch.library.custom_op("depthrewrite::mhc_post", mutates_args=())
 def mhc_post(X: torch.Tensor, res: torch.Tensor, post: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    k = _fused(X, res, post, y, n=X.shape[-2], op="mhc_post")
+    k = _fused(X, res, post, y, op="mhc_post")
     if k is not None:
-        return k.post_forward(X, res, post, y)
+        return k.mhc_post_fwd(X, res, post, y)
     return mhc_post_ref(X, res, post, y)
 
 
@@ -169,9 +171,9 @@ def mhc_coeffs_backward(
     gpre: torch.Tensor, gpost: torch.Tensor, gres: torch.Tensor, iters: int, eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad X, grad φ, grad bias, grad α) of :func:`mhc_coeffs` from the grads of (pre, post, res)."""
-    k = _fused(X, phi, bias, alpha, gpre, gpost, gres, n=X.shape[-2], op="mhc_coeffs_backward")
+    k = _fused(X, phi, bias, alpha, gpre, gpost, gres, op="mhc_coeffs_backward")
     if k is not None:
-        return k.coeffs_backward(X, phi, bias, alpha, gpre, gpost, gres, iters, eps)
+        return k.mhc_coeffs_bwd(X, phi, bias, alpha, gpre, gpost, gres, iters, eps)
     return _coeffs_backward_ref(X, phi, bias, alpha, gpre, gpost, gres, iters, eps)
 
 
@@ -183,9 +185,9 @@ def _(X, phi, bias, alpha, gpre, gpost, gres, iters, eps):
 @torch.library.custom_op("depthrewrite::mhc_pre_backward", mutates_args=())
 def mhc_pre_backward(X: torch.Tensor, pre: torch.Tensor, gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad X, grad pre) of :func:`mhc_pre` from the grad of u."""
-    k = _fused(X, pre, gu, n=X.shape[-2], op="mhc_pre_backward")
+    k = _fused(X, pre, gu, op="mhc_pre_backward")
     if k is not None:
-        return k.pre_backward(X, pre, gu)
+        return k.mhc_pre_bwd(X, pre, gu)
     return _pre_backward_ref(X, pre, gu)
 
 
@@ -199,9 +201,9 @@ def mhc_post_backward(
     X: torch.Tensor, res: torch.Tensor, post: torch.Tensor, y: torch.Tensor, gout: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad X, grad res, grad post, grad y) of :func:`mhc_post` from the grad of X'."""
-    k = _fused(X, res, post, y, gout, n=X.shape[-2], op="mhc_post_backward")
+    k = _fused(X, res, post, y, gout, op="mhc_post_backward")
     if k is not None:
-        return k.post_backward(X, res, post, y, gout)
+        return k.mhc_post_bwd(X, res, post, y, gout)
     return _post_backward_ref(X, res, post, y, gout)
 
 
@@ -264,35 +266,38 @@ mhc_pre.register_autograd(_pre_bw, setup_context=_save_inputs(2))
 mhc_post.register_autograd(_post_bw, setup_context=_save_inputs(4))
 mhc_collapse.register_autograd(_collapse_bw, setup_context=_save_inputs(1))
 
-_FALLS_BACK = ("fp64 (or any dtype but fp32/bf16/fp16), n > 8 streams, empty tensors (and bf16 CPU tensors under "
-               "Triton's interpreter): the PyTorch reference")
+_FALLS_BACK = (
+    f"fp64 (or any dtype but fp32/bf16/fp16), n > {MAX_STREAMS} streams, empty tensors (and bf16 CPU tensors under "
+    "Triton's interpreter): the PyTorch reference"
+)
 
-register_kernel_info(KernelInfo(
-    op="depthrewrite::mhc_coeffs",
-    forward="_coeffs_fwd_kernel (token blocks of 64; tl.dot over K-chunks of n·D, φ columns padded 24 -> 32 for n=4)",
-    backward="depthrewrite::mhc_coeffs_backward: _coeffs_bwd_coef_kernel (recompute GEMM, σ and Sinkhorn on chip) + "
-    "_coeffs_bwd_x_kernel (grad X and per-segment grad φ partials; grad φ / bias / α partials summed with torch)",
-    fuses="RMS of the flattened n·D state, the [n·D, n²+2n] projection, σ / 2σ and the 20-step Sinkhorn in one read of X",
-    falls_back=_FALLS_BACK,
-))
-register_kernel_info(KernelInfo(
-    op="depthrewrite::mhc_pre",
-    forward="_pre_fwd_kernel (grid tokens × D-blocks)",
-    backward="depthrewrite::mhc_pre_backward: _pre_bwd_kernel (one pass over D per token block: grad X, grad pre)",
-    fuses="u = Σ_i H_pre[i]·X_i with one read of X (fp32 accumulation)",
-    falls_back=_FALLS_BACK,
-))
-register_kernel_info(KernelInfo(
-    op="depthrewrite::mhc_post",
-    forward="_post_fwd_kernel (grid tokens × D-blocks)",
-    backward="depthrewrite::mhc_post_backward: _post_bwd_kernel (one pass over D per token block: grad X, res, post, y)",
-    fuses="X' = H_res X + H_postᵀ y (stream mixing and the residual merge) with one read of X and y, one write of X'",
-    falls_back=_FALLS_BACK,
-))
-register_kernel_info(KernelInfo(
-    op="depthrewrite::mhc_collapse",
-    forward="none: PyTorch reference (a mean or sum over the n streams)",
-    backward="autograd through the reference",
-    fuses="nothing (one reduction over n; not worth a kernel)",
-    falls_back="always (reference-only op)",
-))
+# op: (forward, backward, fuses, falls_back)
+_KERNELS = {
+    "mhc_coeffs": (
+        "mhc_coeffs_fwd_kernel (token blocks of 64; tl.dot over K-chunks of n·D, φ columns padded 24 -> 32 for n=4)",
+        "depthrewrite::mhc_coeffs_backward: mhc_coeffs_bwd_kernel_coef (recompute GEMM, σ and Sinkhorn on chip) + "
+        "mhc_coeffs_bwd_kernel_x (grad X and per-segment grad φ partials; grad φ / bias / α partials summed with torch)",
+        "RMS of the flattened n·D state, the [n·D, n²+2n] projection, σ / 2σ and the 20-step Sinkhorn in one read of X",
+        _FALLS_BACK,
+    ),
+    "mhc_pre": (
+        "mhc_pre_fwd_kernel (grid tokens × D-blocks)",
+        "depthrewrite::mhc_pre_backward: mhc_pre_bwd_kernel (one pass over D per token block: grad X, grad pre)",
+        "u = Σ_i H_pre[i]·X_i with one read of X (fp32 accumulation)",
+        _FALLS_BACK,
+    ),
+    "mhc_post": (
+        "mhc_post_fwd_kernel (grid tokens × D-blocks)",
+        "depthrewrite::mhc_post_backward: mhc_post_bwd_kernel (one pass over D per token block: grad X, res, post, y)",
+        "X' = H_res X + H_postᵀ y (stream mixing and the residual merge) with one read of X and y, one write of X'",
+        _FALLS_BACK,
+    ),
+    "mhc_collapse": (
+        "none: PyTorch reference (a mean or sum over the n streams)",
+        "autograd through the reference",
+        "nothing (one reduction over n; not worth a kernel)",
+        "always (reference-only op)",
+    ),
+}
+for _op, (_fwd, _bwd, _fuses, _falls) in _KERNELS.items():
+    register_kernel_info(KernelInfo(f"depthrewrite::{_op}", _fwd, _bwd, _fuses, _falls))

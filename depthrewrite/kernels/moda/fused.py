@@ -1,6 +1,6 @@
 """Fused Triton kernels for ``depthrewrite::moda_attn`` (MoDA's joint softmax over sequence keys and depth slots).
 
-Imported lazily by ``op.py`` only when :func:`depthrewrite.kernels.dispatch.use_triton` says so, because
+Imported lazily by ``op.py`` only when :func:`depthrewrite.kernels.dispatch.route` picks the kernel, because
 ``TRITON_INTERPRET`` is read when ``@triton.jit`` decorates and CPU users must never pay for importing Triton.
 
 Layout (spec: shared/specs/moda.md §2, §4, §5, §8 Q8)
@@ -11,7 +11,7 @@ of two; rows ``tt · GP + j`` with ``j >= G`` are masked). Each K/V tile loaded 
 heads that share it, and each token's ``n`` depth slots (token-major ``[B, T, n, Hk, d]``) are read by exactly one
 program, which lets the backward write the depth gradients without atomics.
 
-Forward (``_moda_fwd``, grid ``(cdiv(T, BMT), B·Hk)``): one fp32 online-softmax state ``(m, l, acc)`` per row.
+Forward (``moda_attn_fwd_kernel``, grid ``(cdiv(T, BMT), B·Hk)``): one fp32 online-softmax state ``(m, l, acc)`` per row.
 First the ``n`` depth slots of the row's token (a per-slot CUDA-core dot ``q·Kd_i`` on ``[BM, d]`` tiles, weighted by
 ``λ`` through ``log λ`` added to the logit, so λ = 0 stays exact), then the sequence keys in ``BN`` blocks with
 ``tl.dot`` for QKᵀ and PV: fully visible blocks without masks, then the causal diagonal / ragged tail with masks.
@@ -19,13 +19,13 @@ Logit soft-capping (``c·tanh(x/c)``) applies to both parts; a boolean or additi
 ``[B, Hq, T, S]``, read through its strides, never materialised) to the sequence part only. Writes ``o`` in SDPA's
 layout and the per-row LSE (natural log, fp32, ``[B, Hq, T]``; 4 bytes per row, 1/64 of ``o`` at bf16 d = 128).
 
-Backward: ``δ = rowsum(o ⊙ do)`` (torch, fp32); ``_moda_fwd`` in ``STATS_ONLY`` mode recomputes the LSE (the public
+Backward: ``δ = rowsum(o ⊙ do)`` (torch, fp32); ``moda_attn_fwd_kernel`` in ``STATS_ONLY`` mode recomputes the LSE (the public
 op's schema returns ``o`` only, so the LSE cannot be saved across the autograd boundary — one extra QKᵀ pass:
-10 [T×S]-sized matmul passes for forward+backward instead of FlashAttention-2's 9, about +11 %); ``_moda_bwd_dq`` (query-block parallel, same folded rows) recomputes P and writes
+10 [T×S]-sized matmul passes for forward+backward instead of FlashAttention-2's 9, about +11 %); ``moda_attn_bwd_kernel_dq`` (query-block parallel, same folded rows) recomputes P and writes
 dQ (sequence + depth), the depth gradients ``dKd``/``dVd`` (the G heads of a group reduced in registers), per-row
 partials of dλ (summed over tokens with torch: deterministic, no atomics) and, when an additive mask needs a
 gradient, ``dS`` into an fp32 ``[B, Hq, T, S]`` buffer that torch reduces to the mask's shape;
-``_moda_bwd_dkdv`` (key-block parallel) accumulates dK/dV over every query row of the group (G heads folded).
+``moda_attn_bwd_kernel_dkdv`` (key-block parallel) accumulates dK/dV over every query row of the group (G heads folded).
 All reductions are per-program; no atomics anywhere, so the backward is deterministic.
 """
 
@@ -35,8 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_utils import pow2
-from ..dispatch import interpreting
+from .._triton_utils import dot_precision
+from .limits import block_config
 
 __all__ = ["moda_attn_fwd", "moda_attn_bwd", "block_config"]
 
@@ -53,6 +53,27 @@ def _rows(pid_m, kvh, G, T, BMT: tl.constexpr, GP: tl.constexpr):
     head = kvh * G + j
     ok = (tok < T) & (j < G)
     return tok, head, ok
+
+
+@triton.jit
+def _query_tile(Q, sqb, sqh, sqt, sqd, Hk, G, T, d, BMT: tl.constexpr, GP: tl.constexpr, BD: tl.constexpr):
+    """The program's folded query rows (grid ``(cdiv(T, BMT), B·Hk)``) and their ``q`` tile ``[BMT·GP, BD]``.
+
+    Returns ``(pid_m, b64, kvh, tok, head, row_ok, offs_d, d_ok, ld, q)``; ``ld`` masks the valid rows and head
+    dims."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // Hk
+    kvh = pid_bh % Hk
+    b64 = b.to(tl.int64)
+    tok, head, row_ok = _rows(pid_m, kvh, G, T, BMT, GP)
+    tok64 = tok.to(tl.int64)
+    head64 = head.to(tl.int64)
+    offs_d = tl.arange(0, BD)
+    d_ok = offs_d < d
+    ld = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(Q + b64 * sqb + head64[:, None] * sqh + tok64[:, None] * sqt + offs_d[None, :] * sqd, mask=ld, other=0.0)
+    return pid_m, b64, kvh, tok, head, row_ok, offs_d, d_ok, ld, q
 
 
 @triton.jit
@@ -111,7 +132,7 @@ def _seq_logits(
 
 
 @triton.jit
-def _moda_fwd(
+def moda_attn_fwd_kernel(
     Q, K, V, KD, VD, LAM, MASK, O, LSE,
     sqb, sqh, sqt, sqd,
     skb, skh, sks, skd,
@@ -126,19 +147,11 @@ def _moda_fwd(
     HAS_LAM: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr,
     STATS_ONLY: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // Hk
-    kvh = pid_bh % Hk
-    b64 = b.to(tl.int64)
-    tok, head, row_ok = _rows(pid_m, kvh, G, T, BMT, GP)
+    pid_m, b64, kvh, tok, head, row_ok, offs_d, d_ok, ld, q = _query_tile(
+        Q, sqb, sqh, sqt, sqd, Hk, G, T, d, BMT, GP, BD
+    )
     tok64 = tok.to(tl.int64)
     head64 = head.to(tl.int64)
-    offs_d = tl.arange(0, BD)
-    d_ok = offs_d < d
-    ld = row_ok[:, None] & d_ok[None, :]
-
-    q = tl.load(Q + b64 * sqb + head64[:, None] * sqh + tok64[:, None] * sqt + offs_d[None, :] * sqd, mask=ld, other=0.0)
     qf = q.to(tl.float32)
 
     m_i = tl.full([BMT * GP], float("-inf"), tl.float32)
@@ -223,7 +236,7 @@ def _moda_fwd(
 
 
 @triton.jit
-def _moda_bwd_dq(
+def moda_attn_bwd_kernel_dq(
     Q, K, V, KD, VD, LAM, MASK, DO, LSE, DELTA,
     DQ, DKD, DVD, DLAM, DS,
     sqb, sqh, sqt, sqd,
@@ -239,20 +252,12 @@ def _moda_bwd_dq(
     HAS_LAM: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr,
     STORE_DS: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // Hk
-    kvh = pid_bh % Hk
-    b64 = b.to(tl.int64)
-    kvh64 = kvh.to(tl.int64)
-    tok, head, row_ok = _rows(pid_m, kvh, G, T, BMT, GP)
+    pid_m, b64, kvh, tok, head, row_ok, offs_d, d_ok, ld, q = _query_tile(
+        Q, sqb, sqh, sqt, sqd, Hk, G, T, d, BMT, GP, BD
+    )
     tok64 = tok.to(tl.int64)
     head64 = head.to(tl.int64)
-    offs_d = tl.arange(0, BD)
-    d_ok = offs_d < d
-    ld = row_ok[:, None] & d_ok[None, :]
-
-    q = tl.load(Q + b64 * sqb + head64[:, None] * sqh + tok64[:, None] * sqt + offs_d[None, :] * sqd, mask=ld, other=0.0)
+    kvh64 = kvh.to(tl.int64)
     do = tl.load(DO + b64 * sgb + head64[:, None] * sgh + tok64[:, None] * sgt + offs_d[None, :] * sgd, mask=ld, other=0.0)
     qf = q.to(tl.float32)
     dof = do.to(tl.float32)
@@ -346,7 +351,7 @@ def _moda_bwd_dq(
 
 
 @triton.jit
-def _moda_bwd_dkdv(
+def moda_attn_bwd_kernel_dkdv(
     Q, K, V, MASK, DO, LSE, DELTA, DK, DV,
     sqb, sqh, sqt, sqd,
     skb, skh, sks, skd,
@@ -416,39 +421,6 @@ def _moda_bwd_dkdv(
 # launchers
 
 
-def block_config(G: int, d: int, dtype: torch.dtype) -> dict[str, int]:
-    """Block sizes and warps for head dim ``d`` and group size ``G`` (Hopper-sized; tiny under the interpreter).
-
-    Returns a dict: ``GP`` (G rounded up to a power of two), ``BD`` (head dim padded to a power of two, >= 16) and, per
-    kernel (prefix ``fwd_``, ``dq_``, ``kv_``), ``rows`` (folded query rows per tile: ``rows / GP`` tokens × GP heads),
-    ``bn`` (sequence keys per tile), ``warps`` and ``stages``. Chosen so that an sm_90 AOT compile of every kernel
-    (strides of 1 specialised, as the JIT does) shows no register spills for bf16/fp16 at d <= 128; fp32 (no tensor
-    cores with ``input_precision="ieee"``) still spills a little at d = 128 and is the correctness path, not the fast one.
-    """
-    GP = pow2(G)
-    BD = max(16, pow2(d))
-    if interpreting():
-        c = dict(fwd=(16, 16, 4, 1), dq=(16, 16, 4, 1), kv=(16, 16, 4, 1))
-    elif dtype == torch.float32:
-        if BD <= 64:
-            c = dict(fwd=(64, 32, 8, 2), dq=(32, 32, 8, 2), kv=(32, 32, 8, 2))
-        elif BD <= 128:
-            c = dict(fwd=(32, 32, 8, 2), dq=(16, 32, 8, 2), kv=(16, 16, 4, 2))
-        else:
-            c = dict(fwd=(16, 16, 8, 2), dq=(16, 16, 8, 2), kv=(16, 16, 8, 2))
-    elif BD <= 64:
-        c = dict(fwd=(128, 64, 8, 3), dq=(64, 64, 4, 2), kv=(64, 64, 4, 2))
-    elif BD <= 128:
-        c = dict(fwd=(128, 64, 8, 2), dq=(32, 64, 8, 2), kv=(64, 32, 8, 2))
-    else:
-        c = dict(fwd=(64, 32, 8, 2), dq=(32, 32, 8, 2), kv=(32, 32, 8, 2))
-    out = dict(GP=GP, BD=BD)
-    for k, (rows, bn, warps, stages) in c.items():
-        rows = max(rows, GP)  # at least one token per tile
-        out.update({f"{k}_rows": rows, f"{k}_BMT": rows // GP, f"{k}_BN": bn, f"{k}_warps": warps, f"{k}_stages": stages})
-    return out
-
-
 def _mask_args(attn_mask: torch.Tensor | None, B: int, Hq: int, T: int, S: int, ref: torch.Tensor):
     """(tensor, kind, strides): the mask broadcast to ``[B, Hq, T, S]`` as a strided view (never materialised)."""
     if attn_mask is None:
@@ -461,37 +433,15 @@ def _mask_args(attn_mask: torch.Tensor | None, B: int, Hq: int, T: int, S: int, 
     return m, kind, tuple(m.stride())
 
 
-def _dot_prec(dtype: torch.dtype) -> str:
-    # fp32 inputs get true fp32 products (the references disable TF32); half types use the tensor cores natively
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 def moda_attn_fwd(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    depth_k: torch.Tensor,
-    depth_v: torch.Tensor,
-    depth_weight: torch.Tensor | None,
-    scale: float,
-    is_causal: bool,
-    softcap: float,
+    q, k, v, attn_mask, depth_k, depth_v, depth_weight, scale: float, is_causal: bool, softcap: float,
     stats_only: bool = False,
-) -> tuple[torch.Tensor | None, torch.Tensor]:
+) -> tuple[torch.Tensor | None, torch.Tensor]:  # fmt: skip
     """MoDA forward in one kernel: sequence attention and the same-token depth slots in one online softmax.
 
-    Args:
-        q: ``[B, Hq, T, d]`` (any strides), fp32/bf16/fp16.
-        k, v: ``[B, Hk, S, d]`` sequence keys/values, Hq a multiple of Hk (query head h reads KV head h // G).
-        attn_mask: None, boolean (True = attend) or additive float, broadcastable to ``[B, Hq, T, S]``; sequence
-            part only; read through broadcast strides.
-        depth_k, depth_v: ``[B, T, n, Hk, d]`` token-major depth slots, n >= 1.
-        depth_weight: λ ``[Hq]`` or None (λ = 1); clamped at 0 in the forward.
-        scale: logit scale for both parts.
-        is_causal: top-left aligned causal mask on the sequence part (SDPA's ``is_causal``).
-        softcap: ``c·tanh(x/c)`` on both parts' logits when > 0.
-        stats_only: compute only the LSE (used by the backward to recompute it); ``o`` is then None.
+    Arguments: those of :func:`.reference.moda_attn_ref` (the op's one docstring) without dropout, within
+    :func:`.limits.covers` (q may have any strides; the mask is read through broadcast strides, never
+    materialised). ``stats_only``: compute only the LSE (the backward's recomputation); ``o`` is then None.
 
     Returns:
         ``(o, lse)``: ``o`` ``[B, Hq, T, d]`` in q's dtype with SDPA's memory layout (``[B, T, Hq, d]`` underneath);
@@ -515,40 +465,28 @@ def moda_attn_fwd(
     mask, kind, sm = _mask_args(attn_mask, B, Hq, T, S, q)
     lam = depth_weight.contiguous() if depth_weight is not None else lse
     grid = (triton.cdiv(T, cfg["fwd_BMT"]), B * Hk)
-    _moda_fwd[grid](
+    moda_attn_fwd_kernel[grid](
         q, k, v, depth_k, depth_v, lam, mask, o_arg, lse,
         *q.stride(), *k.stride(), *v.stride(), *depth_k.stride(), *depth_v.stride(), *sm, *so,
         Hq, Hk, G, T, S, n, d,
         float(scale), float(softcap) if softcap > 0 else 1.0,
         BMT=cfg["fwd_BMT"], GP=cfg["GP"], BN=cfg["fwd_BN"], BD=cfg["BD"],
         HAS_LAM=depth_weight is not None, MASK_KIND=kind, CAUSAL=bool(is_causal), SOFTCAP=softcap > 0,
-        STATS_ONLY=stats_only, DOT_PREC=_dot_prec(q.dtype),
+        STATS_ONLY=stats_only, DOT_PREC=dot_precision(q.dtype),
         num_warps=cfg["fwd_warps"], num_stages=cfg["fwd_stages"],
     )
     return o, lse
 
 
 def moda_attn_bwd(
-    grad: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    depth_k: torch.Tensor,
-    depth_v: torch.Tensor,
-    depth_weight: torch.Tensor | None,
-    out: torch.Tensor,
-    scale: float,
-    is_causal: bool,
-    softcap: float,
+    grad, q, k, v, attn_mask, depth_k, depth_v, depth_weight, out, scale: float, is_causal: bool, softcap: float,
     mask_grad: bool,
-) -> tuple[torch.Tensor, ...]:
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """MoDA backward: recompute the LSE, then dQ/depth gradients and dK/dV in two kernels (no atomics).
 
     Args:
-        grad: ``[B, Hq, T, d]`` gradient of the output (any strides, stride 0 included).
-        q, k, v, attn_mask, depth_k, depth_v, depth_weight, scale, is_causal, softcap: as in :func:`moda_attn_fwd`.
-        out: the forward output ``o`` (for ``δ = rowsum(o ⊙ do)``).
+        grad: ``[B, Hq, T, d]`` gradient of the output (any strides, stride 0 included). ``out``: the forward output
+            ``o`` (for ``δ = rowsum(o ⊙ do)``). The rest: as :func:`moda_attn_fwd`.
         mask_grad: also return the gradient of an additive float mask (materialises an fp32 ``[B, Hq, T, S]``
             buffer of dS, then reduces it to the mask's shape with torch, as the reference's autograd would).
 
@@ -557,8 +495,8 @@ def moda_attn_bwd(
         ``dmask`` is None unless ``mask_grad``; ``dλ`` is None when ``depth_weight`` is None. ``dλ`` passes the
         clamp straight through (``Σ_rows Σ_i e_i (dP_i − δ)``, per-row fp32 partials summed with torch).
 
-    Recomputed: the LSE (``_moda_fwd`` in stats mode), then P for the sequence blocks and the depth slots in both
-    backward kernels; nothing but ``o`` and the inputs is kept from the forward.
+    Recomputed: the LSE (:func:`moda_attn_fwd` in stats mode), then P for the sequence blocks and the depth slots in
+    both backward kernels; nothing but ``o`` and the inputs is kept from the forward.
     """
     B, Hq, T, d = q.shape
     Hk, S = k.shape[1], k.shape[2]
@@ -579,9 +517,9 @@ def moda_attn_bwd(
     # zeros: the causal part above the diagonal is never visited by the kernel
     ds = torch.zeros(B, Hq, T, S, device=q.device, dtype=torch.float32) if store_ds else lse
     lam = depth_weight.contiguous() if has_lam else lse
-    common = dict(MASK_KIND=kind, CAUSAL=bool(is_causal), SOFTCAP=softcap > 0, DOT_PREC=_dot_prec(q.dtype))
+    common = dict(MASK_KIND=kind, CAUSAL=bool(is_causal), SOFTCAP=softcap > 0, DOT_PREC=dot_precision(q.dtype))
     cap = float(softcap) if softcap > 0 else 1.0
-    _moda_bwd_dq[(triton.cdiv(T, cfg["dq_BMT"]), B * Hk)](
+    moda_attn_bwd_kernel_dq[(triton.cdiv(T, cfg["dq_BMT"]), B * Hk)](
         q, k, v, depth_k, depth_v, lam, mask, grad, lse, delta,
         dq, dkd, dvd, dlam_rows, ds,
         *q.stride(), *k.stride(), *v.stride(), *depth_k.stride(), *depth_v.stride(), *sm, *grad.stride(),
@@ -590,7 +528,7 @@ def moda_attn_bwd(
         BMT=cfg["dq_BMT"], GP=cfg["GP"], BN=cfg["dq_BN"], BD=cfg["BD"], HAS_LAM=has_lam, STORE_DS=store_ds,
         num_warps=cfg["dq_warps"], num_stages=cfg["dq_stages"], **common,
     )
-    _moda_bwd_dkdv[(triton.cdiv(S, cfg["kv_BN"]), B * Hk)](
+    moda_attn_bwd_kernel_dkdv[(triton.cdiv(S, cfg["kv_BN"]), B * Hk)](
         q, k, v, mask, grad, lse, delta, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *sm, *grad.stride(),
         Hq, Hk, G, T, S, d,

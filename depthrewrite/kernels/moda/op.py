@@ -2,9 +2,9 @@
 layout as registered ops.
 
 ``moda_attn`` runs the fused Triton kernel (``fused.py``, imported lazily) when
-:func:`~depthrewrite.kernels.dispatch.use_triton` says so and the call is one the kernel covers (see
-:func:`kernel_covers`), else the PyTorch reference. Its backward is its own registered op,
-``depthrewrite::moda_attn_backward`` (one opaque node per site in a compiled backward graph), which dispatches the
+:func:`~depthrewrite.kernels.dispatch.route` picks it: the backend decision, then the gate :func:`.limits.covers`
+(``None``, or the reason for the reference). The op is documented once, in :mod:`.reference`. Its backward is its
+own registered op, ``depthrewrite::moda_attn_backward`` (one opaque node per site in a compiled backward graph), which dispatches the
 same way: the Triton backward (recomputes the LSE, then dQ + depth gradients and dK/dV) or the reference
 recomputation. Dropout masks come from a seed input, so the reference recomputation sees the same masks.
 ``moda_slots`` is a layout copy and stays a PyTorch op."""
@@ -15,55 +15,22 @@ import math
 
 import torch
 
-from ..dispatch import KernelInfo, kernel_dtypes_ok, register_kernel_info, use_triton
+from ..dispatch import KernelInfo, register_kernel_info, route
+from .limits import MAX_HEAD_DIM, covers
 from .reference import moda_attn_ref, moda_slots_ref
 
-__all__ = ["moda_attn", "moda_attn_backward", "moda_slots", "kernel_covers"]
-
-_MAX_HEAD_DIM = 256
-
+__all__ = ["moda_attn", "moda_attn_backward", "moda_slots", "covers", "kernel_covers"]
 
 def kernel_covers(q, k, v, attn_mask, depth_k, depth_v, depth_weight, dropout_p) -> bool:
-    """Whether the fused kernel handles this call; otherwise the op silently runs the reference.
-
-    Covered: fp32/bf16/fp16 with q, k, v, depth_k, depth_v of one dtype (bf16 only on CUDA: Triton's interpreter
-    has no bf16), Hq a multiple of Hk, head dim <= 256 (padded to a power of two with masks), n >= 1 depth slots,
-    non-empty T and S, no mask or a boolean / floating mask broadcastable to ``[B, Hq, T, S]``, ``dropout_p == 0``.
-    """
-    if dropout_p > 0.0:
-        return False  # the reference's dropout masks come from torch.rand with a seed; a kernel cannot reproduce them
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or depth_k.dim() != 5 or depth_v.dim() != 5:
-        return False
-    dt = q.dtype
-    if not kernel_dtypes_ok(q) or any(t.dtype != dt for t in (k, v, depth_k, depth_v)):
-        return False
-    B, Hq, T, d = q.shape
-    Hk, S = k.shape[1], k.shape[2]
-    if Hk == 0 or Hq % Hk or d > _MAX_HEAD_DIM or min(B, T, S, d) == 0:
-        return False
-    if v.shape != k.shape or k.shape[0] != B or k.shape[3] != d:
-        return False
-    n = depth_k.shape[2]
-    if n < 1 or depth_k.shape != (B, T, n, Hk, d) or depth_v.shape != depth_k.shape:
-        return False
-    if depth_weight is not None and (depth_weight.shape != (Hq,) or not depth_weight.is_floating_point()):
-        return False
-    if attn_mask is not None:
-        if not (attn_mask.dtype == torch.bool or attn_mask.is_floating_point()) or attn_mask.dim() > 4:
-            return False
-        try:
-            torch.broadcast_shapes(attn_mask.shape, (B, Hq, T, S))
-        except RuntimeError:
-            return False
-        if torch.broadcast_shapes(attn_mask.shape, (B, Hq, T, S)) != (B, Hq, T, S):
-            return False
-    return True
+    """Whether the fused kernel handles this call (``covers(...) is None``; :func:`.limits.covers` says why not)."""
+    return covers(q, k, v, attn_mask, depth_k, depth_v, depth_weight, dropout_p) is None
 
 
-def _use_kernel(q, k, v, attn_mask, depth_k, depth_v, depth_weight, dropout_p) -> bool:
-    return use_triton(q, k, v, attn_mask, depth_k, depth_v, depth_weight, op="depthrewrite::moda_attn") and (
-        kernel_covers(q, k, v, attn_mask, depth_k, depth_v, depth_weight, dropout_p)
-    )
+def _use_kernel(q, k, v, attn_mask, depth_k, depth_v, depth_weight, dropout_p, op: str) -> bool:
+    return route(
+        op, (q, k, v, attn_mask, depth_k, depth_v, depth_weight),
+        lambda: covers(q, k, v, attn_mask, depth_k, depth_v, depth_weight, dropout_p),
+    )  # fmt: skip
 
 
 @torch.library.custom_op("depthrewrite::moda_attn", mutates_args=())
@@ -81,7 +48,7 @@ def moda_attn(
     seed: torch.Tensor | None,
     softcap: float,
 ) -> torch.Tensor:
-    if _use_kernel(q, k, v, attn_mask, depth_k, depth_v, depth_weight, dropout_p):
+    if _use_kernel(q, k, v, attn_mask, depth_k, depth_v, depth_weight, dropout_p, "depthrewrite::moda_attn"):
         from .fused import moda_attn_fwd
 
         out, _ = moda_attn_fwd(q, k, v, attn_mask, depth_k, depth_v, depth_weight, scale, is_causal, softcap)
@@ -191,7 +158,7 @@ def moda_attn_backward(
     ``dmask`` is an empty tensor unless ``mask_grad`` (an additive float mask that requires grad); ``dλ`` is empty
     when ``depth_weight`` is None. ``out`` is the forward output (the Triton backward needs ``rowsum(o ⊙ do)``).
     """
-    if _use_kernel(q, k, v, attn_mask, depth_k, depth_v, depth_weight, dropout_p):
+    if _use_kernel(q, k, v, attn_mask, depth_k, depth_v, depth_weight, dropout_p, "depthrewrite::moda_attn_backward"):
         from .fused import moda_attn_bwd
 
         got = list(
@@ -263,15 +230,16 @@ moda_attn.register_autograd(_backward, setup_context=_setup)
 register_kernel_info(
     KernelInfo(
         op="depthrewrite::moda_attn",
-        forward="_moda_fwd: flash-style (FA2) online softmax; grid (T/BMT, B·Hk), the G query heads of a KV head "
-        "folded into the rows; depth slots first, then the sequence blocks (tl.dot QKᵀ and PV)",
-        backward="depthrewrite::moda_attn_backward: _moda_fwd (stats only, recomputes the LSE), _moda_bwd_dq "
-        "(dQ + dKd/dVd + per-row dλ partials + dS for a learned additive mask), _moda_bwd_dkdv (dK/dV, G heads "
-        "folded); no atomics",
+        forward="moda_attn_fwd_kernel: flash-style (FA2) online softmax; grid (T/BMT, B·Hk), the G query heads of a "
+        "KV head folded into the rows; depth slots first, then the sequence blocks (tl.dot QKᵀ and PV)",
+        backward="depthrewrite::moda_attn_backward: moda_attn_fwd_kernel (stats only, recomputes the LSE), "
+        "moda_attn_bwd_kernel_dq (dQ + dKd/dVd + per-row dλ partials + dS for a learned additive mask), "
+        "moda_attn_bwd_kernel_dkdv (dK/dV, G heads folded); no atomics",
         fuses="sequence attention (causal / bool / additive mask, soft-cap) and the same-token depth slots with λ "
         "in one online softmax; no logits, probabilities or separate LSE merge in HBM",
         falls_back="dropout_p > 0 (seeded torch.rand masks); dtypes other than fp32/bf16/fp16 or mixed input "
-        "dtypes; bf16 on CPU (the Triton interpreter has no bf16); head dim > 256; Hq not a multiple of Hk; empty "
+        "dtypes; bf16 on CPU (the Triton interpreter has no bf16); "
+        f"head dim > {MAX_HEAD_DIM}; Hq not a multiple of Hk; empty "
         "T or S; a mask that is neither bool nor floating or not broadcastable to [B, Hq, T, S]",
     )
 )

@@ -1,6 +1,6 @@
 """Fused Triton kernels for ``depthrewrite::msar_mix`` (forward) and ``depthrewrite::msar_mix_backward``.
 
-Imported lazily by :mod:`.op` only when :func:`depthrewrite.kernels.dispatch.use_triton` says so: Triton reads
+Imported lazily by :mod:`.op` only when :func:`depthrewrite.kernels.dispatch.route` picks the kernel: Triton reads
 ``TRITON_INTERPRET`` when ``@triton.jit`` decorates, and CPU users never pay for importing Triton.
 
 Math (see :mod:`.reference` for the one docstring of the op), per token t of a sequence, source i, stream r:
@@ -10,7 +10,7 @@ Math (see :mod:`.reference` for the one docstring of the op), per token t of a s
     a_ir = softmax_i(s_ir),   Z_r = Σ_i a_ir Y_i^(r)        (Y = V, or x when conv_values=False)
     g = sigmoid(α · rsqrt(|Z|²/(mD) + eps_mix) · (Z_flat @ φ) + b)  (or 1/m),   h = scale · Σ_r g_r Z_r
 
-Design (forward, ``_msar_fwd_kernel``): one program per tile of ``BT`` consecutive tokens of one sequence, three
+Design (forward, ``msar_fwd_kernel``): one program per tile of ``BT`` consecutive tokens of one sequence, three
 passes over D in chunks of ``BD``. The m stream views are never written to memory: every pass recomputes them from
 the sources with shifted (halo) loads, ``x[t-τ]`` for τ < k_max, which hit L1/L2 after the first tap.
 
@@ -18,19 +18,19 @@ the sources with shifted (halo) loads, ``x[t-τ]`` for τ < k_max, which hit L1/
 2. (sigmoid mixer only) Z chunks → |Z|² and Z·φ → g;
 3. Z chunks again → h = scale Σ_r g_r Z_r, the only tensor written.
 
-Backward: two kernels. ``_msar_bwd_stats_kernel`` (same tiling) recomputes passes 1-2, then a third pass that
+Backward: two kernels. ``msar_bwd_kernel_stats`` (same tiling) recomputes passes 1-2, then a third pass that
 forms dZ_r = scale g_r dh + φ_r dp + c_z Z_r and the per-(source, stream) reductions da_ir = dZ_r · Y_i^(r); from
 them the softmax backward gives per-token coefficients (a, c1 = ds·rs, c2 = -ds·dt·rs³/D) and per-token mixer
 scalars (scale·g, dp, c_z), written to a small fp32 side buffer (12·KP + 9 floats per token). It also reduces
-dα and db. ``_msar_bwd_grad_kernel`` then works on *extended* tiles of ``ET`` rows that own the first
+dα and db. ``msar_bwd_kernel_grad`` then works on *extended* tiles of ``ET`` rows that own the first
 ``ET - (k_max-1)`` of them: it recomputes the views and dV_i^(r) = c1 u_r + c2 V_i^(r) + a_ir dZ_r on all ET rows,
 stages the conv-stream dV tile of one source in a per-program fp32 scratch tile (L2-resident, ``3·ET·BD`` floats)
 so that the transposed conv dx[t] = Σ_τ W[τ] dV[t+τ] can read it shifted, and writes dx for the owned rows. The
 parameter gradients that reduce over tokens (query, gain, conv taps, φ) are summed per program in registers over
 its owned rows and added to fp32 buffers with ``tl.atomic_add`` (so their summation order is not deterministic).
 
-Sources are up to 16 separate pointer arguments (never stacked). The loops over sources are run-time loops that
-select the pointer argument with ``tl.where`` (no indirect loads); unrolling them made the sm_90 compile of the
+Sources are one tuple argument of up to ``limits.MAX_SOURCES`` pointers (never stacked). The loops over sources are
+run-time loops that select the tuple element with ``tl.where`` (no indirect loads); unrolling them made the sm_90 compile of the
 K = 9, k = (4, 8, 12) kernels take minutes. Only the conv taps (``tl.static_range(k_max)``) and the m <= 4
 streams (explicit variables under constexpr guards) are unrolled.
 """
@@ -42,12 +42,10 @@ import triton
 import triton.language as tl
 
 from .._triton_utils import pow2
+from .limits import BWD_TILES, FWD_TILES, MAX_KERNEL, MAX_SOURCES, MAX_STREAMS
 
 __all__ = ["MAX_SOURCES", "MAX_STREAMS", "MAX_KERNEL", "msar_fwd", "msar_bwd"]
 
-MAX_SOURCES = 16  # pointer arguments of the kernels; more sources fall back to the reference (op._kernel_covers)
-MAX_STREAMS = 4  # m <= 4 (three conv streams)
-MAX_KERNEL = 16  # k_r <= 16 taps
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -56,40 +54,12 @@ MAX_KERNEL = 16  # k_r <= 16 taps
 
 
 @triton.jit
-def _pick(i, NSRC: tl.constexpr, s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15):
-    """The pointer of source ``i`` (a run-time select among the pointer arguments: no indirect loads, and the
-    source loops stay rolled, which keeps the compiled code small)."""
-    p = s0
-    if NSRC > 1:
-        p = tl.where(i == 1, s1, p)
-    if NSRC > 2:
-        p = tl.where(i == 2, s2, p)
-    if NSRC > 3:
-        p = tl.where(i == 3, s3, p)
-    if NSRC > 4:
-        p = tl.where(i == 4, s4, p)
-    if NSRC > 5:
-        p = tl.where(i == 5, s5, p)
-    if NSRC > 6:
-        p = tl.where(i == 6, s6, p)
-    if NSRC > 7:
-        p = tl.where(i == 7, s7, p)
-    if NSRC > 8:
-        p = tl.where(i == 8, s8, p)
-    if NSRC > 9:
-        p = tl.where(i == 9, s9, p)
-    if NSRC > 10:
-        p = tl.where(i == 10, s10, p)
-    if NSRC > 11:
-        p = tl.where(i == 11, s11, p)
-    if NSRC > 12:
-        p = tl.where(i == 12, s12, p)
-    if NSRC > 13:
-        p = tl.where(i == 13, s13, p)
-    if NSRC > 14:
-        p = tl.where(i == 14, s14, p)
-    if NSRC > 15:
-        p = tl.where(i == 15, s15, p)
+def _pick(ptrs, i, NSRC: tl.constexpr):
+    """The pointer of source ``i`` of the tuple ``ptrs`` (a run-time select: no indirect loads, and the source
+    loops stay rolled, which keeps the compiled code small)."""
+    p = ptrs[0]
+    for j in tl.static_range(1, NSRC):
+        p = tl.where(i == j, ptrs[j], p)
     return p
 
 
@@ -126,6 +96,36 @@ def _views(
 
 
 @triton.jit
+def _zeros4(S0: tl.constexpr, S1: tl.constexpr):
+    """Four fp32 zero tiles ``[S0, S1]`` (one per stream)."""
+    z = tl.zeros((S0, S1), tl.float32)
+    return z, z, z, z
+
+
+@triton.jit
+def _zeros4v(S0: tl.constexpr):
+    """Four fp32 zero vectors ``[S0]`` (one per stream)."""
+    z = tl.zeros((S0,), tl.float32)
+    return z, z, z, z
+
+
+@triton.jit
+def _values(
+    sp, wp, rows, tpos, row_ok, cols, cm, D,
+    K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr, KMAX: tl.constexpr, CONV_VALUES: tl.constexpr,
+):  # fmt: skip
+    """The value of each stream for one source and chunk: the conv views (``CONV_VALUES``) or the raw source."""
+    if CONV_VALUES:
+        x, v1, v2, v3 = _views(sp, wp, rows, tpos, row_ok, cols, cm, D, K1, K2, K3, KMAX)
+    else:
+        x = _load_shift(sp, rows, tpos, row_ok, cols, cm, D, 0)
+        v1 = x
+        v2 = x
+        v3 = x
+    return x, v1, v2, v3
+
+
+@triton.jit
 def _col(A, kk, i):
     """Column ``i`` of a ``[BT, KP]`` register matrix."""
     return tl.sum(tl.where(kk[None, :] == i, A, 0.0), axis=1)
@@ -133,25 +133,16 @@ def _col(A, kk, i):
 
 @triton.jit
 def _mix(
-    s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
+    srcs,
     A0, A1, A2, A3, kk, wp, rows, tpos, row_ok, cols, cm, D,
     NSRC: tl.constexpr, M: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr,
     KMAX: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, CONV_VALUES: tl.constexpr,
 ):  # fmt: skip
     """One D chunk of the retrieved states Z_r = Σ_i a_ir Y_i^(r), views recomputed."""
-    Z0 = tl.zeros((BT, BD), tl.float32)
-    Z1 = tl.zeros((BT, BD), tl.float32)
-    Z2 = tl.zeros((BT, BD), tl.float32)
-    Z3 = tl.zeros((BT, BD), tl.float32)
+    Z0, Z1, Z2, Z3 = _zeros4(BT, BD)
     for i in range(NSRC):
-        sp = _pick(i, NSRC, s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15)
-        if CONV_VALUES:
-            x, v1, v2, v3 = _views(sp, wp, rows, tpos, row_ok, cols, cm, D, K1, K2, K3, KMAX)
-        else:
-            x = _load_shift(sp, rows, tpos, row_ok, cols, cm, D, 0)
-            v1 = x
-            v2 = x
-            v3 = x
+        sp = _pick(srcs, i, NSRC)
+        x, v1, v2, v3 = _values(sp, wp, rows, tpos, row_ok, cols, cm, D, K1, K2, K3, KMAX, CONV_VALUES)
         Z0 += _col(A0, kk, i)[:, None] * x
         if M > 1:
             Z1 += _col(A1, kk, i)[:, None] * v1
@@ -164,30 +155,18 @@ def _mix(
 
 @triton.jit
 def _logit_stats(
-    s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
+    srcs,
     u_ptr, wp, rows, tpos, row_ok, kk, D, eps,
     NSRC: tl.constexpr, M: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr,
     KMAX: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
 ):  # fmt: skip
     """Pass 1: per (source, stream) the key dot ``u_r · V`` (DT_r) and inverse RMS (RS_r), as ``[BT, KP]``."""
-    DT0 = tl.zeros((BT, KP), tl.float32)
-    DT1 = tl.zeros((BT, KP), tl.float32)
-    DT2 = tl.zeros((BT, KP), tl.float32)
-    DT3 = tl.zeros((BT, KP), tl.float32)
-    RS0 = tl.zeros((BT, KP), tl.float32)
-    RS1 = tl.zeros((BT, KP), tl.float32)
-    RS2 = tl.zeros((BT, KP), tl.float32)
-    RS3 = tl.zeros((BT, KP), tl.float32)
+    DT0, DT1, DT2, DT3 = _zeros4(BT, KP)
+    RS0, RS1, RS2, RS3 = _zeros4(BT, KP)
     for i in range(NSRC):
-        sp = _pick(i, NSRC, s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15)
-        ss0 = tl.zeros((BT,), tl.float32)
-        ss1 = tl.zeros((BT,), tl.float32)
-        ss2 = tl.zeros((BT,), tl.float32)
-        ss3 = tl.zeros((BT,), tl.float32)
-        dt0 = tl.zeros((BT,), tl.float32)
-        dt1 = tl.zeros((BT,), tl.float32)
-        dt2 = tl.zeros((BT,), tl.float32)
-        dt3 = tl.zeros((BT,), tl.float32)
+        sp = _pick(srcs, i, NSRC)
+        ss0, ss1, ss2, ss3 = _zeros4v(BT)
+        dt0, dt1, dt2, dt3 = _zeros4v(BT)
         for d0 in range(0, D, BD):
             cols = d0 + tl.arange(0, BD)
             cm = cols < D
@@ -256,30 +235,66 @@ def _dz(gh, Zr, gsr, dp0, dp1, dp2, dp3, cz, phiT, cols, cm, D, r: tl.constexpr,
 
 
 @triton.jit
+def _mix_chunk(
+    srcs, A0, A1, A2, A3, kk, wp, rows, tpos, row_ok, d0, D,
+    NSRC: tl.constexpr, M: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr,
+    KMAX: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, CONV_VALUES: tl.constexpr,
+):  # fmt: skip
+    """The D chunk at ``d0``: its columns, their mask and :func:`_mix` on it."""
+    cols = d0 + tl.arange(0, BD)
+    cm = cols < D
+    Z0, Z1, Z2, Z3 = _mix(
+        srcs, A0, A1, A2, A3, kk, wp, rows, tpos, row_ok, cols, cm, D, NSRC, M, K1, K2, K3, KMAX, BT, BD, CONV_VALUES
+    )
+    return cols, cm, Z0, Z1, Z2, Z3
+
+
+@triton.jit
+def _grad_mix(
+    srcs, gh, A0, A1, A2, A3, kk, wp, rows, tpos, row_ok, cols, cm, D,
+    NSRC: tl.constexpr, M: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr,
+    KMAX: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, CONV_VALUES: tl.constexpr, SIGMOID: tl.constexpr,
+):  # fmt: skip
+    """The backward's Z_r chunk: recomputed with the sigmoid mixer (its gradient needs Z), else unused (``gh``)."""
+    if SIGMOID:
+        Z0, Z1, Z2, Z3 = _mix(
+            srcs, A0, A1, A2, A3, kk, wp, rows, tpos, row_ok, cols, cm, D,
+            NSRC, M, K1, K2, K3, KMAX, BT, BD, CONV_VALUES,
+        )  # fmt: skip
+    else:
+        Z0 = gh
+        Z1 = gh
+        Z2 = gh
+        Z3 = gh
+    return Z0, Z1, Z2, Z3
+
+
+@triton.jit
+def _dzs(gh, Z0, Z1, Z2, Z3, gs0, gs1, gs2, gs3, dp0, dp1, dp2, dp3, cz, phiT, cols, cm, D, M: tl.constexpr,
+         SIGMOID: tl.constexpr):  # fmt: skip
+    """dZ_r of every stream for one chunk (:func:`_dz`)."""
+    dZ0 = _dz(gh, Z0, gs0, dp0, dp1, dp2, dp3, cz, phiT, cols, cm, D, 0, M, SIGMOID)
+    dZ1 = _dz(gh, Z1, gs1, dp0, dp1, dp2, dp3, cz, phiT, cols, cm, D, 1, M, SIGMOID)
+    dZ2 = _dz(gh, Z2, gs2, dp0, dp1, dp2, dp3, cz, phiT, cols, cm, D, 2, M, SIGMOID)
+    dZ3 = _dz(gh, Z3, gs3, dp0, dp1, dp2, dp3, cz, phiT, cols, cm, D, 3, M, SIGMOID)
+    return dZ0, dZ1, dZ2, dZ3
+
+
+@triton.jit
 def _mixer_stats(
-    s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
+    srcs,
     A0, A1, A2, A3, kk, wp, phiT, gh_ptr, rows, tpos, row_ok, D, eps,
     NSRC: tl.constexpr, M: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr,
     KMAX: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, CONV_VALUES: tl.constexpr, WITH_GRAD: tl.constexpr,
 ):  # fmt: skip
     """Pass 2: rsqrt(|Z|²/(mD)+eps) (the caller passes eps_mix), p_j = Z_flat·φ[:, j], and (backward) dh·Z_r."""
     zz = tl.zeros((BT,), tl.float32)
-    p0 = tl.zeros((BT,), tl.float32)
-    p1 = tl.zeros((BT,), tl.float32)
-    p2 = tl.zeros((BT,), tl.float32)
-    p3 = tl.zeros((BT,), tl.float32)
-    q0 = tl.zeros((BT,), tl.float32)
-    q1 = tl.zeros((BT,), tl.float32)
-    q2 = tl.zeros((BT,), tl.float32)
-    q3 = tl.zeros((BT,), tl.float32)
+    p0, p1, p2, p3 = _zeros4v(BT)
+    q0, q1, q2, q3 = _zeros4v(BT)
     for d0 in range(0, D, BD):
-        cols = d0 + tl.arange(0, BD)
-        cm = cols < D
-        Z0, Z1, Z2, Z3 = _mix(
-            s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
-            A0, A1, A2, A3, kk, wp, rows, tpos, row_ok, cols, cm, D,
-            NSRC, M, K1, K2, K3, KMAX, BT, BD, CONV_VALUES,
-        )  # fmt: skip
+        cols, cm, Z0, Z1, Z2, Z3 = _mix_chunk(
+            srcs, A0, A1, A2, A3, kk, wp, rows, tpos, row_ok, d0, D, NSRC, M, K1, K2, K3, KMAX, BT, BD, CONV_VALUES
+        )
         zz += tl.sum(Z0 * Z0, axis=1)
         if M > 1:
             zz += tl.sum(Z1 * Z1, axis=1)
@@ -305,20 +320,13 @@ def _mixer_stats(
     return rho, p0, p1, p2, p3, q0, q1, q2, q3
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# forward
-# ----------------------------------------------------------------------------------------------------------------
-
-
 @triton.jit
-def _msar_fwd_kernel(
-    s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
-    u_ptr, wp, phiT, b_ptr, alpha_ptr, out_ptr,
-    T, D, eps, eps_mix, scale,
+def _tile_attn(
+    srcs, u_ptr, wp, T, D, eps,
     NSRC: tl.constexpr, M: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr,
     KMAX: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-    CONV_VALUES: tl.constexpr, SIGMOID: tl.constexpr,
 ):  # fmt: skip
+    """The program's ``BT`` tokens of one sequence, pass 1 (:func:`_logit_stats`) and the m depth softmaxes."""
     pid = tl.program_id(0)
     n_t = tl.cdiv(T, BT)
     seq = pid // n_t
@@ -327,37 +335,82 @@ def _msar_fwd_kernel(
     rows = seq * T + tpos
     kk = tl.arange(0, KP)
     DT0, DT1, DT2, DT3, RS0, RS1, RS2, RS3 = _logit_stats(
-        s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
-        u_ptr, wp, rows, tpos, row_ok, kk, D, eps, NSRC, M, K1, K2, K3, KMAX, KP, BT, BD,
+        srcs, u_ptr, wp, rows, tpos, row_ok, kk, D, eps, NSRC, M, K1, K2, K3, KMAX, KP, BT, BD,
     )  # fmt: skip
     A0 = _softmax(DT0, RS0, kk, NSRC)
     A1 = _softmax(DT1, RS1, kk, NSRC)
     A2 = _softmax(DT2, RS2, kk, NSRC)
     A3 = _softmax(DT3, RS3, kk, NSRC)
+    return tpos, row_ok, rows, kk, DT0, DT1, DT2, DT3, RS0, RS1, RS2, RS3, A0, A1, A2, A3
+
+
+@triton.jit
+def _gates(rho, p0, p1, p2, p3, alpha_ptr, b_ptr, M: tl.constexpr):
+    """The sigmoid mixer's gates g_r = σ(α ρ p_r + b_r) (streams r >= M read a valid bias and are unused)."""
+    al = tl.load(alpha_ptr)
+    g0 = tl.sigmoid(al * rho * p0 + tl.load(b_ptr))
+    g1 = tl.sigmoid(al * rho * p1 + tl.load(b_ptr + 1 % M))
+    g2 = tl.sigmoid(al * rho * p2 + tl.load(b_ptr + 2 % M))
+    g3 = tl.sigmoid(al * rho * p3 + tl.load(b_ptr + 3 % M))
+    return al, g0, g1, g2, g3
+
+
+@triton.jit
+def _stream_grad(
+    st_ptr, rows64, row_ok, own2, A, kk, dZ, u, v, i,
+    r: tl.constexpr, KP: tl.constexpr, CONV_VALUES: tl.constexpr,
+):  # fmt: skip
+    """Source i, stream r: dV = c1·u_r + c2·V (+ a·dZ_r on the value path when ``CONV_VALUES``); returns
+    ``(dV, the value-path term for dx otherwise (zeros when CONV_VALUES), du_r over the owned rows)``."""
+    c1 = _coef(st_ptr, rows64, row_ok, 1, r, i, KP)
+    dv = c1[:, None] * u + _coef(st_ptr, rows64, row_ok, 2, r, i, KP)[:, None] * v
+    du = tl.sum(tl.where(own2, c1[:, None] * v, 0.0), axis=0)
+    val = _col(A, kk, i)[:, None] * dZ
+    if CONV_VALUES:
+        dv += val
+        dx = tl.zeros_like(v)
+    else:
+        dx = val
+    return dv, dx, du
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# forward
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def msar_fwd_kernel(
+    srcs,
+    u_ptr, wp, phiT, b_ptr, alpha_ptr, out_ptr,
+    T, D, eps, eps_mix, scale,
+    NSRC: tl.constexpr, M: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr,
+    KMAX: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    CONV_VALUES: tl.constexpr, SIGMOID: tl.constexpr,
+):  # fmt: skip
+    tpos, row_ok, rows, kk, DT0, DT1, DT2, DT3, RS0, RS1, RS2, RS3, A0, A1, A2, A3 = _tile_attn(
+        srcs, u_ptr, wp, T, D, eps, NSRC, M, K1, K2, K3, KMAX, KP, BT, BD,
+    )  # fmt: skip
     if SIGMOID:
         rho, p0, p1, p2, p3, q0, q1, q2, q3 = _mixer_stats(
-            s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
+            srcs,
             A0, A1, A2, A3, kk, wp, phiT, out_ptr, rows, tpos, row_ok, D, eps_mix,
             NSRC, M, K1, K2, K3, KMAX, BT, BD, CONV_VALUES, False,
         )  # fmt: skip
-        al = tl.load(alpha_ptr)
-        g0 = tl.sigmoid(al * rho * p0 + tl.load(b_ptr)) * scale
-        g1 = tl.sigmoid(al * rho * p1 + tl.load(b_ptr + 1 % M)) * scale
-        g2 = tl.sigmoid(al * rho * p2 + tl.load(b_ptr + 2 % M)) * scale
-        g3 = tl.sigmoid(al * rho * p3 + tl.load(b_ptr + 3 % M)) * scale
+        _, g0, g1, g2, g3 = _gates(rho, p0, p1, p2, p3, alpha_ptr, b_ptr, M)
+        g0 = g0 * scale
+        g1 = g1 * scale
+        g2 = g2 * scale
+        g3 = g3 * scale
     else:
         g0 = tl.zeros((BT,), tl.float32) + scale / M
         g1 = g0
         g2 = g0
         g3 = g0
     for d0 in range(0, D, BD):
-        cols = d0 + tl.arange(0, BD)
-        cm = cols < D
-        Z0, Z1, Z2, Z3 = _mix(
-            s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
-            A0, A1, A2, A3, kk, wp, rows, tpos, row_ok, cols, cm, D,
-            NSRC, M, K1, K2, K3, KMAX, BT, BD, CONV_VALUES,
-        )  # fmt: skip
+        cols, cm, Z0, Z1, Z2, Z3 = _mix_chunk(
+            srcs, A0, A1, A2, A3, kk, wp, rows, tpos, row_ok, d0, D, NSRC, M, K1, K2, K3, KMAX, BT, BD, CONV_VALUES
+        )
         h = g0[:, None] * Z0
         if M > 1:
             h += g1[:, None] * Z1
@@ -375,42 +428,26 @@ def _msar_fwd_kernel(
 
 
 @triton.jit
-def _msar_bwd_stats_kernel(
-    s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
+def msar_bwd_kernel_stats(
+    srcs,
     gh_ptr, u_ptr, wp, phiT, b_ptr, alpha_ptr, st_ptr, tk_ptr, db_ptr, dalpha_ptr,
     T, D, eps, eps_mix, scale,
     NSRC: tl.constexpr, M: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr,
     KMAX: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
     CONV_VALUES: tl.constexpr, SIGMOID: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    n_t = tl.cdiv(T, BT)
-    seq = pid // n_t
-    tpos = (pid % n_t) * BT + tl.arange(0, BT)
-    row_ok = tpos < T
-    rows = seq * T + tpos
-    rows64 = rows.to(tl.int64)
-    kk = tl.arange(0, KP)
-    DT0, DT1, DT2, DT3, RS0, RS1, RS2, RS3 = _logit_stats(
-        s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
-        u_ptr, wp, rows, tpos, row_ok, kk, D, eps, NSRC, M, K1, K2, K3, KMAX, KP, BT, BD,
+    tpos, row_ok, rows, kk, DT0, DT1, DT2, DT3, RS0, RS1, RS2, RS3, A0, A1, A2, A3 = _tile_attn(
+        srcs, u_ptr, wp, T, D, eps, NSRC, M, K1, K2, K3, KMAX, KP, BT, BD,
     )  # fmt: skip
-    A0 = _softmax(DT0, RS0, kk, NSRC)
-    A1 = _softmax(DT1, RS1, kk, NSRC)
-    A2 = _softmax(DT2, RS2, kk, NSRC)
-    A3 = _softmax(DT3, RS3, kk, NSRC)
+    rows64 = rows.to(tl.int64)
     zero = tl.zeros((BT,), tl.float32)
     if SIGMOID:
         rho, p0, p1, p2, p3, q0, q1, q2, q3 = _mixer_stats(
-            s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
+            srcs,
             A0, A1, A2, A3, kk, wp, phiT, gh_ptr, rows, tpos, row_ok, D, eps_mix,
             NSRC, M, K1, K2, K3, KMAX, BT, BD, CONV_VALUES, True,
         )  # fmt: skip
-        al = tl.load(alpha_ptr)
-        g0 = tl.sigmoid(al * rho * p0 + tl.load(b_ptr))
-        g1 = tl.sigmoid(al * rho * p1 + tl.load(b_ptr + 1 % M))
-        g2 = tl.sigmoid(al * rho * p2 + tl.load(b_ptr + 2 % M))
-        g3 = tl.sigmoid(al * rho * p3 + tl.load(b_ptr + 3 % M))
+        al, g0, g1, g2, g3 = _gates(rho, p0, p1, p2, p3, alpha_ptr, b_ptr, M)
         # d(pre-sigmoid) per stream; masked rows contribute nothing to the parameter sums
         e0 = tl.where(row_ok, scale * q0 * g0 * (1.0 - g0), 0.0)
         e1 = tl.where(row_ok, scale * q1 * g1 * (1.0 - g1), 0.0)
@@ -449,39 +486,21 @@ def _msar_bwd_stats_kernel(
         dp3 = zero
         cz = zero
     # pass 3: da_ir = dZ_r · Y_i^(r)
-    DA0 = tl.zeros((BT, KP), tl.float32)
-    DA1 = tl.zeros((BT, KP), tl.float32)
-    DA2 = tl.zeros((BT, KP), tl.float32)
-    DA3 = tl.zeros((BT, KP), tl.float32)
+    DA0, DA1, DA2, DA3 = _zeros4(BT, KP)
     for d0 in range(0, D, BD):
         cols = d0 + tl.arange(0, BD)
         cm = cols < D
         gofs = rows64[:, None] * D + cols[None, :]
         gh = tl.load(gh_ptr + gofs, mask=row_ok[:, None] & cm[None, :], other=0.0).to(tl.float32)
-        if SIGMOID:
-            Z0, Z1, Z2, Z3 = _mix(
-                s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
-                A0, A1, A2, A3, kk, wp, rows, tpos, row_ok, cols, cm, D,
-                NSRC, M, K1, K2, K3, KMAX, BT, BD, CONV_VALUES,
-            )  # fmt: skip
-        else:
-            Z0 = gh
-            Z1 = gh
-            Z2 = gh
-            Z3 = gh
-        dZ0 = _dz(gh, Z0, gs0, dp0, dp1, dp2, dp3, cz, phiT, cols, cm, D, 0, M, SIGMOID)
-        dZ1 = _dz(gh, Z1, gs1, dp0, dp1, dp2, dp3, cz, phiT, cols, cm, D, 1, M, SIGMOID)
-        dZ2 = _dz(gh, Z2, gs2, dp0, dp1, dp2, dp3, cz, phiT, cols, cm, D, 2, M, SIGMOID)
-        dZ3 = _dz(gh, Z3, gs3, dp0, dp1, dp2, dp3, cz, phiT, cols, cm, D, 3, M, SIGMOID)
+        Z0, Z1, Z2, Z3 = _grad_mix(
+            srcs, gh, A0, A1, A2, A3, kk, wp, rows, tpos, row_ok, cols, cm, D,
+            NSRC, M, K1, K2, K3, KMAX, BT, BD, CONV_VALUES, SIGMOID,
+        )  # fmt: skip
+        dZ0, dZ1, dZ2, dZ3 = _dzs(gh, Z0, Z1, Z2, Z3, gs0, gs1, gs2, gs3, dp0, dp1, dp2, dp3, cz, phiT, cols, cm, D,
+                                  M, SIGMOID)  # fmt: skip
         for i in range(NSRC):
-            sp = _pick(i, NSRC, s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15)
-            if CONV_VALUES:
-                x, v1, v2, v3 = _views(sp, wp, rows, tpos, row_ok, cols, cm, D, K1, K2, K3, KMAX)
-            else:
-                x = _load_shift(sp, rows, tpos, row_ok, cols, cm, D, 0)
-                v1 = x
-                v2 = x
-                v3 = x
+            sp = _pick(srcs, i, NSRC)
+            x, v1, v2, v3 = _values(sp, wp, rows, tpos, row_ok, cols, cm, D, K1, K2, K3, KMAX, CONV_VALUES)
             sel = kk[None, :] == i
             DA0 += tl.where(sel, tl.sum(dZ0 * x, axis=1)[:, None], 0.0)
             if M > 1:
@@ -526,9 +545,8 @@ def _coef(st_ptr, rows64, row_ok, which: tl.constexpr, r: tl.constexpr, i, KP: t
 
 
 @triton.jit
-def _msar_bwd_grad_kernel(
-    s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
-    g0, g1, g2, g3, g4, g5, g6, g7, g8, g9, g10, g11, g12, g13, g14, g15,
+def msar_bwd_kernel_grad(
+    srcs, dsts,
     gh_ptr, u_ptr, wp, phiT, st_ptr, tk_ptr, du_ptr, dw_ptr, dphiT_ptr, scr_ptr,
     T, D, BTO,
     NSRC: tl.constexpr, M: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr,
@@ -571,12 +589,11 @@ def _msar_bwd_grad_kernel(
         m2 = row_ok[:, None] & cm[None, :]
         own2 = own[:, None] & cm[None, :]
         gh = tl.load(gh_ptr + rows64[:, None] * D + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+        Z0, Z1, Z2, Z3 = _grad_mix(
+            srcs, gh, A0, A1, A2, A3, kk, wp, rows, tpos, row_ok, cols, cm, D,
+            NSRC, M, K1, K2, K3, KMAX, ET, BD, CONV_VALUES, SIGMOID,
+        )  # fmt: skip
         if SIGMOID:
-            Z0, Z1, Z2, Z3 = _mix(
-                s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
-                A0, A1, A2, A3, kk, wp, rows, tpos, row_ok, cols, cm, D,
-                NSRC, M, K1, K2, K3, KMAX, ET, BD, CONV_VALUES,
-            )  # fmt: skip
             # dφ[r·D + c, j] += Σ_t Z_r[t, c] dp_j[t] over the owned rows
             _dphi_add(dphiT_ptr, Z0, dp0, dp1, dp2, dp3, own, cols, cm, D, 0, M)
             if M > 1:
@@ -585,61 +602,38 @@ def _msar_bwd_grad_kernel(
                 _dphi_add(dphiT_ptr, Z2, dp0, dp1, dp2, dp3, own, cols, cm, D, 2, M)
             if M > 3:
                 _dphi_add(dphiT_ptr, Z3, dp0, dp1, dp2, dp3, own, cols, cm, D, 3, M)
-        else:
-            Z0 = gh
-            Z1 = gh
-            Z2 = gh
-            Z3 = gh
-        dZ0 = _dz(gh, Z0, gs0, dp0, dp1, dp2, dp3, cz, phiT, cols, cm, D, 0, M, SIGMOID)
-        dZ1 = _dz(gh, Z1, gs1, dp0, dp1, dp2, dp3, cz, phiT, cols, cm, D, 1, M, SIGMOID)
-        dZ2 = _dz(gh, Z2, gs2, dp0, dp1, dp2, dp3, cz, phiT, cols, cm, D, 2, M, SIGMOID)
-        dZ3 = _dz(gh, Z3, gs3, dp0, dp1, dp2, dp3, cz, phiT, cols, cm, D, 3, M, SIGMOID)
+        dZ0, dZ1, dZ2, dZ3 = _dzs(gh, Z0, Z1, Z2, Z3, gs0, gs1, gs2, gs3, dp0, dp1, dp2, dp3, cz, phiT, cols, cm, D,
+                                  M, SIGMOID)  # fmt: skip
         u0 = tl.load(u_ptr + cols, mask=cm, other=0.0)[None, :]
         u1 = tl.load(u_ptr + D + cols, mask=cm, other=0.0)[None, :]  # u is padded to 4 streams
         u2 = tl.load(u_ptr + 2 * D + cols, mask=cm, other=0.0)[None, :]
         u3 = tl.load(u_ptr + 3 * D + cols, mask=cm, other=0.0)[None, :]
-        du0 = tl.zeros((BD,), tl.float32)
-        du1 = tl.zeros((BD,), tl.float32)
-        du2 = tl.zeros((BD,), tl.float32)
-        du3 = tl.zeros((BD,), tl.float32)
+        du0, du1, du2, du3 = _zeros4v(BD)
         DW1 = tl.zeros((KMAXP, BD), tl.float32)
         DW2 = tl.zeros((KMAXP, BD), tl.float32)
         DW3 = tl.zeros((KMAXP, BD), tl.float32)
         for i in range(NSRC):
-            sp = _pick(i, NSRC, s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15)
+            sp = _pick(srcs, i, NSRC)
             x, v1, v2, v3 = _views(sp, wp, rows, tpos, row_ok, cols, cm, D, K1, K2, K3, KMAX)
             # stream 0: no conv, value always the raw source
-            c1 = _coef(st_ptr, rows64, row_ok, 1, 0, i, KP)
-            dx = c1[:, None] * u0 + _coef(st_ptr, rows64, row_ok, 2, 0, i, KP)[:, None] * x
-            dx += _col(A0, kk, i)[:, None] * dZ0
-            du0 += tl.sum(tl.where(own2, c1[:, None] * x, 0.0), axis=0)
+            dx, val, d = _stream_grad(st_ptr, rows64, row_ok, own2, A0, kk, dZ0, u0, x, i, 0, KP, False)
+            dx += val
+            du0 += d
             dv1 = tl.zeros_like(x)
             dv2 = tl.zeros_like(x)
             dv3 = tl.zeros_like(x)
             if M > 1:
-                c1 = _coef(st_ptr, rows64, row_ok, 1, 1, i, KP)
-                dv1 = c1[:, None] * u1 + _coef(st_ptr, rows64, row_ok, 2, 1, i, KP)[:, None] * v1
-                du1 += tl.sum(tl.where(own2, c1[:, None] * v1, 0.0), axis=0)
-                if CONV_VALUES:
-                    dv1 += _col(A1, kk, i)[:, None] * dZ1
-                else:
-                    dx += _col(A1, kk, i)[:, None] * dZ1
+                dv1, val, d = _stream_grad(st_ptr, rows64, row_ok, own2, A1, kk, dZ1, u1, v1, i, 1, KP, CONV_VALUES)
+                dx += val
+                du1 += d
             if M > 2:
-                c1 = _coef(st_ptr, rows64, row_ok, 1, 2, i, KP)
-                dv2 = c1[:, None] * u2 + _coef(st_ptr, rows64, row_ok, 2, 2, i, KP)[:, None] * v2
-                du2 += tl.sum(tl.where(own2, c1[:, None] * v2, 0.0), axis=0)
-                if CONV_VALUES:
-                    dv2 += _col(A2, kk, i)[:, None] * dZ2
-                else:
-                    dx += _col(A2, kk, i)[:, None] * dZ2
+                dv2, val, d = _stream_grad(st_ptr, rows64, row_ok, own2, A2, kk, dZ2, u2, v2, i, 2, KP, CONV_VALUES)
+                dx += val
+                du2 += d
             if M > 3:
-                c1 = _coef(st_ptr, rows64, row_ok, 1, 3, i, KP)
-                dv3 = c1[:, None] * u3 + _coef(st_ptr, rows64, row_ok, 2, 3, i, KP)[:, None] * v3
-                du3 += tl.sum(tl.where(own2, c1[:, None] * v3, 0.0), axis=0)
-                if CONV_VALUES:
-                    dv3 += _col(A3, kk, i)[:, None] * dZ3
-                else:
-                    dx += _col(A3, kk, i)[:, None] * dZ3
+                dv3, val, d = _stream_grad(st_ptr, rows64, row_ok, own2, A3, kk, dZ3, u3, v3, i, 3, KP, CONV_VALUES)
+                dx += val
+                du3 += d
             if M > 1:
                 # conv taps: dW_r[τ, c] += Σ_t dV_r[t, c] x[t-τ, c] over the owned rows
                 for tau in tl.static_range(KMAX):
@@ -670,7 +664,7 @@ def _msar_bwd_grad_kernel(
                         w3 = tl.load(wp + (2 * KMAX + tau) * D + cols, mask=cm, other=0.0)[None, :]
                         dx += w3 * tl.load(scr + 2 * ET * BD + tau * BD, mask=sh, other=0.0)
                 tl.debug_barrier()
-            dxp = _pick(i, NSRC, g0, g1, g2, g3, g4, g5, g6, g7, g8, g9, g10, g11, g12, g13, g14, g15)
+            dxp = _pick(dsts, i, NSRC)
             tl.store(dxp + rows64[:, None] * D + cols[None, :], dx.to(dxp.dtype.element_ty), mask=own2)
         tl.atomic_add(du_ptr + cols, du0, mask=cm)
         if M > 1:
@@ -735,7 +729,7 @@ class _Prep:
             self.alpha = alpha.to(f32).reshape(1).contiguous()
         else:
             self.phiT = self.b = self.alpha = self.u  # unused placeholders
-        self.ptrs = self.src + [self.src[0]] * (MAX_SOURCES - self.K)
+        self.ptrs = tuple(self.src)  # one tuple argument
 
     def consts(self, conv_values: bool) -> dict:
         return dict(
@@ -745,53 +739,23 @@ class _Prep:
 
 
 def msar_fwd(
-    sources: list[torch.Tensor],
-    query: torch.Tensor,
-    gain: torch.Tensor,
-    conv: list[torch.Tensor],
-    phi: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    alpha: torch.Tensor | None,
-    eps: float,
-    scale: float,
-    conv_values: bool = True,
-    sigmoid_mixer: bool = True,
-    *,
-    eps_mix: float = 1e-6,
-    block_t: int = 16,
-    block_d: int = 32,
-    num_warps: int = 8,
-) -> torch.Tensor:
+    sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_values=True, sigmoid_mixer=True, *, eps_mix=1e-6,
+    block_t: int = FWD_TILES["block_t"], block_d: int = FWD_TILES["block_d"], num_warps: int = FWD_TILES["num_warps"],
+) -> torch.Tensor:  # fmt: skip
     """Fused MSAR forward: conv views, m per-stream depth softmaxes, mixer and weighted sum in one kernel.
 
-    One program per ``block_t`` consecutive tokens of one sequence; three passes over D in ``block_d`` chunks
-    (logits; mixer statistics, skipped for the mean mixer; output), recomputing the causal conv views from shifted
-    source loads each time. Only ``h`` is written.
-
-    Args:
-        sources: K (<= 16) tensors ``[..., T, D]``, one shape and dtype (fp32/bf16/fp16); T is dim -2.
-        query: ``[m, D]`` pseudo-queries (m <= 4).
-        gain: ``[m, D]`` key-norm gains.
-        conv: m-1 depthwise filters ``[D, k_r]`` (k_r <= 16), last tap on the current token.
-        phi: ``[m·D, m]`` mixer projection, or None (mean mixer).
-        bias: ``[m]`` mixer bias or None.
-        alpha: mixer scale ``[]``/``[1]`` or None.
-        eps: key RMSNorm epsilon.
-        scale: output scale (K for ``mix_scale="count"``).
-        conv_values: values from the conv views (True) or the raw sources.
-        sigmoid_mixer: sigmoid mixer (True) or uniform 1/m.
-        eps_mix: the mixer's RMS epsilon (default 1e-6, msar.md §5).
-        block_t, block_d, num_warps: tiling (powers of two for the blocks). The defaults (16, 32, 8) compile
-            without register spills for K = 9, m = 4, k = (4, 8, 12) on sm_90 (ptxas -v; 255 registers).
-
-    Returns:
-        ``h``: ``[..., T, D]`` in the sources' dtype (all math in fp32).
+    Arguments and result: those of :func:`.reference.msar_mix_ref` (the op's one docstring; no ``left`` context),
+    within :mod:`.limits` (K <= MAX_SOURCES, m <= MAX_STREAMS, k_r <= MAX_KERNEL). One program per ``block_t``
+    consecutive tokens of one sequence; three passes over D in ``block_d`` chunks (logits; mixer statistics, skipped
+    for the mean mixer; output), recomputing the causal conv views from shifted source loads each time. Only ``h``
+    is written (all math in fp32). ``block_t``, ``block_d``, ``num_warps``: tiling (powers of two for the blocks;
+    defaults :data:`.limits.FWD_TILES`).
     """
     p = _Prep(sources, query, gain, conv, phi, bias, alpha, sigmoid_mixer)
     out = torch.empty(p.shape, dtype=p.src[0].dtype, device=p.src[0].device)
     grid = (p.N * triton.cdiv(p.T, block_t),)
-    _msar_fwd_kernel[grid](
-        *p.ptrs, p.u, p.wp, p.phiT, p.b, p.alpha, out, p.T, p.D, float(eps), float(eps_mix),
+    msar_fwd_kernel[grid](
+        p.ptrs, p.u, p.wp, p.phiT, p.b, p.alpha, out, p.T, p.D, float(eps), float(eps_mix),
         float(scale),
         BT=block_t, BD=block_d, num_warps=num_warps, **p.consts(conv_values),
     )  # fmt: skip
@@ -799,26 +763,10 @@ def msar_fwd(
 
 
 def msar_bwd(
-    grad: torch.Tensor,
-    sources: list[torch.Tensor],
-    query: torch.Tensor,
-    gain: torch.Tensor,
-    conv: list[torch.Tensor],
-    phi: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    alpha: torch.Tensor | None,
-    eps: float,
-    scale: float,
-    conv_values: bool = True,
-    sigmoid_mixer: bool = True,
-    *,
-    eps_mix: float = 1e-6,
-    block_t: int = 16,
-    block_d: int = 32,
-    ext_t: int | None = None,
-    block_d2: int = 16,
-    num_warps: int = 8,
-) -> list[torch.Tensor]:
+    grad, sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_values=True, sigmoid_mixer=True, *,
+    eps_mix=1e-6, block_t: int = BWD_TILES["block_t"], block_d: int = BWD_TILES["block_d"], ext_t: int | None = None,
+    block_d2: int = BWD_TILES["block_d2"], num_warps: int = BWD_TILES["num_warps"],
+) -> list[torch.Tensor]:  # fmt: skip
     """Fused MSAR backward: every gradient of :func:`msar_fwd`, recomputing the forward from the inputs.
 
     Kernel 1 (``block_t`` tokens per program, ``block_d`` chunks) recomputes the logits, softmaxes and mixer
@@ -829,17 +777,12 @@ def msar_bwd(
     gain, conv-tap and φ gradients to fp32 buffers with ``tl.atomic_add``.
 
     Args:
-        grad: ``[..., T, D]`` gradient of ``h`` (any strides; made contiguous).
-        sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_values, sigmoid_mixer, eps_mix: as
-            :func:`msar_fwd`.
-        block_t, block_d, ext_t, block_d2, num_warps: tiling; ``ext_t`` defaults to 32 (> k_max - 1). The defaults
-            compile for K = 9, m = 4, k = (4, 8, 12) on sm_90 with no spills in kernel 1 and 200 B of spills in
-            kernel 2 (ptxas -v; ext_t = 64 spills 1.2 KB).
+        grad: ``[..., T, D]`` gradient of ``h`` (any strides; made contiguous). The rest: as :func:`msar_fwd`;
+            tiling defaults :data:`.limits.BWD_TILES` (``ext_t`` must exceed k_max - 1).
 
     Returns:
-        Flat list ``[*d_sources (K, sources' dtype), d_query, d_gain, *d_conv (m-1)]`` followed by
-        ``[d_phi, d_bias, d_alpha]`` when ``phi`` is given (zeros for them with the mean mixer), each in its
-        input's dtype and shape.
+        As :func:`.op.msar_mix_backward`: ``[*d_sources, d_query, d_gain, *d_conv]`` then ``[d_phi, d_bias,
+        d_alpha]`` when ``phi`` is given, each in its input's dtype and shape.
     """
     p = _Prep(sources, query, gain, conv, phi, bias, alpha, sigmoid_mixer)
     dev, f32 = p.src[0].device, torch.float32
@@ -850,13 +793,13 @@ def msar_bwd(
     dalpha = torch.zeros(1, device=dev, dtype=f32)
     consts = p.consts(conv_values)
     grid = (p.N * triton.cdiv(p.T, block_t),)
-    _msar_bwd_stats_kernel[grid](
-        *p.ptrs, gh, p.u, p.wp, p.phiT, p.b, p.alpha, st, tk, db, dalpha, p.T, p.D, float(eps),
+    msar_bwd_kernel_stats[grid](
+        p.ptrs, gh, p.u, p.wp, p.phiT, p.b, p.alpha, st, tk, db, dalpha, p.T, p.D, float(eps),
         float(eps_mix), float(scale),
         BT=block_t, BD=block_d, num_warps=num_warps, **consts,
     )  # fmt: skip
     halo = p.KMAX - 1
-    ET = ext_t or 32  # 32 rows own 21 with the default k_max = 12; 64 spills registers on sm_90 (ptxas -v)
+    ET = ext_t or BWD_TILES["ext_t"]  # 32 rows own 21 with the default k_max = 12; 64 spills registers on sm_90 (ptxas -v)
     if ET <= halo:
         ET = pow2(halo + 1)
     BD2 = block_d2
@@ -867,8 +810,8 @@ def msar_bwd(
     dw = torch.zeros(3, p.KMAX, p.D, device=dev, dtype=f32)
     dphiT = torch.zeros(p.M, p.M * p.D, device=dev, dtype=f32) if p.sigmoid else du
     scratch = torch.empty(n_prog * 3 * ET * BD2, device=dev, dtype=f32)
-    _msar_bwd_grad_kernel[(n_prog,)](
-        *p.ptrs, *dx, *[dx[0]] * (MAX_SOURCES - p.K), gh, p.u, p.wp, p.phiT, st, tk, du, dw, dphiT, scratch,
+    msar_bwd_kernel_grad[(n_prog,)](
+        p.ptrs, tuple(dx), gh, p.u, p.wp, p.phiT, st, tk, du, dw, dphiT, scratch,
         p.T, p.D, BTO,
         KMAXP=pow2(p.KMAX), ET=ET, BD=BD2, num_warps=num_warps, **consts,
     )  # fmt: skip

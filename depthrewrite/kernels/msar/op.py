@@ -1,8 +1,8 @@
 """``depthrewrite::msar_mix``: the MSAR site as one registered op, and ``depthrewrite::msar_mix_backward``, its
 backward as a second op (one opaque node per site in a compiled backward graph).
 
-Both dispatch with :func:`~depthrewrite.kernels.dispatch.use_triton`: the fused Triton kernels of :mod:`.fused`
-(imported lazily, only then) or the PyTorch reference (:mod:`.reference`; the backward recomputes it from the saved
+Both dispatch with :func:`~depthrewrite.kernels.dispatch.route` and the gate :func:`.limits.covers`: the fused
+Triton kernels of :mod:`.fused` (imported lazily, only then) or the PyTorch reference (:mod:`.reference`; the backward recomputes it from the saved
 inputs under autograd). Cases the kernels do not cover fall back to the reference inside the op (see ``falls_back``
 in the registered :class:`~depthrewrite.kernels.dispatch.KernelInfo`).
 """
@@ -11,33 +11,16 @@ from __future__ import annotations
 
 import torch
 
-from ..dispatch import KernelInfo, kernel_dtypes_ok, register_kernel_info, use_triton
+from ..dispatch import KernelInfo, register_kernel_info, route
+from .limits import MAX_KERNEL, MAX_SOURCES, MAX_STREAMS, covers
 from .reference import causal_depthwise_conv, msar_mix_ref
 
-__all__ = ["msar_mix", "msar_mix_backward"]
-
-# Kept in sync with fused.MAX_SOURCES / MAX_STREAMS / MAX_KERNEL (not imported: fused imports triton).
-_MAX_SOURCES, _MAX_STREAMS, _MAX_KERNEL = 16, 4, 16
-
-
-def _kernel_covers(sources: list[torch.Tensor], query: torch.Tensor, conv: list[torch.Tensor]) -> bool:
-    """Whether the fused kernels handle this call (cheap shape/dtype checks, no triton import)."""
-    if not 1 <= len(sources) <= _MAX_SOURCES or not 1 <= query.shape[0] <= _MAX_STREAMS:
-        return False
-    if len(conv) != query.shape[0] - 1 or any(not 1 <= w.shape[-1] <= _MAX_KERNEL for w in conv):
-        return False
-    s0 = sources[0]
-    if s0.dim() < 2 or not kernel_dtypes_ok(s0) or s0.numel() == 0:  # fp32/bf16/fp16; bf16 only on CUDA
-        return False
-    return all(s.shape == s0.shape and s.dtype == s0.dtype and s.device == s0.device for s in sources)
-
+__all__ = ["msar_mix", "msar_mix_backward", "covers"]
 
 def _fused(sources, query, gain, conv, phi, bias, alpha, grad=None, op: str = "depthrewrite::msar_mix") -> bool:
-    """Whether to run the Triton kernels: :func:`use_triton` first (so a forced ``triton`` backend on CPU without
-    the interpreter raises, as in the other ops), then the coverage checks."""
-    return use_triton(grad, *sources, query, gain, *conv, phi, bias, alpha, op=op) and _kernel_covers(
-        sources, query, conv
-    )
+    """Whether to run the Triton kernels: the backend decision first (so a forced ``triton`` backend on CPU without
+    the interpreter raises, as in the other ops), then the gate :func:`.limits.covers`."""
+    return route(op, (grad, *sources, query, gain, *conv, phi, bias, alpha), lambda: covers(sources, query, conv))
 
 
 @torch.library.custom_op("depthrewrite::msar_mix", mutates_args=())
@@ -215,20 +198,21 @@ msar_mix.register_autograd(_backward, setup_context=_setup_context)
 register_kernel_info(
     KernelInfo(
         op="depthrewrite::msar_mix",
-        forward="_msar_fwd_kernel (one program per 16 tokens of a sequence; 3 passes over D chunks, 2 with the mean "
+        forward="msar_fwd_kernel (one program per 16 tokens of a sequence; 3 passes over D chunks, 2 with the mean "
         "mixer)",
-        backward="depthrewrite::msar_mix_backward: _msar_bwd_stats_kernel + _msar_bwd_grad_kernel",
+        backward="depthrewrite::msar_mix_backward: msar_bwd_kernel_stats + msar_bwd_kernel_grad",
         fuses="causal conv stream expansion + m per-stream key RMSNorm/logits/depth softmaxes + weighted sums + "
         "RMS/sigmoid (or mean) mixer + final combination; the m stream views and Z are never written, only h",
-        falls_back="more than 16 sources, more than 4 streams, a conv filter longer than 16 taps or len(conv) != "
-        "m-1, float64 or mixed-dtype/shape sources, empty inputs, bf16 CPU tensors (the interpreter has no bf16)",
+        falls_back=f"more than {MAX_SOURCES} sources, more than {MAX_STREAMS} streams, a conv filter longer than "
+        f"{MAX_KERNEL} taps or len(conv) != m-1, float64 or mixed-dtype/shape sources, empty inputs, bf16 CPU "
+        "tensors (the interpreter has no bf16)",
     )
 )
 register_kernel_info(
     KernelInfo(
         op="depthrewrite::msar_mix_backward",
-        forward="_msar_bwd_stats_kernel (recomputes logits, softmaxes, mixer; dZ·Y reductions -> per-token "
-        "coefficients) + _msar_bwd_grad_kernel (extended tiles: views, dV, transposed conv via a per-program scratch "
+        forward="msar_bwd_kernel_stats (recomputes logits, softmaxes, mixer; dZ·Y reductions -> per-token "
+        "coefficients) + msar_bwd_kernel_grad (extended tiles: views, dV, transposed conv via a per-program scratch "
         "tile, source grads; query/gain/conv/phi grads by fp32 atomic_add of per-program sums)",
         backward="not differentiable (no double backward)",
         fuses="the whole backward of msar_mix from its inputs: nothing of the forward is saved but the inputs",

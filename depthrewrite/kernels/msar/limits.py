@@ -1,0 +1,45 @@
+"""Limits, default tiles and the coverage gate of ``depthrewrite::msar_mix`` (plain Python: no Triton; read by
+``op.py`` and ``fused.py``). The op itself is documented once, in :mod:`.reference`."""
+
+from __future__ import annotations
+
+import torch
+
+from ..dispatch import dtype_reason
+
+__all__ = ["MAX_SOURCES", "MAX_STREAMS", "MAX_KERNEL", "FWD_TILES", "BWD_TILES", "covers"]
+
+MAX_SOURCES = 16  # sources per launch (one tuple argument, selected at run time); more fall back to the reference
+MAX_STREAMS = 4  # m <= 4 (three conv streams, explicit variables in the kernels)
+MAX_KERNEL = 16  # k_r <= 16 taps
+
+# Default tiles. They compile without register spills for K = 9, m = 4, k = (4, 8, 12) on sm_90 (ptxas -v; 255
+# registers) for the forward and the backward's stats kernel; the grad kernel spills 200 B (ext_t = 64 spills 1.2 KB).
+FWD_TILES = dict(block_t=16, block_d=32, num_warps=8)
+BWD_TILES = dict(block_t=16, block_d=32, ext_t=32, block_d2=16, num_warps=8)
+
+
+def covers(sources: list[torch.Tensor], query: torch.Tensor, conv: list[torch.Tensor]) -> str | None:
+    """``None`` when the fused kernels take this ``msar_mix`` (or ``msar_mix_backward``) call, else the reason it
+    runs the reference (cheap shape/dtype checks)."""
+    K, m = len(sources), query.shape[0]
+    if not 1 <= K <= MAX_SOURCES:
+        return f"K={K} sources not in 1..MAX_SOURCES={MAX_SOURCES}"
+    if not 1 <= m <= MAX_STREAMS:
+        return f"m={m} streams not in 1..MAX_STREAMS={MAX_STREAMS}"
+    if len(conv) != m - 1:
+        return f"len(conv)={len(conv)} != m-1={m - 1}"
+    for w in conv:
+        if not 1 <= w.shape[-1] <= MAX_KERNEL:
+            return f"conv filter of {w.shape[-1]} taps not in 1..MAX_KERNEL={MAX_KERNEL}"
+    s0 = sources[0]
+    if s0.dim() < 2:
+        return "sources not [..., T, D]"
+    why = dtype_reason(s0, what="sources")
+    if why:
+        return why
+    if s0.numel() == 0:
+        return "empty sources"
+    if any(s.shape != s0.shape or s.dtype != s0.dtype or s.device != s0.device for s in sources):
+        return "sources of different shapes, dtypes or devices"
+    return None
