@@ -46,7 +46,8 @@ import types
 import warnings
 from typing import Any
 
-OPS = ("depth_attn", "mhc", "msar", "moda")
+from bench.kernel_cases import OPS  # every op with a case module (bench/kernel_cases/<op>.py)
+
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 # per-arch device facts the launchers may query: (SM count, max shared memory per block in bytes)
 ARCHS = {80: (108, 163 * 1024), 90: (132, 227 * 1024)}

@@ -25,9 +25,7 @@ from typing import Any
 
 import torch
 
-from .kernel_cases import Case
-
-OPS = ("depth_attn", "msar", "mhc", "moda")
+from .kernel_cases import OPS, Case
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 

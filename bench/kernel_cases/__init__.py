@@ -11,6 +11,7 @@ random inputs with every parameter random). ``cases`` iterates ``rows("bench")``
 
 from __future__ import annotations
 
+import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -91,3 +92,8 @@ def randn(g, *shape, device, dtype, scale: float = 1.0, shift: float = 0.0, grad
 
     t = (torch.randn(tuple(shape), generator=g) * scale + shift).to(device=device, dtype=dtype)
     return t.requires_grad_(grad)
+
+
+#: every op with a case module here (``bench/kernel_cases/<op>.py``), found on disk: a new op's module is picked up by
+#: the benchmark, the parity test and the AOT check without a list to edit
+OPS: tuple[str, ...] = tuple(sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")))

@@ -12,8 +12,14 @@ __all__ = ["all_kernel_info"]
 
 
 def all_kernel_info():
-    """Every registered op's :class:`~.dispatch.KernelInfo`, by op name, after importing all four op packages."""
-    from . import depth_attn, mhc, moda, msar  # noqa: F401  - importing registers them
+    """Every registered op's :class:`~.dispatch.KernelInfo`, by op name, after importing every op package here."""
+    import importlib
+    import pkgutil
+
     from .dispatch import kernel_info
+
+    for m in pkgutil.iter_modules(__path__):
+        if m.ispkg:
+            importlib.import_module(f"{__name__}.{m.name}")  # importing an op package registers it
 
     return kernel_info()

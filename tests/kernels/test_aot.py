@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.kernel_cases import OPS
+
 ROOT = Path(__file__).resolve().parents[2]
-OPS = ("depth_attn", "mhc", "msar", "moda")
 
 
 def _aot(tmp_path, *args: str, timeout: int) -> tuple[subprocess.CompletedProcess, list[dict]]:

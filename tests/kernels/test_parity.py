@@ -22,7 +22,8 @@ from depthrewrite.kernels.dispatch import kernel_backend
 from ._helpers import assert_matches
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-OPS = ("depth_attn", "mhc", "msar", "moda")
+from bench.kernel_cases import OPS  # noqa: E402
+
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
 
