@@ -11,6 +11,8 @@ The public API::
     depthrewrite.convert(model, "attnres", blocks=4, pipeline_stages=2)   # + depthrewrite.pipeline.stages(...)
 """
 
+from typing import TYPE_CHECKING
+
 from . import backend  # noqa: F401  - registers the "depthrewrite" torch.compile backend
 from .api import convert, inspect
 from .capture import capture
@@ -35,6 +37,12 @@ __version__ = "0.1.0"
 #: ``MHCConfig``, ``MoDAConfig``, ...): read from the registry, so a new scheme's rewrite file is all it takes
 _CONFIGS = {s.config.__name__: s.config for s in schemes().values()}
 globals().update(_CONFIGS)
+
+if TYPE_CHECKING:  # the built-in configs, spelled out for type checkers and IDEs (at run time: _CONFIGS above)
+    from .passes.rewrite.attnres import AttnResConfig
+    from .passes.rewrite.mhc import MHCConfig
+    from .passes.rewrite.moda import MoDAConfig
+    from .passes.rewrite.msar import MSARConfig
 
 
 def __getattr__(name: str):

@@ -75,14 +75,13 @@ class BackendOptions:
         if opts.two_phase not in (True, False, "always"):
             raise ConfigError(f"backend option two_phase={opts.two_phase!r} is not one of True, False, 'always'")
         if opts.scheme is not None:
-            from .passes.rewrite.registry import scheme, scheme_names
+            from .passes.rewrite.registry import schemes
 
-            try:  # aliases and any case, as convert() takes them: "block-attnres" checks for attnres
-                opts = replace(opts, scheme=scheme(opts.scheme).name)
-            except ConfigError:
-                raise ConfigError(
-                    f"backend option scheme={opts.scheme!r} is not a registered scheme: choose one of {scheme_names()}"
-                ) from None
+            names = tuple(schemes())
+            key = opts.scheme.strip().lower() if isinstance(opts.scheme, str) else None
+            if key not in names:  # a scheme, not an alias: "block-attnres" presets options this check cannot see
+                raise ConfigError(f"backend option scheme={opts.scheme!r} is not one of {names}")
+            opts = replace(opts, scheme=key)
         return opts
 
 

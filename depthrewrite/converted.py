@@ -59,12 +59,13 @@ class ConvertedGraphModule(fx.GraphModule):
         :func:`depthrewrite.pipeline.split`; ``()`` for a one-stage split, None when the model was never split."""
         return self.__dict__.get("_dr_pipeline_cuts")
 
-    def record_pipeline(self, cuts: tuple[int, ...], info: Any) -> None:
+    def record_pipeline(self, cuts: tuple[int, ...], info: Any = None) -> None:
         """Record a pipeline split whose boundaries are already placed in both :attr:`graphs`: :attr:`pipeline_cuts`
-        becomes ``cuts`` and the report's ``pipeline`` section ``info`` (a
+        becomes ``cuts`` and, when ``info`` is given, the report's ``pipeline`` section becomes ``info`` (a
         :class:`~depthrewrite.pipeline.PipelineInfo`). Called by :func:`depthrewrite.pipeline.split`."""
         self._dr_pipeline_cuts = tuple(cuts)
-        self._dr_report = dataclasses.replace(self._dr_report, pipeline=info)
+        if info is not None:
+            self._dr_report = dataclasses.replace(self._dr_report, pipeline=info)
 
     def resolve_attr(self, target: str) -> Any:
         """The parameter, buffer, submodule or constant at the dotted ``target`` of a ``get_attr`` node (None when

@@ -2,7 +2,7 @@
 ``corpus`` (the stdlib text corpus), ``train`` (train and time variants side by side) and ``run`` (``depthrewrite
 demo``: convert, check, train, report). ``run`` loads on first use (``depthrewrite.api`` imports ``zoo``)."""
 
-__all__ = ["DEMO_SCHEMES", "DemoConfig", "run_demo"]
+__all__ = ["DEMO_SCHEMES", "DemoConfig", "run_demo", "results_table", "timing_note"]
 
 
 def __getattr__(name: str):

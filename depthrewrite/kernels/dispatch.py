@@ -169,10 +169,9 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def kernel_dtypes_ok(*tensors: torch.Tensor | None) -> bool:
     """Whether every tensor (``None`` entries are ignored) has a dtype the kernels take: fp32, bf16 or fp16, and bf16
-    only on CUDA (Triton's CPU interpreter has no bf16). fp64 and the rest run the reference (e.g. for gradcheck)."""
-    return all(
-        t.dtype in KERNEL_DTYPES and (t.dtype != torch.bfloat16 or t.is_cuda) for t in tensors if t is not None
-    )
+    only on CUDA (Triton's CPU interpreter has no bf16). fp64 and the rest run the reference (e.g. for gradcheck).
+    The rule itself is :func:`dtype_reason`'s."""
+    return dtype_reason(*tensors) is None
 
 
 @dataclass(frozen=True)
@@ -205,12 +204,13 @@ def register_kernel_info(info: KernelInfo) -> KernelInfo:
 
 def kernel_info() -> dict[str, KernelInfo]:
     """Every registered op's kernel description, by op name: the op packages imported so far (importing
-    ``depthrewrite.kernels.<op>`` registers it; :func:`depthrewrite.kernels.all_kernel_info` imports all four)."""
+    ``depthrewrite.kernels.<op>`` registers it; :func:`depthrewrite.kernels.all_kernel_info` imports every op package)."""
     return dict(_INFO)
 
 
 def dtype_reason(*tensors: torch.Tensor | None, what: str = "inputs") -> str | None:
-    """``None`` when :func:`kernel_dtypes_ok` holds for ``tensors``, else the reason (for the ops' ``covers``)."""
+    """``None`` when every tensor (``None`` entries are ignored) has a kernel dtype (fp32/bf16/fp16; bf16 only on
+    CUDA), else the reason (for the ops' ``covers``)."""
     ts = [t for t in tensors if t is not None]
     for t in ts:
         if t.dtype not in KERNEL_DTYPES:

@@ -157,6 +157,7 @@ def split(converted, P: int, *, align_blocks: bool = True, example_inputs: tuple
     for graph in converted.graphs.values():  # the same cuts in the training and the eval graph
         place_boundaries(converted, graph, report, cuts)
     converted.recompile()
+    converted.record_pipeline(cuts)  # the graphs hold these cuts now, whether or not measuring below succeeds
     info = measure(converted, cuts, *example_batch(converted, example_inputs, example_kwargs))
     converted.record_pipeline(cuts, info)
     return converted

@@ -116,7 +116,7 @@ class Explanation:
         )
 
     def __str__(self) -> str:
-        lines = [f"depthrewrite.views.explain: {self.model}"]
+        lines = [f"depthrewrite.explain: {self.model}"]
         state = "compiled with backend='depthrewrite'" if self.compiled else "not compiled (what the backend would do)"
         lines.append(f"  {state}; device {self.device}; kernel backend {get_kernel_backend()!r}")
         if self.graph_breaks is not None:

@@ -1,9 +1,5 @@
 """Graph rewrites, one file per scheme, each registering one :class:`Scheme` record (see ``registry``)."""
 
-from ...kernels import depth_attn as _depth_attn  # noqa: F401  (registers depthrewrite::depth_attn)
-from ...kernels import mhc as _mhc  # noqa: F401  (registers depthrewrite::mhc_*)
-from ...kernels import moda as _moda  # noqa: F401  (registers depthrewrite::moda_*)
-from ...kernels import msar as _msar  # noqa: F401  (registers depthrewrite::msar_mix)
 from .registry import (DepthState, Scheme, SchemeConfig, SchemeVariant, StageHookError, get_handler, register, scheme,
                        scheme_config, scheme_of_op, schemes, unregister)
 

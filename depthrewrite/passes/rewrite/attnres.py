@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from ...kernels import depth_attn as _kernels  # noqa: F401  (registers depthrewrite::depth_attn*, the ops this rewrite inserts)
 from ..analyse.chain import Chain
 from ..result import PassResult
 from .blocks import (

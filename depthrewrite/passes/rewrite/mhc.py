@@ -23,6 +23,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ...errors import ConfigError
+from ...kernels import mhc as _kernels  # noqa: F401  (registers depthrewrite::mhc_*, the ops this rewrite inserts)
 from ..analyse.chain import Chain
 from ..analyse.ops import tensor_val
 from ..meta import NodeRole, inherit_meta, role_of

@@ -26,6 +26,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ...errors import AttentionPatternError, ConfigError
+from ...kernels import moda as _kernels  # noqa: F401  (registers depthrewrite::moda_*, the ops this rewrite inserts)
 from ..analyse.chain import Branch, Chain
 from ..analyse.graph import module_path_of
 from ..analyse.ops import op_of, strip_alias, tensor_val

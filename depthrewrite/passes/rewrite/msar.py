@@ -19,6 +19,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ...errors import ConfigError
+from ...kernels import msar as _kernels  # noqa: F401  (registers depthrewrite::msar_mix, the ops this rewrite inserts)
 from ..analyse.chain import Chain
 from ..analyse.ops import tensor_val
 from ..result import PassResult
