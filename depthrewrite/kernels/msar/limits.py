@@ -7,16 +7,27 @@ import torch
 
 from ..dispatch import dtype_reason
 
-__all__ = ["MAX_SOURCES", "MAX_STREAMS", "MAX_KERNEL", "FWD_TILES", "BWD_TILES", "covers"]
+__all__ = ["MAX_SOURCES", "MAX_STREAMS", "MAX_KERNEL", "FWD_TILES", "BWD_TILES", "grad_tiles", "covers"]
 
 MAX_SOURCES = 16  # sources per launch (one tuple argument, selected at run time); more fall back to the reference
 MAX_STREAMS = 4  # m <= 4 (three conv streams, explicit variables in the kernels)
 MAX_KERNEL = 16  # k_r <= 16 taps
 
-# Default tiles. They compile without register spills for K = 9, m = 4, k = (4, 8, 12) on sm_90 (ptxas -v; 255
-# registers) for the forward and the backward's stats kernel; the grad kernel spills 200 B (ext_t = 64 spills 1.2 KB).
+# Default tiles. They compile without register spills for K = 9, m = 4, k = (4, 8, 12) on sm_80 and sm_90 (ptxas -v;
+# up to 255 registers) for the forward and the backward's stats kernel (except bf16 stats at sm_90: 12 B); the grad
+# kernel's columns on a GPU come from grad_tiles (ext_t = 64 spills 1.2 KB).
 FWD_TILES = dict(block_t=16, block_d=32, num_warps=8)
 BWD_TILES = dict(block_t=16, block_d=32, ext_t=32, block_d2=16, num_warps=8)
+
+
+def grad_tiles(device: torch.device) -> tuple[int, int, int]:
+    """(block_d2, num_warps, num_stages) of the backward's grad kernel when the caller gives no ``block_d2``:
+    ``BWD_TILES`` under the interpreter; on a GPU 8 columns per program: 16 spilled 16-244 B at 255 registers on
+    sm_80 and sm_90 (ptxas -v), 8 is clean except sm_80 with the sigmoid mixer (124 B; 4 columns on 4 warps: 164 B,
+    one stage: 124 B, so that one is left as it is)."""
+    if device.type != "cuda":
+        return BWD_TILES["block_d2"], BWD_TILES["num_warps"], 3
+    return 8, BWD_TILES["num_warps"], 3
 
 
 def covers(sources: list[torch.Tensor], query: torch.Tensor, conv: list[torch.Tensor]) -> str | None:
