@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from .._triton_utils import pow2
-from .limits import BWD_TILES, FWD_TILES, MAX_KERNEL, MAX_SOURCES, MAX_STREAMS, grad_tiles
+from .limits import BWD_TILES, FWD_TILES, MAX_KERNEL, MAX_SOURCES, MAX_STREAMS, grad_tiles, stats_tiles
 
 __all__ = ["MAX_SOURCES", "MAX_STREAMS", "MAX_KERNEL", "msar_fwd", "msar_bwd"]
 
@@ -764,7 +764,7 @@ def msar_fwd(
 
 def msar_bwd(
     grad, sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_values=True, sigmoid_mixer=True, *,
-    eps_mix=1e-6, block_t: int = BWD_TILES["block_t"], block_d: int = BWD_TILES["block_d"], ext_t: int | None = None,
+    eps_mix=1e-6, block_t: int | None = None, block_d: int | None = None, ext_t: int | None = None,
     block_d2: int | None = None, num_warps: int = BWD_TILES["num_warps"], grad_warps: int | None = None,
 ) -> list[torch.Tensor]:  # fmt: skip
     """Fused MSAR backward: every gradient of :func:`msar_fwd`, recomputing the forward from the inputs.
@@ -779,7 +779,8 @@ def msar_bwd(
     Args:
         grad: ``[..., T, D]`` gradient of ``h`` (any strides; made contiguous). The rest: as :func:`msar_fwd`;
             tiling defaults :data:`.limits.BWD_TILES` (``ext_t`` must exceed k_max - 1); ``block_d2`` and
-            ``grad_warps`` (kernel 2's warps) default to :func:`.limits.grad_tiles` (per arch).
+            ``grad_warps`` (kernel 2's warps) default to :func:`.limits.grad_tiles`, ``block_t`` and ``block_d`` to
+            :func:`.limits.stats_tiles` (per arch).
 
     Returns:
         As :func:`.op.msar_mix_backward`: ``[*d_sources, d_query, d_gain, *d_conv]`` then ``[d_phi, d_bias,
@@ -793,6 +794,8 @@ def msar_bwd(
     db = torch.zeros(4, device=dev, dtype=f32)
     dalpha = torch.zeros(1, device=dev, dtype=f32)
     consts = p.consts(conv_values)
+    bt0, bd0 = stats_tiles(dev, p.sigmoid)
+    block_t, block_d = block_t or bt0, block_d or bd0
     grid = (p.N * triton.cdiv(p.T, block_t),)
     msar_bwd_kernel_stats[grid](
         p.ptrs, gh, p.u, p.wp, p.phiT, p.b, p.alpha, st, tk, db, dalpha, p.T, p.D, float(eps),

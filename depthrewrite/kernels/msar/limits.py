@@ -7,7 +7,7 @@ import torch
 
 from ..dispatch import dtype_reason
 
-__all__ = ["MAX_SOURCES", "MAX_STREAMS", "MAX_KERNEL", "FWD_TILES", "BWD_TILES", "grad_tiles", "covers"]
+__all__ = ["MAX_SOURCES", "MAX_STREAMS", "MAX_KERNEL", "FWD_TILES", "BWD_TILES", "grad_tiles", "stats_tiles", "covers"]
 
 MAX_SOURCES = 16  # sources per launch (one tuple argument, selected at run time); more fall back to the reference
 MAX_STREAMS = 4  # m <= 4 (three conv streams, explicit variables in the kernels)
@@ -28,6 +28,16 @@ def grad_tiles(device: torch.device) -> tuple[int, int, int]:
     if device.type != "cuda":
         return BWD_TILES["block_d2"], BWD_TILES["num_warps"], 3
     return 8, BWD_TILES["num_warps"], 3
+
+
+def stats_tiles(device: torch.device, sigmoid: bool) -> tuple[int, int]:
+    """(block_t, block_d) of the backward's stats kernel when the caller gives none: ``BWD_TILES``, except 16
+    columns with the sigmoid mixer at sm_90 (32 spilled 12 B there in bf16 at 255 registers; 16 is clean at 237, all
+    dtypes, ptxas -v). Without the mixer 32 columns stay (180 registers; 16 columns or 8 tokens made ptxas settle
+    on 128 registers and spill 16-20 B)."""
+    if sigmoid and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
+        return BWD_TILES["block_t"], 16
+    return BWD_TILES["block_t"], BWD_TILES["block_d"]
 
 
 def covers(sources: list[torch.Tensor], query: torch.Tensor, conv: list[torch.Tensor]) -> str | None:
