@@ -86,7 +86,7 @@ def chunk_config(
     while bt < 16 and bt * 2 * K * D * elt <= 128 * 1024 and bt * 2 <= pow2(T):
         bt *= 2
     if bwd and sp > 1:
-        # ptxas -v (sm_80/sm_90): with S > 1 the backward spills 4-8 B at BT = 2 (bf16) and BT = 4 (fp16/bf16),
+        # ptxas -v (sm_80/sm_90): with S > 1 the backward spilled 4 B at BT = 2 (bf16) and BT = 4 (fp16/bf16),
         # at 255 registers; BT = 1, BDC = 1024 on 8 warps is clean (189-214 registers). More warps or a smaller
         # tile made ptxas cap the registers at 128 or fewer and spill more.
         bt = 1

@@ -44,8 +44,8 @@ def coeff_x_blocks(device: torch.device) -> tuple[int, int, int, int]:
     """(BT, BK, num_warps, num_stages) of the coefficient backward's grad-X kernel (``[BT, BK]`` slices of X).
 
     sm_90 (and the interpreter): ``[32, 128]`` on 8 warps, 2 stages (156-194 registers, no spills, ptxas -v). sm_80
-    spilled 96-384 B at 255 registers with that tile (its ``mma`` accumulators live in registers, where sm_90's
-    ``wgmma`` path differs), so below sm_90 the K-chunk is halved to 64.
+    spilled 96-384 B at 255 registers with that tile (presumably its ``mma`` accumulators in registers; sm_90
+    compiles the dots differently), so below sm_90 the K-chunk is halved to 64.
     """
     if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
         return 32, 64, 8, 2

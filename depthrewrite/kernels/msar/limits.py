@@ -13,9 +13,9 @@ MAX_SOURCES = 16  # sources per launch (one tuple argument, selected at run time
 MAX_STREAMS = 4  # m <= 4 (three conv streams, explicit variables in the kernels)
 MAX_KERNEL = 16  # k_r <= 16 taps
 
-# Default tiles. They compile without register spills for K = 9, m = 4, k = (4, 8, 12) on sm_80 and sm_90 (ptxas -v;
-# up to 255 registers) for the forward and the backward's stats kernel (except bf16 stats at sm_90: 12 B); the grad
-# kernel's columns on a GPU come from grad_tiles (ext_t = 64 spills 1.2 KB).
+# Default tiles (and the interpreter's). On a GPU the forward uses them and compiles without register spills for K = 9,
+# m = 4, k = (4, 8, 12) on sm_80 and sm_90 (ptxas -v; up to 255 registers); the backward's kernels take their GPU
+# tiles from stats_tiles and grad_tiles (ext_t = 64 spills 1.2 KB).
 FWD_TILES = dict(block_t=16, block_d=32, num_warps=8)
 BWD_TILES = dict(block_t=16, block_d=32, ext_t=32, block_d2=16, num_warps=8)
 
