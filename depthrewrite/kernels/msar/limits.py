@@ -24,7 +24,7 @@ def grad_tiles(device: torch.device) -> tuple[int, int, int]:
     """(block_d2, num_warps, num_stages) of the backward's grad kernel when the caller gives no ``block_d2``:
     ``BWD_TILES`` under the interpreter; on a GPU 8 columns per program: 16 spilled 16-244 B at 255 registers on
     sm_80 and sm_90 (ptxas -v), 8 is clean except sm_80 with the sigmoid mixer (124 B; 4 columns on 4 warps: 164 B,
-    one stage: 124 B, so that one is left as it is)."""
+    one stage: 124 B, ext_t = 16: 228 B, so that one is left as it is)."""
     if device.type != "cuda":
         return BWD_TILES["block_d2"], BWD_TILES["num_warps"], 3
     return 8, BWD_TILES["num_warps"], 3
