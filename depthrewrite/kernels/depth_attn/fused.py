@@ -454,7 +454,7 @@ def _multi_bwd(go, glse, vs, queries, gains, eps, gscale) -> tuple[list[torch.Te
     dvs = [torch.empty_like(v) for v in vs]
     if T == 0:
         return dvs, torch.zeros(S, D, device=go.device, dtype=torch.float32)
-    cfg = chunk_config(go.device, S, min(K, MAX_SOURCES), D, T, vs[0].element_size(), bwd=True)
+    cfg = chunk_config(go.device, S, min(K, MAX_SOURCES), D, T, vs[0].element_size())
     sp, kp, bt, bdc, nw = cfg
     n_tiles = triton.cdiv(T, bt)
     nprog = persistent_programs(go.device, n_tiles, per_sm=4 if sp == 1 else 2)  # du rows: nprog·SP·D fp32

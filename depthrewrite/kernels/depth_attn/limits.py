@@ -61,9 +61,12 @@ def row_sources(K: int, bt: int, bd: int, num_warps: int, elt: int) -> int:
     ``NSRC`` rows in registers: ``bd·bt / threads`` registers per fp32 row and thread, half that for fp16/bf16.
     They get about 144 registers at 8 warps or fewer (255 per thread), 64 at 16 (128 per thread); more sources
     run as further launches of at most that many (the ``FIRST``/``LAST`` chunks, fp32 running state in scratch).
-    ptxas -v: fp32 ``bd = 8192`` with 9 sources per launch spilled 4.5 KB (bf16 4 B); ``bd = 4096`` (9 × 16
-    registers) is clean. Chunks are balanced (9 sources at 4 per launch run as 3 × 3).
+    ptxas -v: fp32 ``bd = 8192`` with 9 sources per launch spilled 4.5 KB; ``bd = 4096`` (9 × 16 registers) is clean.
+    Chunks are balanced (9 sources at 4 per launch run as 3 × 3). fp16/bf16 rows stay in one launch: at ``bd = 8192``
+    they spill 4 B (``bench.aot.SPILL_TOLERANCE``), less than a further launch through scratch would cost.
     """
+    if elt < 4:
+        return min(K, MAX_SOURCES)
     per = max(1, bt * bd // (32 * num_warps) * min(elt, 4) // 4)
     budget = (144 if elt >= 4 else 128) if num_warps <= 8 else 64
     cap = max(1, min(MAX_SOURCES, budget // per))
@@ -71,10 +74,8 @@ def row_sources(K: int, bt: int, bd: int, num_warps: int, elt: int) -> int:
     return -(-K // n)
 
 
-def chunk_config(
-    device: torch.device, S: int, K: int, D: int, T: int, elt: int, bwd: bool = False
-) -> tuple[int, int, int, int, int]:
-    """(SP, KP, BT, BDC, num_warps) of the D-chunked kernels (``bwd``: for the backward kernel).
+def chunk_config(device: torch.device, S: int, K: int, D: int, T: int, elt: int) -> tuple[int, int, int, int, int]:
+    """(SP, KP, BT, BDC, num_warps) of the D-chunked kernels.
 
     ``BT`` keeps one program's token block (``BT·K·D·elt`` bytes, read twice) small enough to stay in L2 between the
     two passes; ``BDC`` keeps the ``[SP, BT, BDC]`` fp32 tiles at about 4096 elements.
@@ -85,13 +86,7 @@ def chunk_config(
     bt = 1
     while bt < 16 and bt * 2 * K * D * elt <= 128 * 1024 and bt * 2 <= pow2(T):
         bt *= 2
-    if bwd and sp > 1:
-        # ptxas -v (sm_80/sm_90): with S > 1 the backward spilled 4 B at BT = 2 (bf16) and BT = 4 (fp16/bf16),
-        # at 255 registers; BT = 1, BDC = 1024 on 8 warps is clean (189-214 registers). More warps or a smaller
-        # tile made ptxas cap the registers at 128 or fewer and spill more.
-        bt = 1
     bdc = max(16, min(pow2(D), 4096 // (sp * bt), 1024))
-    nw = warps_for(sp * bt * bdc)
-    if bwd and sp == 1 and elt == 4:
-        nw = max(nw, 8)  # fp32, one query: 4 warps spilled 4 B at sm_80 (96 registers); 8 warps is clean
-    return sp, kp, bt, bdc, nw
+    # ptxas -v: the backward spills 4 B in a few configs (S > 1 at BT = 2/4 half types, fp32 S = 1 on 4 warps at
+    # sm_80); BT = 1 or 8 warps remove that but cost more than a 4-byte spill (bench.aot.SPILL_TOLERANCE)
+    return sp, kp, bt, bdc, warps_for(sp * bt * bdc)
