@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from .._triton_utils import flat_rows, persistent_programs, pow2
-from .limits import MAX_ROW, MAX_SOURCES, chunk_config, row_config
+from .limits import MAX_ROW, MAX_SOURCES, chunk_config, row_config, row_sources
 
 __all__ = [
     "MAX_SOURCES",
@@ -403,7 +403,8 @@ def depth_attn_fwd(
     q, g = query.contiguous(), gain.contiguous()
     bt, bd, nw = row_config(vs[0].device, D)
     grid = (triton.cdiv(T, bt),)
-    chunks = [vs[i : i + MAX_SOURCES] for i in range(0, len(vs), MAX_SOURCES)]
+    per = row_sources(len(vs), bt, bd, nw, vs[0].element_size()) if vs[0].is_cuda else MAX_SOURCES
+    chunks = [vs[i : i + per] for i in range(0, len(vs), per)]
     if len(chunks) > 1:
         m = torch.empty(T, device=out.device, dtype=torch.float32)
         den = torch.empty_like(m)

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from .._triton_utils import num_sms
-from .limits import SEG, apply_blocks, coeff_blocks, coeff_layout
+from .limits import SEG, apply_blocks, coeff_blocks, coeff_layout, coeff_x_blocks
 
 __all__ = [
     "mhc_coeffs_fwd",
@@ -428,8 +428,8 @@ def mhc_coeffs_bwd(
         N=n, NP=NP, PP=PP, MP=MP, BT=BT, BK=BK, PREC=prec, SEG=SEG, XEXACT=X.dtype != torch.float32,
         num_warps=4, num_stages=3,
     )
-    # kernel 2: K-chunks of 128 (a [BT2, 128] slice of X per token block), token blocks of 32, split into S segments
-    BT2, BK2 = 32, 128
+    # kernel 2: K-chunks of BK2 (a [BT2, BK2] slice of X per token block, limits.coeff_x_blocks), split into S segments
+    BT2, BK2, nw2, ns2 = coeff_x_blocks(dev)
     nk, nblk2 = triton.cdiv(K, BK2), triton.cdiv(T, BT2)
     S = segments or max(1, min(nblk2, triton.cdiv(2 * num_sms(dev), nk)))
     S = max(1, min(int(S), nblk2))
@@ -440,7 +440,7 @@ def mhc_coeffs_bwd(
     mhc_coeffs_bwd_kernel_x[(nk, S)](
         x, phi_c, gz, cx, gx, gphi_part, T, K, M, bps,
         N=n, NP=NP, PP=PP, MP=MP, BT=BT2, BK=BK2, PREC=prec, XEXACT=X.dtype != torch.float32,
-        num_warps=8, num_stages=2,
+        num_warps=nw2, num_stages=ns2,
     )
     cols = _colmap(n, dev)
     gphi = gphi_part.sum(0).index_select(1, cols).to(phi.dtype)

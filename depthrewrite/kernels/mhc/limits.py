@@ -8,7 +8,7 @@ import torch
 from .._triton_utils import num_sms, pow2
 from ..dispatch import dtype_reason
 
-__all__ = ["MAX_STREAMS", "SEG", "covers", "coeff_layout", "coeff_blocks", "apply_blocks"]
+__all__ = ["MAX_STREAMS", "SEG", "covers", "coeff_layout", "coeff_blocks", "coeff_x_blocks", "apply_blocks"]
 
 MAX_STREAMS = 8  # the coefficient kernels keep [BT, NP, NP] Sinkhorn tiles in registers; n > 8 falls back
 SEG = 4  # Sinkhorn backward: pairs of normalisations per recomputation segment
@@ -38,6 +38,18 @@ def coeff_blocks(T: int, n: int, device: torch.device) -> tuple[int, int]:
     if T <= 16 or n > 4:
         BT = 16
     return BT, 64
+
+
+def coeff_x_blocks(device: torch.device) -> tuple[int, int, int, int]:
+    """(BT, BK, num_warps, num_stages) of the coefficient backward's grad-X kernel (``[BT, BK]`` slices of X).
+
+    sm_90 (and the interpreter): ``[32, 128]`` on 8 warps, 2 stages (156-194 registers, no spills, ptxas -v). sm_80
+    spilled 96-384 B at 255 registers with that tile (presumably its ``mma`` accumulators in registers; sm_90
+    compiles the dots differently), so below sm_90 the K-chunk is halved to 64.
+    """
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
+        return 32, 64, 8, 2
+    return 32, 128, 8, 2
 
 
 def apply_blocks(T: int, D: int, n: int) -> tuple[int, int, int]:

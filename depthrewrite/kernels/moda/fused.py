@@ -454,7 +454,7 @@ def moda_attn_fwd(
     Hk, S = k.shape[1], k.shape[2]
     n = depth_k.shape[2]
     G = Hq // Hk
-    cfg = block_config(G, d, q.dtype)
+    cfg = block_config(G, d, q.dtype, torch.cuda.get_device_capability(q.device)[0] if q.is_cuda else 9)
     lse = torch.empty(B, Hq, T, device=q.device, dtype=torch.float32)
     if stats_only:
         o = None
@@ -502,7 +502,7 @@ def moda_attn_bwd(
     Hk, S = k.shape[1], k.shape[2]
     n = depth_k.shape[2]
     G = Hq // Hk
-    cfg = block_config(G, d, q.dtype)
+    cfg = block_config(G, d, q.dtype, torch.cuda.get_device_capability(q.device)[0] if q.is_cuda else 9)
     _, lse = moda_attn_fwd(q, k, v, attn_mask, depth_k, depth_v, depth_weight, scale, is_causal, softcap, True)
     delta = (out.float() * grad.float()).sum(-1).contiguous()  # [B, Hq, T]
     mask, kind, sm = _mask_args(attn_mask, B, Hq, T, S, q)

@@ -56,35 +56,56 @@ def covers(q, k, v, attn_mask, depth_k, depth_v, depth_weight, dropout_p) -> str
     return None
 
 
-# (rows, bn, warps, stages) per kernel, by the largest padded head dim BD they serve
+# (rows, bn, warps, stages) per kernel, by the largest padded head dim BD they serve. Each table was checked with
+# `python -m bench.aot --op moda` (ptxas -v, Triton 3.8) for the arch it names; comments give the spills of the tiles
+# they replace.
 _INTERPRETER_TILES = dict(fwd=(16, 16, 4, 1), dq=(16, 16, 4, 1), kv=(16, 16, 4, 1))
-_FP32_TILES = (
-    (64, dict(fwd=(64, 32, 8, 2), dq=(32, 32, 8, 2), kv=(32, 32, 8, 2))),
-    (128, dict(fwd=(32, 32, 8, 2), dq=(16, 32, 8, 2), kv=(16, 16, 4, 2))),
+_FP32_TILES = (  # sm_90 (no tensor cores with input_precision="ieee": the dots run on FMA units)
+    # was fwd (64, 32, 8, 2): 4 B, kv (32, 32, 8, 2): 12 B
+    (64, dict(fwd=(32, 32, 8, 2), dq=(32, 32, 8, 2), kv=(16, 32, 8, 2))),
+    # was fwd (32, 32, 8, 2): up to 616 B, dq (16, 32, 8, 2): 8 B, kv (16, 16, 4, 2): up to 696 B
+    (128, dict(fwd=(16, 32, 8, 2), dq=(16, 16, 8, 2), kv=(16, 16, 8, 2))),
     (MAX_HEAD_DIM, dict(fwd=(16, 16, 8, 2), dq=(16, 16, 8, 2), kv=(16, 16, 8, 2))),
 )
-_HALF_TILES = (
+_FP32_TILES_SM80 = (
+    # was fwd (64, 32, 8, 2): 8 B, dq (32, 32, 8, 2): 20-32 B
+    (64, dict(fwd=(32, 32, 4, 2), dq=(16, 32, 8, 2), kv=(16, 32, 8, 2))),
+    # was fwd (32, 32, 8, 2): 4 B, dq (16, 32, 8, 2): 8 B, kv (16, 16, 4, 2): up to 668 B
+    (128, dict(fwd=(16, 32, 4, 2), dq=(16, 16, 8, 2), kv=(16, 16, 8, 2))),
+    (MAX_HEAD_DIM, dict(fwd=(16, 16, 8, 2), dq=(16, 16, 8, 2), kv=(16, 16, 8, 2))),
+)
+_HALF_TILES = (  # sm_90: no spills at d <= 128
     (64, dict(fwd=(128, 64, 8, 3), dq=(64, 64, 4, 2), kv=(64, 64, 4, 2))),
     (128, dict(fwd=(128, 64, 8, 2), dq=(32, 64, 8, 2), kv=(64, 32, 8, 2))),
     (MAX_HEAD_DIM, dict(fwd=(64, 32, 8, 2), dq=(32, 32, 8, 2), kv=(32, 32, 8, 2))),
 )
+_HALF_TILES_SM80 = (  # sm_80 (mma.sync: accumulators in registers): the sm_90 tiles spilled 20-52 B (dq/kv at d = 64
+    # on 4 warps, fwd at d = 128 with keys of 64); here with the same tiles on 8 warps, and fwd keys of 32 at d = 128
+    (64, dict(fwd=(128, 64, 8, 3), dq=(64, 64, 8, 2), kv=(64, 32, 8, 2))),
+    (128, dict(fwd=(128, 32, 8, 2), dq=(32, 64, 8, 2), kv=(64, 32, 8, 2))),
+    (MAX_HEAD_DIM, dict(fwd=(64, 32, 8, 2), dq=(32, 32, 8, 2), kv=(32, 32, 8, 2))),
+)
 
 
-def block_config(G: int, d: int, dtype: torch.dtype) -> dict[str, int]:
-    """Block sizes and warps for head dim ``d`` and group size ``G`` (Hopper-sized; tiny under the interpreter).
+def block_config(G: int, d: int, dtype: torch.dtype, arch: int = 9) -> dict[str, int]:
+    """Block sizes and warps for head dim ``d``, group size ``G`` and compute capability major ``arch`` (8: sm_80's
+    table for fp16/bf16; 9 and above: Hopper's; tiny under the interpreter).
 
     Returns a dict: ``GP`` (G rounded up to a power of two), ``BD`` (head dim padded to a power of two, >= 16) and, per
     kernel (prefix ``fwd_``, ``dq_``, ``kv_``), ``rows`` (folded query rows per tile: ``rows / GP`` tokens × GP heads),
-    ``bn`` (sequence keys per tile), ``warps`` and ``stages``. Chosen so that an sm_90 AOT compile of every kernel
-    (strides of 1 specialised, as the JIT does) shows no register spills for bf16/fp16 at d <= 128; fp32 (no tensor
-    cores with ``input_precision="ieee"``) still spills a little at d = 128 and is the correctness path, not the fast one.
+    ``bn`` (sequence keys per tile), ``warps`` and ``stages``. Chosen so that an AOT compile of every kernel for its
+    arch (strides of 1 specialised, as the JIT does; ``bench.aot``) shows no register spills at d <= 128; fp32 (no
+    tensor cores with ``input_precision="ieee"``) is the correctness path, with smaller tiles, not the fast one.
     """
     GP = pow2(G)
     BD = max(16, pow2(d))
     if interpreting():
         c = _INTERPRETER_TILES
     else:
-        table = _FP32_TILES if dtype == torch.float32 else _HALF_TILES
+        if dtype == torch.float32:
+            table = _FP32_TILES_SM80 if arch < 9 else _FP32_TILES
+        else:
+            table = _HALF_TILES_SM80 if arch < 9 else _HALF_TILES
         c = next((tiles for limit, tiles in table if BD <= limit), table[-1][1])
     out = dict(GP=GP, BD=BD)
     for k, (rows, bn, warps, stages) in c.items():

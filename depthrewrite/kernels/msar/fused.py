@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from .._triton_utils import pow2
-from .limits import BWD_TILES, FWD_TILES, MAX_KERNEL, MAX_SOURCES, MAX_STREAMS
+from .limits import BWD_TILES, FWD_TILES, MAX_KERNEL, MAX_SOURCES, MAX_STREAMS, grad_tiles, stats_tiles
 
 __all__ = ["MAX_SOURCES", "MAX_STREAMS", "MAX_KERNEL", "msar_fwd", "msar_bwd"]
 
@@ -764,8 +764,8 @@ def msar_fwd(
 
 def msar_bwd(
     grad, sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_values=True, sigmoid_mixer=True, *,
-    eps_mix=1e-6, block_t: int = BWD_TILES["block_t"], block_d: int = BWD_TILES["block_d"], ext_t: int | None = None,
-    block_d2: int = BWD_TILES["block_d2"], num_warps: int = BWD_TILES["num_warps"],
+    eps_mix=1e-6, block_t: int | None = None, block_d: int | None = None, ext_t: int | None = None,
+    block_d2: int | None = None, num_warps: int = BWD_TILES["num_warps"], grad_warps: int | None = None,
 ) -> list[torch.Tensor]:  # fmt: skip
     """Fused MSAR backward: every gradient of :func:`msar_fwd`, recomputing the forward from the inputs.
 
@@ -778,7 +778,9 @@ def msar_bwd(
 
     Args:
         grad: ``[..., T, D]`` gradient of ``h`` (any strides; made contiguous). The rest: as :func:`msar_fwd`;
-            tiling defaults :data:`.limits.BWD_TILES` (``ext_t`` must exceed k_max - 1).
+            tiling defaults :data:`.limits.BWD_TILES` (``ext_t`` must exceed k_max - 1); ``block_d2`` and
+            ``grad_warps`` (kernel 2's warps) default to :func:`.limits.grad_tiles`, ``block_t`` and ``block_d`` to
+            :func:`.limits.stats_tiles` (per arch).
 
     Returns:
         As :func:`.op.msar_mix_backward`: ``[*d_sources, d_query, d_gain, *d_conv]`` then ``[d_phi, d_bias,
@@ -792,6 +794,8 @@ def msar_bwd(
     db = torch.zeros(4, device=dev, dtype=f32)
     dalpha = torch.zeros(1, device=dev, dtype=f32)
     consts = p.consts(conv_values)
+    bt0, bd0 = stats_tiles(dev, p.sigmoid)
+    block_t, block_d = block_t or bt0, block_d or bd0
     grid = (p.N * triton.cdiv(p.T, block_t),)
     msar_bwd_kernel_stats[grid](
         p.ptrs, gh, p.u, p.wp, p.phiT, p.b, p.alpha, st, tk, db, dalpha, p.T, p.D, float(eps),
@@ -802,7 +806,9 @@ def msar_bwd(
     ET = ext_t or BWD_TILES["ext_t"]  # 32 rows own 21 with the default k_max = 12; 64 spills registers on sm_90 (ptxas -v)
     if ET <= halo:
         ET = pow2(halo + 1)
-    BD2 = block_d2
+    d2, gw, gs = grad_tiles(dev)
+    BD2 = block_d2 or d2
+    gw = grad_warps or gw
     BTO = ET - halo
     n_prog = p.N * triton.cdiv(p.T, BTO)
     dx = [torch.empty_like(s) for s in p.src]  # separate tensors: outputs of a custom op may not alias
@@ -813,7 +819,7 @@ def msar_bwd(
     msar_bwd_kernel_grad[(n_prog,)](
         p.ptrs, tuple(dx), gh, p.u, p.wp, p.phiT, st, tk, du, dw, dphiT, scratch,
         p.T, p.D, BTO,
-        KMAXP=pow2(p.KMAX), ET=ET, BD=BD2, num_warps=num_warps, **consts,
+        KMAXP=pow2(p.KMAX), ET=ET, BD=BD2, num_warps=gw, num_stages=gs, **consts,
     )  # fmt: skip
     du = du[: p.M]
     out = list(dx)

@@ -7,16 +7,37 @@ import torch
 
 from ..dispatch import dtype_reason
 
-__all__ = ["MAX_SOURCES", "MAX_STREAMS", "MAX_KERNEL", "FWD_TILES", "BWD_TILES", "covers"]
+__all__ = ["MAX_SOURCES", "MAX_STREAMS", "MAX_KERNEL", "FWD_TILES", "BWD_TILES", "grad_tiles", "stats_tiles", "covers"]
 
 MAX_SOURCES = 16  # sources per launch (one tuple argument, selected at run time); more fall back to the reference
 MAX_STREAMS = 4  # m <= 4 (three conv streams, explicit variables in the kernels)
 MAX_KERNEL = 16  # k_r <= 16 taps
 
-# Default tiles. They compile without register spills for K = 9, m = 4, k = (4, 8, 12) on sm_90 (ptxas -v; 255
-# registers) for the forward and the backward's stats kernel; the grad kernel spills 200 B (ext_t = 64 spills 1.2 KB).
+# Default tiles (and the interpreter's). On a GPU the forward uses them and compiles without register spills for K = 9,
+# m = 4, k = (4, 8, 12) on sm_80 and sm_90 (ptxas -v; up to 255 registers); the backward's kernels take their GPU
+# tiles from stats_tiles and grad_tiles (ext_t = 64 spills 1.2 KB).
 FWD_TILES = dict(block_t=16, block_d=32, num_warps=8)
 BWD_TILES = dict(block_t=16, block_d=32, ext_t=32, block_d2=16, num_warps=8)
+
+
+def grad_tiles(device: torch.device) -> tuple[int, int, int]:
+    """(block_d2, num_warps, num_stages) of the backward's grad kernel when the caller gives no ``block_d2``:
+    ``BWD_TILES`` under the interpreter; on a GPU 8 columns per program: 16 spilled 16-244 B at 255 registers on
+    sm_80 and sm_90 (ptxas -v), 8 is clean except sm_80 with the sigmoid mixer (124 B; 4 columns on 4 warps: 164 B,
+    one stage: 124 B, ext_t = 16: 228 B, so that one is left as it is)."""
+    if device.type != "cuda":
+        return BWD_TILES["block_d2"], BWD_TILES["num_warps"], 3
+    return 8, BWD_TILES["num_warps"], 3
+
+
+def stats_tiles(device: torch.device, sigmoid: bool) -> tuple[int, int]:
+    """(block_t, block_d) of the backward's stats kernel when the caller gives none: ``BWD_TILES``, except 16
+    columns with the sigmoid mixer at sm_90 (32 spilled 12 B there in bf16 at 255 registers; 16 is clean at 237, all
+    dtypes, ptxas -v). Without the mixer 32 columns stay (180 registers; 16 columns or 8 tokens made ptxas settle
+    on 128 registers and spill 16-20 B)."""
+    if sigmoid and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
+        return BWD_TILES["block_t"], 16
+    return BWD_TILES["block_t"], BWD_TILES["block_d"]
 
 
 def covers(sources: list[torch.Tensor], query: torch.Tensor, conv: list[torch.Tensor]) -> str | None:
