@@ -225,9 +225,12 @@ def rows(scale: str = "bench") -> list[Row]:
     parity tests under Triton's interpreter, one stressed axis each."""
     if scale in ("bench", "aot"):
         toks = TOKENS if scale == "bench" else TOKENS[:1]
-        return [row("depth_attn", T=T, D=D, K=K) for T in toks for D in D_SIZES] + [
+        rs = [row("depth_attn", T=T, D=D, K=K) for T in toks for D in D_SIZES] + [
             row("depth_attn_two_phase", T=T, D=D, K=K, S=S) for T in toks for D in D_SIZES
         ]
+        if scale == "aot":  # more sources than one launch takes: the chunked path and its statistics kernel
+            rs.append(row("depth_attn", "many sources: K > 16 (the chunked path)", T=toks[0], D=D_SIZES[0], K=19))
+        return rs
     return [
         row("depth_attn", "K = 1 (one source: softmax weight 1)", T=5, D=16, K=1),
         row("depth_attn", "odd T and D (partial token and feature tiles)", T=7, D=33, K=3),
