@@ -1,0 +1,129 @@
+"""MSAR zeroes the sources at pad positions before its convs (msar.md §4.4, §5: X = X · mask before the convs), so a
+left-padded row gives the logits of the same prompt unpadded, on its real positions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import depthrewrite as dr
+from depthrewrite.demo.zoo import hf_model
+from depthrewrite.errors import ConfigError
+
+PAD = 3
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    """Left padding as HF generate numbers it: cumsum(mask) - 1, clamped at 0."""
+    return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def _example(V: int, T: int = 10, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (2, T), generator=g)
+    mask = torch.ones(2, T, dtype=torch.long)
+    mask[0, :PAD] = 0
+    return dict(input_ids=ids, attention_mask=mask, position_ids=_positions(mask))
+
+
+def _randomise(conv, seed: int = 1, scale: float = 0.5) -> None:
+    """Every new parameter random (queries, gains, the convs' taps, the mixer): the convs read their left context."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in conv.named_parameters():
+            if name.startswith("depthrewrite."):
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+
+
+def _wheres(conv) -> list:
+    return [n for n in conv.graph.nodes if n.target is torch.ops.aten.where.ScalarOther]
+
+
+def _padded_vs_unpadded(conv, V: int, T: int = 11, seed: int = 2) -> float:
+    """Max |Δ logits| on the real positions: a prompt left-padded by PAD tokens (next to an unpadded row of length T)
+    against the same prompt in its own call, of the unpadded length T - PAD."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, V, (T - PAD,), generator=g)
+    other = torch.randint(0, V, (T,), generator=g)
+    # pad positions hold random tokens, not the pad id (whose embedding may be zero, and every state at it too)
+    pads = torch.randint(1, V, (PAD,), generator=g)
+    ids = torch.stack([torch.cat([pads, prompt]), other])
+    mask = torch.ones(2, T, dtype=torch.long)
+    mask[0, :PAD] = 0
+    alone = prompt.expand(2, -1).clone()  # a batch of 2: the graph's batch dimension is dynamic from 2 up
+    ones = torch.ones_like(alone)
+    with torch.no_grad():
+        padded = conv(input_ids=ids, attention_mask=mask, position_ids=_positions(mask)).logits
+        single = conv(input_ids=alone, attention_mask=ones, position_ids=_positions(ones)).logits
+    return (padded[0, PAD:] - single[0]).abs().max().item()
+
+
+@pytest.mark.parametrize("blocks", [None, 2], ids=["full", "block2"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gpt2"])
+def test_left_padding_equals_unpadded(model_type, blocks):
+    torch.manual_seed(0)
+    model = hf_model(model_type, layers=2).eval()
+    V = model.config.vocab_size
+    conv = dr.convert(model, "msar", blocks=blocks, example_kwargs=_example(V)).eval()
+    assert len(_wheres(conv)) == 2 * 2 + 1  # the embedding and each sublayer output, masked once as they are stored
+    _randomise(conv)
+    assert _padded_vs_unpadded(conv, V) <= 1e-5
+    # the same without the mask: the convs read the pad positions' states, and the padded row changes
+    off = dr.convert(model, "msar", blocks=blocks, padding_mask=None, example_kwargs=_example(V)).eval()
+    assert not _wheres(off) and not any("pad" in n for n in off.report().notes)
+    _randomise(off)
+    assert _padded_vs_unpadded(off, V) > 1e-3
+
+
+@pytest.mark.parametrize("blocks", [None, 2], ids=["full", "block2"])
+def test_function_preserved_at_init_on_real_positions(blocks):
+    torch.manual_seed(0)
+    model = hf_model("llama", layers=2).eval()
+    ex = _example(model.config.vocab_size)
+    conv = dr.convert(model, "msar", blocks=blocks, example_kwargs=ex).eval()
+    with torch.no_grad():
+        a, b = conv(**ex).logits, model(**ex).logits
+    torch.testing.assert_close(a[0, PAD:], b[0, PAD:], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(a[1], b[1], rtol=1e-4, atol=1e-5)
+
+
+def test_mask_found_by_auto_and_by_name():
+    torch.manual_seed(0)
+    model = hf_model("llama", layers=2).eval()
+    ex = _example(model.config.vocab_size)
+    auto = dr.convert(model, "msar", example_kwargs=ex)
+    named = dr.convert(model, "msar", padding_mask="attention_mask", example_kwargs=ex)
+    for conv in (auto, named):
+        notes = conv.report().notes
+        assert any("zeroed at pad positions" in n and "`attention_mask`" in n for n in notes), notes
+        keep = {n.args[0] for n in _wheres(conv)}
+        assert len(keep) == 1
+        (ne,) = keep
+        assert ne.args[0].args[0].target == "attention_mask"  # where(unsqueeze(ne(attention_mask, 0)), v, 0)
+    assert len(_wheres(auto)) == len(_wheres(named)) == 5
+
+
+def test_without_a_mask_input_nothing_changes():
+    torch.manual_seed(0)
+    model = hf_model("llama", layers=2).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 8))
+    a = dr.convert(model, "msar", example_kwargs={"input_ids": ids})
+    b = dr.convert(model, "msar", padding_mask=None, example_kwargs={"input_ids": ids})
+    assert not _wheres(a) and not a.report().notes
+    assert [n.target for n in a.graph.nodes] == [n.target for n in b.graph.nodes]
+
+
+def test_bad_name_lists_the_inputs():
+    torch.manual_seed(0)
+    model = hf_model("llama", layers=2).eval()
+    ex = _example(model.config.vocab_size)
+    with pytest.raises(ConfigError, match=r"no input of that name.*input_ids, attention_mask, position_ids"):
+        dr.convert(model, "msar", padding_mask="pad_mask", example_kwargs=ex)
+    with pytest.raises(ConfigError, match=r"`position_ids` holds values other than 0 and 1"):
+        dr.convert(model, "msar", padding_mask="position_ids", example_kwargs=ex)
+
+
+@pytest.mark.parametrize("bad", ["", 3, True])
+def test_padding_mask_is_validated(bad):
+    with pytest.raises(ConfigError, match="padding_mask"):
+        dr.MSARConfig(padding_mask=bad)
