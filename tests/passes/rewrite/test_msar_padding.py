@@ -10,7 +10,7 @@ import depthrewrite as dr
 from depthrewrite.demo.zoo import hf_model
 from depthrewrite.errors import ConfigError
 
-from .reference_models import Decoder, MSARDecoder
+from .helpers import assert_matches_reference, mix_name, msar_reference_pair, randomise_like_reference
 
 PAD = 3
 
@@ -135,35 +135,21 @@ def test_padding_mask_is_validated(bad):
 def test_independent_reference_with_padding(S):
     """The hand-written reference (msar.md §5: X · mask before the convs), random parameters, a left-padded batch:
     outputs on every position (pad positions too: the mix is 0 there on both sides) and every gradient agree."""
-    torch.manual_seed(0)
     kernels = (2, 3, 5)
-    vanilla = Decoder(layers=3)
-    ref = MSARDecoder(layers=3, block_size=S, kernels=kernels)
-    ref.load_state_dict(vanilla.state_dict(), strict=False)
-    idx = torch.randint(0, 64, (2, 9))
+    vanilla, ref = msar_reference_pair(S, kernels)
+    idx = torch.randint(0, 64, (2, 9))  # capture keeps this model's mask at its example length: test at it
     mask = torch.ones(2, 9)
     mask[0, :PAD] = 0
     conv = dr.convert(vanilla, "msar", block_size=S, kernel_sizes=kernels,
                       example_kwargs={"idx": idx, "attention_mask": mask})
     assert len(_wheres(conv)) == 2 * 3 + 1
-    g = torch.Generator().manual_seed(1)
-    for j, mix in ref.mixes.items():
-        site = getattr(conv.depthrewrite, f"mix_{j}")
-        for (name, p_ref), (name2, p_conv) in zip(mix.named_parameters(), site.named_parameters()):
-            assert name == name2
-            v = torch.randn(p_ref.shape, generator=g) * 0.5
-            p_ref.data.copy_(v)
-            p_conv.data.copy_(v)
-    x = torch.randint(0, 64, (2, 9))  # capture keeps this model's mask at its example length
-    m = mask
-    out_ref, out = ref(x, attention_mask=m), conv(x, attention_mask=m)
-    torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
-    out_ref.square().mean().backward()
-    out.square().mean().backward()
-    params = dict(conv.named_parameters())
-    for name, p in ref.named_parameters():
-        cname = "depthrewrite.mix_" + name[len("mixes."):] if name.startswith("mixes.") else name
-        torch.testing.assert_close(params[cname].grad, p.grad, rtol=1e-4, atol=1e-6, msg=lambda s: f"{name}: {s}")
-    # and the reference is sensitive to the mask: without it, the padded row's real positions change
+    randomise_like_reference(ref, conv)
+    x = torch.randint(0, 64, (2, 9))
+    assert_matches_reference(ref, conv, x, mix_name, attention_mask=mask)
+    # and the comparison is sensitive to the mask: converted without it, the padded row's real positions differ
+    off = dr.convert(vanilla, "msar", block_size=S, kernel_sizes=kernels, padding_mask=None,
+                     example_kwargs={"idx": idx, "attention_mask": mask})
+    randomise_like_reference(ref, off)
     with torch.no_grad():
-        assert (ref(x)[0, PAD:] - out_ref[0, PAD:]).abs().max() > 1e-3
+        assert (off(x, attention_mask=mask)[0, PAD:] - ref(x, attention_mask=mask)[0, PAD:]).abs().max() > 1e-3
+        torch.testing.assert_close(off(x, attention_mask=mask)[1], ref(x, attention_mask=mask)[1], rtol=1e-5, atol=1e-5)
