@@ -153,3 +153,14 @@ def test_independent_reference_with_padding(S):
     with torch.no_grad():
         assert (off(x, attention_mask=mask)[0, PAD:] - ref(x, attention_mask=mask)[0, PAD:]).abs().max() > 1e-3
         torch.testing.assert_close(off(x, attention_mask=mask)[1], ref(x, attention_mask=mask)[1], rtol=1e-5, atol=1e-5)
+
+
+def test_auto_skips_an_attention_mask_that_is_not_0_1_and_says_so():
+    vanilla, _ = msar_reference_pair(1)
+    idx = torch.randint(0, 64, (2, 9))
+    mask = torch.full((2, 9), 2.0)  # nonzero keeps a key in this model, but it is no 0/1 padding mask
+    conv = dr.convert(vanilla, "msar", example_kwargs={"idx": idx, "attention_mask": mask})
+    assert not _wheres(conv)
+    assert any("padding is not masked" in n and "other than 0 and 1" in n for n in conv.report().notes)
+    with pytest.raises(ConfigError, match="other than 0 and 1.*inputs: idx, attention_mask"):
+        dr.convert(vanilla, "msar", padding_mask="attention_mask", example_kwargs={"idx": idx, "attention_mask": mask})
