@@ -164,3 +164,22 @@ def test_auto_skips_an_attention_mask_that_is_not_0_1_and_says_so():
     assert any("padding is not masked" in n and "other than 0 and 1" in n for n in conv.report().notes)
     with pytest.raises(ConfigError, match="other than 0 and 1.*inputs: idx, attention_mask"):
         dr.convert(vanilla, "msar", padding_mask="attention_mask", example_kwargs={"idx": idx, "attention_mask": mask})
+
+
+def test_pipeline_stages_with_a_mask():
+    """Split in two stages, the masked sources cross the boundary (the pad mask as a 1-byte side tensor), and the
+    stages give the whole model's logits."""
+    import depthrewrite.pipeline as pp
+
+    torch.manual_seed(0)
+    model = hf_model("llama", layers=2).eval()
+    ex = _example(model.config.vocab_size)
+    conv = dr.convert(model, "msar", blocks=2, pipeline_stages=2, example_kwargs=ex).eval()
+    _randomise(conv)
+    (b,) = conv.report().pipeline.boundaries
+    assert {t.label for t in b.tensors if t.kind == "depth"} == {"emb", "partial b1"}
+    assert any(t.kind == "side" and t.bytes_per_token == 1 for t in b.tensors)  # the [B, T, 1] keep mask
+    mods = pp.stages(conv, 2, (), ex)
+    with torch.no_grad():
+        h = mods[0](*ex.values())
+        torch.testing.assert_close(mods[1](*h), conv(**ex).logits, rtol=0, atol=0)
