@@ -23,8 +23,8 @@ from ..result import Change, PassResult
 from .editor import ChainEditor, Emit
 from .registry import DepthState, SchemeConfig
 
-#: store(editor, node, k) -> the node to store as a source in place of ``node`` (k: the sublayer whose output it is, None
-#: for the stream source), inserted right after ``node`` (in creation order). MSAR's padding mask zeroes pad
+#: store(editor, node, k) -> the node to store as a source in place of ``node`` (k: the sublayer whose output it is,
+#: None for the stream source), inserted right after ``node`` (in creation order). MSAR's padding mask zeroes pad
 #: positions here.
 Store = Callable[[ChainEditor, fx.Node, "int | None"], fx.Node]
 

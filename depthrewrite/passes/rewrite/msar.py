@@ -87,7 +87,9 @@ class MSARConfig(DepthMixConfig):
         if not isinstance(e, (int, float)) or isinstance(e, bool) or not (0 < e < float("inf")):
             raise ConfigError(f"MSARConfig.eps_mix must be a finite number > 0, got {e!r}")
         if self.padding_mask is not None and (not isinstance(self.padding_mask, str) or not self.padding_mask):
-            raise ConfigError(f"MSARConfig.padding_mask must be None, 'auto' or an input's name, got {self.padding_mask!r}")
+            raise ConfigError(
+                f"MSARConfig.padding_mask must be None, 'auto' or an input's name, got {self.padding_mask!r}"
+            )
 
     def describe(self, block_size: int | None = None) -> str:
         kind = "Full MSAR" if self.full or block_size == 1 else f"Block MSAR (S={block_size} sublayers per block)"
@@ -147,7 +149,7 @@ def _mask_problem(gm: fx.GraphModule, node: fx.Node, stream: torch.Tensor) -> st
         return f"has shape {list(shape)}, not the stream's [batch, sequence] = {list(want)}"
     if v.dtype.is_complex:
         return f"has dtype {v.dtype}"
-    args, kwargs = gm.meta.get("depthrewrite_inputs", ((), {}))
+    _, kwargs = gm.meta.get("depthrewrite_inputs", ((), {}))
     ex = kwargs.get(node.target, kwargs.get(node.name)) if isinstance(kwargs, dict) else None
     if isinstance(ex, torch.Tensor) and not bool(((ex == 0) | (ex == 1)).all()):
         return "holds values other than 0 and 1 in the example inputs (an additive mask?)"
@@ -165,8 +167,8 @@ def _padding_mask(gm: fx.GraphModule, config: MSARConfig, stream: torch.Tensor) 
     if node is None:
         if config.padding_mask == "auto":
             return None, None
-        raise ConfigError(f"MSARConfig.padding_mask={want!r}: the captured graph has no input of that name; its inputs: "
-                          f"{names}. Pass padding_mask=None to mask nothing.")
+        raise ConfigError(f"MSARConfig.padding_mask={want!r}: the captured graph has no input of that name; its "
+                          f"inputs: {names}. Pass padding_mask=None to mask nothing.")
     problem = _mask_problem(gm, node, stream)
     if problem is not None:
         if config.padding_mask == "auto":
