@@ -18,8 +18,8 @@ SCHEME_TAG = "depthrewrite_scheme"
 
 @dataclass(frozen=True)
 class NodeRole:
-    role: str  # mix, partial_sum, source_sum (AttnRes/MSAR); expand, mhc_pre, mhc_state, collapse (mHC);
-    #            moda_attn, kv_proj (MoDA)
+    role: str  # mix, partial_sum, source_sum (AttnRes/MSAR); source_mask (MSAR's padding mask); expand, mhc_pre,
+    #            mhc_state, collapse (mHC); moda_attn, kv_proj (MoDA)
     site: int | str
     scheme: str
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -21,6 +22,11 @@ from ..meta import NodeRole, inherit_meta, role_of
 from ..result import Change, PassResult
 from .editor import ChainEditor, Emit
 from .registry import DepthState, SchemeConfig
+
+#: store(editor, node, k) -> the node to store as a source in place of ``node`` (k: the sublayer whose output it is,
+#: None for the stream source), inserted right after ``node`` (in creation order). MSAR's padding mask zeroes pad
+#: positions here.
+Store = Callable[[ChainEditor, fx.Node, "int | None"], fx.Node]
 
 __all__ = ["DepthMixConfig", "block_size_for", "sources_at", "rewrite_depth_mix", "mix_site_anchor", "mix_site_labels",
            "stored_sources_state"]
@@ -72,8 +78,12 @@ def sources_at(j: int, S: int) -> int:
 
 
 
-def rewrite_depth_mix(gm: fx.GraphModule, chain: Chain, config: DepthMixConfig, emit: Emit) -> PassResult:
+def rewrite_depth_mix(gm: fx.GraphModule, chain: Chain, config: DepthMixConfig, emit: Emit,
+                      store: Store | None = None) -> PassResult:
     """Replace every stream value h_j (j >= 1) by a mix of stored sources, K3 ordering, and h_L before the final norm.
+
+    ``store`` (optional) maps each new source (the stream source, each sublayer output in the canonical shape) to the
+    value stored and mixed in its place; partial sums then add the stored values. Sublayer 0 still reads h_0 itself.
 
     Before (one step)::                         After (site j, Full)::
 
@@ -86,7 +96,11 @@ def rewrite_depth_mix(gm: fx.GraphModule, chain: Chain, config: DepthMixConfig, 
     graph = ed.graph
     changes: list[Change] = []
     blocks: list[tuple[fx.Node, str]] = []
-    prefix: tuple[fx.Node, str] | None = (ed.nodes[chain.source], "emb")
+    v0 = ed.nodes[chain.source]
+    if store is not None:
+        with graph.inserting_before(v0.next):  # (inserting_before keeps several new nodes in creation order)
+            v0 = store(ed, v0, None)
+    prefix: tuple[fx.Node, str] | None = (v0, "emb")
     n_block = 0
     for j in range(L + 1):
         srcs = blocks + ([prefix] if prefix is not None else [])
@@ -121,6 +135,9 @@ def rewrite_depth_mix(gm: fx.GraphModule, chain: Chain, config: DepthMixConfig, 
             n_block += 1
             prefix = None
         out = ed.output_of(j)
+        if store is not None:
+            with graph.inserting_before(out.next):
+                out = store(ed, out, j)
         if prefix is None:
             prefix = (out, f"out{j}" if S == 1 else f"partial b{n_block}")
         else:

@@ -7,6 +7,10 @@
 Qin et al., *Multi-Stream Attention Residuals* (2026); spec: shared/specs/msar.md. Each site is one
 ``depthrewrite::msar_mix`` node. Blocks store single-stream summaries only: the views are expanded at the site
 (exact, the convs are linear), so the stored state per token is (N+1)·d, as for Block AttnRes.
+
+Padding (msar.md §4.4): with a 2-D padding mask among the graph's inputs (``padding_mask="auto"``: the input named
+``attention_mask``), every source is stored with its pad positions zeroed (``where(mask != 0, v, 0)``, once per source
+as it is created; partial sums add zeroed values), which equals masking the stacked sources before the convs.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from ...errors import ConfigError
 from ...kernels import msar as _kernels  # noqa: F401  (registers depthrewrite::msar_mix, the ops this rewrite inserts)
 from ..analyse.chain import Chain
 from ..analyse.ops import tensor_val
+from ..meta import NodeRole, inherit_meta
 from ..result import PassResult
 from .blocks import DepthMixConfig, mix_site_anchor, mix_site_labels, rewrite_depth_mix, stored_sources_state
 from .editor import ChainEditor
@@ -46,6 +51,10 @@ class MSARConfig(DepthMixConfig):
         mixer (str): ``"sigmoid"`` (default, the input-dependent mixer) or ``"mean"`` (g_r = 1/m).
         eps_mix (float): the sigmoid mixer's RMS ε, > 0. Default: 1e-6, fixed by msar.md §5 (mHC's mixer form),
             independent of the model's norm ε (which ``eps`` and the per-stream key norms use).
+        padding_mask (str, optional): the graph input holding the 2-D [batch, sequence] padding mask (0 = pad): the
+            sources are zeroed at pad positions before the convs (msar.md §4.4). ``"auto"`` (default): the input named
+            ``attention_mask`` when it is such a mask, else none (the rewrite is then unchanged); ``None``: off; any
+            other string: that input, which must exist and be [batch, sequence] (else :class:`ConfigError`).
         blocks, block_size, mix_scale, eps: as :class:`AttnResConfig` (``block_size`` wins over ``blocks``).
     """
 
@@ -54,6 +63,7 @@ class MSARConfig(DepthMixConfig):
     conv_on: str = "kv"
     mixer: str = "sigmoid"
     eps_mix: float = 1e-6
+    padding_mask: str | None = "auto"
 
     name = "msar"
 
@@ -76,6 +86,10 @@ class MSARConfig(DepthMixConfig):
         e = self.eps_mix
         if not isinstance(e, (int, float)) or isinstance(e, bool) or not (0 < e < float("inf")):
             raise ConfigError(f"MSARConfig.eps_mix must be a finite number > 0, got {e!r}")
+        if self.padding_mask is not None and (not isinstance(self.padding_mask, str) or not self.padding_mask):
+            raise ConfigError(
+                f"MSARConfig.padding_mask must be None, 'auto' or an input's name, got {self.padding_mask!r}"
+            )
 
     def describe(self, block_size: int | None = None) -> str:
         kind = "Full MSAR" if self.full or block_size == 1 else f"Block MSAR (S={block_size} sublayers per block)"
@@ -110,6 +124,89 @@ class _MSARSite(nn.Module):
             self.alpha = nn.Parameter(torch.full((1,), 0.01, **kw))
 
 
+AUTO_MASK = "attention_mask"
+
+
+def _hint(size) -> int | None:
+    """A size's example value (a SymInt's hint), or None when it has none."""
+    if isinstance(size, int):
+        return size
+    try:
+        return int(size.node.hint) if size.node.hint is not None else int(size.node.shape_env.size_hint(size.node.expr))
+    except Exception:  # no hint, no shape env
+        return None
+
+
+def _mask_problem(gm: fx.GraphModule, node: fx.Node, stream: torch.Tensor) -> str | None:
+    """Why input ``node`` is not a [batch, sequence] 0/1 padding mask for a stream of ``stream``'s shape (None: it is).
+    The batch and sequence sizes are compared by their example values (export gives an input's batch its own symbol)."""
+    v = tensor_val(node)
+    if v is None:
+        return "has no example tensor value"
+    shape = tuple(_hint(s) for s in v.shape)
+    want = tuple(_hint(s) for s in stream.shape[:2])
+    if v.dim() != 2 or shape != want or None in shape:
+        return f"has shape {list(shape)}, not the stream's [batch, sequence] = {list(want)}"
+    if v.dtype.is_complex:
+        return f"has dtype {v.dtype}"
+    _, kwargs = gm.meta.get("depthrewrite_inputs", ((), {}))
+    ex = kwargs.get(node.target, kwargs.get(node.name)) if isinstance(kwargs, dict) else None
+    if isinstance(ex, torch.Tensor) and not bool(((ex == 0) | (ex == 1)).all()):
+        return "holds values other than 0 and 1 in the example inputs (an additive mask?)"
+    return None
+
+
+def _padding_mask(gm: fx.GraphModule, config: MSARConfig, stream: torch.Tensor) -> tuple[fx.Node | None, str | None]:
+    """The graph input to mask the sources with, and a report note (msar.md §4.4)."""
+    if config.padding_mask is None:
+        return None, None
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    want = AUTO_MASK if config.padding_mask == "auto" else config.padding_mask
+    node = next((n for n in inputs if n.name == want or n.target == want), None)
+    names = ", ".join(str(n.target) for n in inputs) or "none"
+    if node is None:
+        if config.padding_mask == "auto":
+            return None, None
+        raise ConfigError(f"MSARConfig.padding_mask={want!r}: the captured graph has no input of that name; its "
+                          f"inputs: {names}. Pass padding_mask=None to mask nothing.")
+    problem = _mask_problem(gm, node, stream)
+    if problem is not None:
+        if config.padding_mask == "auto":
+            return None, (f"MSAR: padding is not masked: the input `{want}` {problem} (padding_mask='auto' wants a "
+                          "[batch, sequence] 0/1 mask); pad positions feed the convs")
+        raise ConfigError(f"MSARConfig.padding_mask={want!r}: the input `{want}` {problem}; it must be the [batch, "
+                          f"sequence] padding mask (0 = pad). The graph's inputs: {names}.")
+    return node, (f"MSAR: sources are zeroed at pad positions (input `{want}` == 0) before the convs, so a left-padded "
+                  "row behaves as if it began at its first real token (msar.md §4.4); the mix is 0 at pad positions")
+
+
+def _masked_store(mask: fx.Node, scheme: str):
+    """store() for :func:`rewrite_depth_mix`: each source becomes ``where(mask != 0, v, 0)`` (dtype-preserving; equal
+    to v·mask for a 0/1 mask), the [B, T, 1] keep mask computed once, with the first (stream) source."""
+    keep: list[fx.Node] = []
+
+    def store(ed: ChainEditor, node: fx.Node, k: int | None) -> fx.Node:
+        role = NodeRole("source_mask", "emb" if k is None else k, scheme)
+        graph = ed.graph
+        if not keep:
+            ne = graph.call_function(torch.ops.aten.ne.Scalar, (mask, 0))
+            keep.append(graph.call_function(torch.ops.aten.unsqueeze.default, (ne, -1)))
+            mv = tensor_val(mask)
+            for n in (ne, keep[0]):
+                inherit_meta(n, node, role, copy_val=False)
+            if mv is not None:
+                try:  # fake values for the passes that read shapes
+                    ne.meta["val"] = torch.ops.aten.ne.Scalar(mv, 0)
+                    keep[0].meta["val"] = torch.ops.aten.unsqueeze.default(ne.meta["val"], -1)
+                except Exception:  # pragma: no cover - a mask value fake mode cannot run ops on
+                    pass
+        new = graph.call_function(torch.ops.aten.where.ScalarOther, (keep[0], node, 0.0))
+        inherit_meta(new, node, role, val_from=node)
+        return new
+
+    return store
+
+
 def _rewrite_msar(gm: fx.GraphModule, chain: Chain, config: MSARConfig) -> PassResult:
     stream = tensor_val(_node(gm, chain.source))
     if stream is None or stream.dim() != 3:
@@ -117,6 +214,7 @@ def _rewrite_msar(gm: fx.GraphModule, chain: Chain, config: MSARConfig) -> PassR
             f"MSAR convolves along the sequence and needs a [batch, sequence, hidden] stream; the stream source "
             f"`{chain.source}` has shape {tuple(stream.shape) if stream is not None else '?'}"
         )
+    mask, note = _padding_mask(gm, config, stream)
     def emit(ed: ChainEditor, name: str, sources: list[fx.Node], eps: float, scale: float) -> fx.Node:
         sigmoid = config.mixer == "sigmoid"
         site = ed.site_module(name, lambda: _MSARSite(chain.hidden_size, config.kernels, sigmoid, ed.dtype, ed.device))
@@ -127,7 +225,8 @@ def _rewrite_msar(gm: fx.GraphModule, chain: Chain, config: MSARConfig) -> PassR
                 float(config.eps_mix))
         return ed.graph.call_function(torch.ops.depthrewrite.msar_mix.default, args)
 
-    return rewrite_depth_mix(gm, chain, config, emit)
+    result = rewrite_depth_mix(gm, chain, config, emit, _masked_store(mask, config.name) if mask is not None else None)
+    return dataclasses.replace(result, notes=result.notes + (note,)) if note else result
 
 
 SCHEME = register(Scheme(

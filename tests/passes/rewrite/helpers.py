@@ -28,12 +28,13 @@ def rel_err(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-def assert_matches_reference(ref: torch.nn.Module, conv: torch.nn.Module, idx: torch.Tensor, conv_name) -> None:
+def assert_matches_reference(ref: torch.nn.Module, conv: torch.nn.Module, idx: torch.Tensor, conv_name,
+                             **kwargs) -> None:
     """Outputs and every parameter gradient of a hand-written reference equal the converted model's.
 
     ``conv_name(ref_param_name)`` gives the converted model's name for a reference parameter (identity for the
-    original parameters, ``depthrewrite.*`` for new ones)."""
-    out_ref, out = ref(idx), conv(idx)
+    original parameters, ``depthrewrite.*`` for new ones). ``kwargs`` (e.g. ``attention_mask``) go to both calls."""
+    out_ref, out = ref(idx, **kwargs), conv(idx, **kwargs)
     torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
     out_ref.square().mean().backward()
     out.square().mean().backward()
@@ -41,3 +42,31 @@ def assert_matches_reference(ref: torch.nn.Module, conv: torch.nn.Module, idx: t
     for name, p in ref.named_parameters():
         assert p.grad is not None, name
         torch.testing.assert_close(params[conv_name(name)].grad, p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def msar_reference_pair(S: int, kernels=(2, 3, 5), layers: int = 3, norm_eps: float = 1e-6):
+    """A vanilla reference decoder (seeded) and its hand-written (Block) MSAR twin sharing its weights."""
+    from .reference_models import Decoder, MSARDecoder
+
+    torch.manual_seed(0)
+    vanilla = Decoder(layers=layers, norm_eps=norm_eps)
+    ref = MSARDecoder(layers=layers, block_size=S, kernels=kernels, norm_eps=norm_eps)
+    ref.load_state_dict(vanilla.state_dict(), strict=False)
+    return vanilla, ref
+
+
+def randomise_like_reference(ref, conv, scale=0.5):
+    """The same random values in the reference's mixes and the converted model's ``depthrewrite.mix_*`` sites."""
+    g = torch.Generator().manual_seed(1)
+    for j, mix in ref.mixes.items():
+        site = getattr(conv.depthrewrite, f"mix_{j}")
+        for (name, p_ref), (name2, p_conv) in zip(mix.named_parameters(), site.named_parameters()):
+            assert name == name2
+            v = torch.randn(p_ref.shape, generator=g) * scale
+            p_ref.data.copy_(v)
+            p_conv.data.copy_(v)
+
+
+def mix_name(n: str) -> str:
+    """The converted model's name of a reference decoder's parameter (``mixes.3.query`` -> ``depthrewrite.mix_3.query``)."""
+    return "depthrewrite.mix_" + n[len("mixes."):] if n.startswith("mixes.") else n

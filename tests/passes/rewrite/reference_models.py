@@ -30,10 +30,18 @@ class Attention(nn.Module):
         self.proj = nn.Linear(d, d, bias=False)
         self.heads = heads
 
-    def forward(self, x):
+    def forward(self, x, attention_mask=None):
+        """``attention_mask`` [B, T] (0 = pad): keys at pad positions are masked; a pad query keeps its own key (so
+        a left-padded row's pad queries have one key and no NaN)."""
         B, T, D = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if attention_mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            eye = torch.eye(T, dtype=torch.bool, device=x.device)
+            causal = torch.tril(torch.ones(T, T, dtype=torch.bool, device=x.device))
+            allowed = causal & (attention_mask[:, None, None, :] != 0) | eye
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
         return self.proj(y.transpose(1, 2).reshape(B, T, D))
 
 
@@ -155,22 +163,30 @@ class Decoder(nn.Module):
             # sites 1..L-1 and the output site; sublayer 0 has a single source and no parameters (spec §11.9)
             self.mixes = nn.ModuleDict({str(j): Mix(d, 1e-6) for j in range(1, 2 * layers)} | {"output": Mix(d, 1e-6)})
 
-    def forward(self, idx):
+    def forward(self, idx, attention_mask=None):
+        """``attention_mask`` [B, T] (0 = pad; plain attention only): masks the attention's keys, and is passed to the
+        mixes (MSAR's masks its sources, msar.md §5)."""
         x = self.emb(idx)
+        am = {} if attention_mask is None else {"attention_mask": attention_mask}
+
+        def call(f, y):
+            return f(y, **am) if isinstance(f, Attention) else f(y)
+
         if not self.use_attnres:
             for norm, f in zip(self.norms, self.fns):
-                x = x + f(norm(x))
+                x = x + call(f, norm(x))
             return self.head(self.final(x))
+        mask = {} if attention_mask is None else {"mask": attention_mask}
         # K3 ordering (spec §4), written directly
         blocks, prefix = [], x
         for j, (norm, f) in enumerate(zip(self.norms, self.fns)):
             srcs = blocks + [prefix]
-            h = self.mixes[str(j)](srcs, self.count) if len(srcs) > 1 else prefix
+            h = self.mixes[str(j)](srcs, self.count, **mask) if len(srcs) > 1 else prefix
             if j % self.S == 0:
                 blocks, prefix = blocks + [prefix], None
-            out = f(norm(h))
+            out = call(f, norm(h))
             prefix = out if prefix is None else prefix + out
-        h = self.mixes["output"](blocks + [prefix], self.count)
+        h = self.mixes["output"](blocks + [prefix], self.count, **mask)
         return self.head(self.final(h))
 
 
@@ -203,8 +219,10 @@ class MSARMix(nn.Module):
         self.alpha = nn.Parameter(torch.zeros(1))
         self.eps = eps
 
-    def forward(self, sources, count: bool):
+    def forward(self, sources, count: bool, mask=None):
         X = torch.stack(sources, dim=2).float()  # [B, T, K, d]
+        if mask is not None:  # msar.md §5: pad positions contribute zeros to the convs
+            X = X * mask[:, :, None, None]
         Z = []
         for r in range(len(self.conv) + 1):
             Xr = X if r == 0 else causal_conv_taps(X.transpose(1, 2), self.conv[r - 1]).transpose(1, 2)

@@ -12,7 +12,8 @@ from depthrewrite.kernels.msar import causal_depthwise_conv, msar_mix_ref
 from depthrewrite.testing import nanogpt
 
 from ...conftest import build_zoo_model
-from .helpers import INIT_RTOL, assert_matches_reference, inputs_for, logits, rel_err
+from .helpers import (INIT_RTOL, assert_matches_reference, inputs_for, logits, mix_name, msar_reference_pair,
+                      randomise_like_reference, rel_err)
 from .reference_models import Decoder, MSARDecoder, causal_conv_taps
 
 
@@ -41,34 +42,12 @@ def test_equals_attnres_at_init(blocks, mix_scale):
 
 @pytest.mark.parametrize("S", [1, 2, 4], ids=lambda s: f"S{s}")
 def test_independent_reference(S):
-    torch.manual_seed(0)
     kernels = (2, 3, 5)
-    vanilla = Decoder(layers=3)
-    ref = MSARDecoder(layers=3, block_size=S, kernels=kernels)
-    ref.load_state_dict(vanilla.state_dict(), strict=False)
+    vanilla, ref = msar_reference_pair(S, kernels)
     idx = torch.randint(0, 64, (2, 7))
     conv = dr.convert(vanilla, "msar", block_size=S, kernel_sizes=kernels, example_inputs=(idx,))
-    g = torch.Generator().manual_seed(1)
-    box = conv.depthrewrite
-    for j, mix in ref.mixes.items():
-        site = getattr(box, f"mix_{j}")
-        for (name, p_ref), (name2, p_conv) in zip(mix.named_parameters(), site.named_parameters()):
-            assert name == name2
-            v = torch.randn(p_ref.shape, generator=g) * 0.5
-            p_ref.data.copy_(v)
-            p_conv.data.copy_(v)
-    assert_matches_reference(ref, conv, idx, lambda n: "depthrewrite.mix_" + n[len("mixes."):] if n.startswith("mixes.") else n)
-
-
-def _randomise_like_reference(ref, conv, scale=0.5):
-    g = torch.Generator().manual_seed(1)
-    for j, mix in ref.mixes.items():
-        site = getattr(conv.depthrewrite, f"mix_{j}")
-        for (name, p_ref), (name2, p_conv) in zip(mix.named_parameters(), site.named_parameters()):
-            assert name == name2
-            v = torch.randn(p_ref.shape, generator=g) * scale
-            p_ref.data.copy_(v)
-            p_conv.data.copy_(v)
+    randomise_like_reference(ref, conv)
+    assert_matches_reference(ref, conv, idx, mix_name)
 
 
 def test_mixer_eps_is_fixed_not_the_models():
@@ -87,11 +66,11 @@ def test_mixer_eps_is_fixed_not_the_models():
     conv = dr.convert(vanilla, "msar", kernel_sizes=kernels, example_inputs=(idx,))
     mixes = [n for n in conv.graph.nodes if n.target is torch.ops.depthrewrite.msar_mix.default]
     assert mixes and all(n.args[7] == 1e-5 and n.args[11] == 1e-6 for n in mixes)  # key ε = model's, mixer ε fixed
-    _randomise_like_reference(ref, conv)
-    assert_matches_reference(ref, conv, idx, lambda n: "depthrewrite.mix_" + n[len("mixes."):] if n.startswith("mixes.") else n)
+    randomise_like_reference(ref, conv)
+    assert_matches_reference(ref, conv, idx, mix_name)
     # the option is honoured, and the reference then no longer matches
     other = dr.convert(vanilla, "msar", kernel_sizes=kernels, eps_mix=1e-5, example_inputs=(idx,))
-    _randomise_like_reference(ref, other)
+    randomise_like_reference(ref, other)
     assert all(n.args[11] == 1e-5 for n in other.graph.nodes if n.target is torch.ops.depthrewrite.msar_mix.default)
     with torch.no_grad():
         assert rel_err(other(idx), ref(idx)) > 1e-4
