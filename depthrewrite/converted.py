@@ -26,7 +26,6 @@ import dataclasses
 import inspect as _inspect
 import operator
 import re
-from itertools import chain as _chain
 from types import MappingProxyType
 from typing import Any, Mapping
 
@@ -257,8 +256,8 @@ CHECK_MODULE_TREE = True
 
 
 class _Tree:
-    """The submodule tree at conversion: ``names[i]``/``mods[i]``/``types[i]`` for every submodule, and ``children``,
-    the flat sequence of the ``_modules`` values of the root and of every submodule, in that order."""
+    """The submodule tree at conversion: ``names[i]``/``mods[i]``/``types[i]`` for every submodule, and
+    ``children[j]``, a copy of the ``_modules`` dict of ``owners[j]`` (the root, then every submodule)."""
 
     __slots__ = ("names", "mods", "types", "owners", "children")
 
@@ -268,7 +267,7 @@ class _Tree:
         self.mods = [m for _, m in named]
         self.types = list(map(type, self.mods))
         self.owners = [root, *self.mods]
-        self.children = list(_chain.from_iterable(map(dict.values, map(_children_of, self.owners))))
+        self.children = [dict(d) for d in map(_children_of, self.owners)]
 
 
 def _record_tree(gm: nn.Module) -> None:
@@ -292,7 +291,7 @@ def _check_tree(module: nn.Module, args, kwargs) -> None:
         )
     if (
         list(map(type, tree.mods)) != tree.types
-        or list(_chain.from_iterable(map(dict.values, map(_children_of, tree.owners)))) != tree.children
+        or list(map(_children_of, tree.owners)) != tree.children  # dict ==: same names, same objects (any order)
     ):
         path, change = _tree_change(module, tree)
         raise ModuleTreeChangedError(
