@@ -259,7 +259,7 @@ class _Tree:
     """The submodule tree at conversion: ``names[i]``/``mods[i]``/``types[i]`` for every submodule, and
     ``children[j]``, a copy of the ``_modules`` dict of ``owners[j]`` (the root, then every submodule)."""
 
-    __slots__ = ("names", "mods", "types", "owners", "children")
+    __slots__ = ("names", "mods", "types", "owners", "children", "hooks")
 
     def __init__(self, root: nn.Module):
         named = [(n, m) for n, m in root.named_modules() if m is not root]
@@ -268,6 +268,8 @@ class _Tree:
         self.types = list(map(type, self.mods))
         self.owners = [root, *self.mods]
         self.children = [dict(d) for d in map(_children_of, self.owners)]
+        # the hook dicts themselves (register_*_hook adds to them in place): any() over them is one C-level pass
+        self.hooks = [d for m in self.mods for d in _hooks_of(m)]
 
 
 def _record_tree(gm: nn.Module) -> None:
@@ -298,7 +300,7 @@ def _check_tree(module: nn.Module, args, kwargs) -> None:
             f"the converted model's submodule {path!r} was {change} after conversion. " + _WHAT_TO_DO,
             module=path, change=change,
         )
-    if any(map(any, map(_hooks_of, tree.mods))):
+    if any(tree.hooks):
         i = next(i for i, m in enumerate(tree.mods) if any(_hooks_of(m)))
         kinds = [_HOOK_WORDS[a] for a, d in zip(_HOOKS, _hooks_of(tree.mods[i])) if d]
         raise ModuleTreeChangedError(
