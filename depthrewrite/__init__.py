@@ -18,10 +18,12 @@ from .api import convert, inspect
 from .capture import capture
 from .errors import (
     CaptureError,
+    CaptureGuardError,
     AttentionPatternError,
     ConfigError,
     DepthRewriteError,
     KernelError,
+    ModuleTreeChangedError,
     NoResidualChainError,
     NotPreNormError,
 )
@@ -84,6 +86,8 @@ __all__ = [
     "NotPreNormError",
     "NoResidualChainError",
     "ConfigError",
+    "ModuleTreeChangedError",
+    "CaptureGuardError",
     "AttentionPatternError",
     "KernelError",
 ]

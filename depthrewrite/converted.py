@@ -12,12 +12,20 @@ What the captured graph needs before it can train like the original:
   the model's explicit fp32 upcasts. The depth-mixing ops always compute in fp32.
 * **call signature**: positional and keyword calls are bound to the original ``forward`` signature and passed in the
   layout the graph was captured with.
+* **module tools**: the graph reads the weights directly (``get_attr``) and never calls the submodules, so a hook on a
+  submodule, a replaced submodule (peft's LoRA) or a global module hook would be bypassed. The submodule tree is
+  recorded at conversion and every call checks it first (:class:`ModuleTreeChangedError`); hooks on the converted
+  model itself run as on any module.
+* **capture guards**: a dimension export fixed at the example inputs fails its guard as a typed
+  :class:`CaptureGuardError` naming the input, the dimension and both values.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect as _inspect
+import operator
+import re
 from types import MappingProxyType
 from typing import Any, Mapping
 
@@ -25,7 +33,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .errors import ConfigError, DepthRewriteError
+from .errors import CaptureGuardError, ConfigError, DepthRewriteError, ModuleTreeChangedError
 
 __all__ = ["ConvertedGraphModule", "as_converted", "graft_graph", "drop_dead_code"]
 
@@ -64,6 +72,7 @@ class ConvertedGraphModule(fx.GraphModule):
         becomes ``cuts`` and, when ``info`` is given, the report's ``pipeline`` section becomes ``info`` (a
         :class:`~depthrewrite.pipeline.PipelineInfo`). Called by :func:`depthrewrite.pipeline.split`."""
         self._dr_pipeline_cuts = tuple(cuts)
+        _record_tree(self)
         if info is not None:
             self._dr_report = dataclasses.replace(self._dr_report, pipeline=info)
 
@@ -80,6 +89,11 @@ class ConvertedGraphModule(fx.GraphModule):
             ConfigError: the call lacks an input the model was converted with, or passes one it was not.
         """
         return _bind_inputs(self, tuple(args), dict(kwargs or {}))
+
+    def record_module_tree(self) -> None:
+        """Record the submodule tree (paths, module objects, types) as it is now; every later call checks that it is
+        unchanged and that no submodule has hooks. Called at conversion and after :func:`depthrewrite.pipeline.split`."""
+        _record_tree(self)
 
     def __repr__(self) -> str:
         r = self._dr_report
@@ -214,6 +228,177 @@ def _resolve(mod: nn.Module, target: str):
     return obj
 
 
+# ---- the module tree check ---------------------------------------------------------------------------------------
+
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_hooks_of = operator.attrgetter(*_HOOKS)
+_children_of = operator.attrgetter("_modules")
+_HOOK_WORDS = {
+    "_forward_pre_hooks": "a forward pre-hook",
+    "_forward_hooks": "a forward hook",
+    "_backward_pre_hooks": "a backward pre-hook",
+    "_backward_hooks": "a backward hook",
+}
+_GLOBAL_HOOKS = (
+    ("_global_forward_pre_hooks", "register_module_forward_pre_hook"),
+    ("_global_forward_hooks", "register_module_forward_hook"),
+    ("_global_backward_pre_hooks", "register_module_full_backward_pre_hook"),
+    ("_global_backward_hooks", "register_module_(full_)backward_hook"),
+)
+_WHAT_TO_DO = (
+    "The converted graph reads the weights directly and never calls the submodules, so it would silently bypass it. "
+    "Apply hooks, LoRA / peft adapters and other module replacements to the original model and convert it again "
+    "(hooks on the converted model itself are fine); recapturing on such changes is planned."
+)
+
+# Set to False to skip the check (for measuring its cost only: changes then go unnoticed).
+CHECK_MODULE_TREE = True
+
+
+class _Tree:
+    """The submodule tree at conversion: ``names[i]``/``mods[i]``/``types[i]`` for every submodule, and
+    ``children[j]``, a copy of the ``_modules`` dict of ``owners[j]`` (the root, then every submodule)."""
+
+    __slots__ = ("names", "mods", "types", "owners", "children", "hooks")
+
+    def __init__(self, root: nn.Module):
+        named = [(n, m) for n, m in root.named_modules() if m is not root]
+        self.names = [n for n, _ in named]
+        self.mods = [m for _, m in named]
+        self.types = list(map(type, self.mods))
+        self.owners = [root, *self.mods]
+        self.children = [dict(d) for d in map(_children_of, self.owners)]
+        # the hook dicts themselves (register_*_hook adds to them in place): any() over them is one C-level pass
+        self.hooks = [d for m in self.mods for d in _hooks_of(m)]
+
+
+def _record_tree(gm: nn.Module) -> None:
+    gm.__dict__["_dr_tree"] = _Tree(gm)
+
+
+def _check_tree(module: nn.Module, args, kwargs) -> None:
+    """Forward pre-hook of the root (runs first): raise :class:`ModuleTreeChangedError` where the graph would
+    bypass a module tool. Cheap: a few C-level passes over lists recorded at conversion."""
+    tree = module.__dict__.get("_dr_tree")
+    if tree is None or not CHECK_MODULE_TREE:
+        return
+    mm = torch.nn.modules.module
+    if mm._global_forward_pre_hooks or mm._global_forward_hooks or mm._global_backward_pre_hooks or mm._global_backward_hooks:
+        kind = next(fn for attr, fn in _GLOBAL_HOOKS if getattr(mm, attr))
+        raise ModuleTreeChangedError(
+            f"a global module hook is registered (torch.nn.modules.module.{kind}; FlopCounterMode and ModuleTracker "
+            f"register one too): it would run for the converted model itself but for none of its submodules. "
+            + _WHAT_TO_DO + " Remove the global hook before calling the converted model.",
+            module=None, change="global hook",
+        )
+    if (
+        list(map(type, tree.mods)) != tree.types
+        or list(map(_children_of, tree.owners)) != tree.children  # dict ==: same names, same objects (any order)
+    ):
+        path, change = _tree_change(module, tree)
+        raise ModuleTreeChangedError(
+            f"the converted model's submodule {path!r} was {change} after conversion. " + _WHAT_TO_DO,
+            module=path, change=change,
+        )
+    if any(tree.hooks):
+        i = next(i for i, m in enumerate(tree.mods) if any(_hooks_of(m)))
+        kinds = [_HOOK_WORDS[a] for a, d in zip(_HOOKS, _hooks_of(tree.mods[i])) if d]
+        raise ModuleTreeChangedError(
+            f"the converted model's submodule {tree.names[i]!r} has {' and '.join(kinds)} registered. " + _WHAT_TO_DO
+            + " Remove the hook (handle.remove()) to call the converted model.",
+            module=tree.names[i], change="hook",
+        )
+
+
+def _tree_change(root: nn.Module, tree: _Tree) -> tuple[str, str]:
+    """The first difference between the recorded tree and ``root``'s: ``(path, what happened to it)``."""
+    now = dict(root.named_modules())
+    for name, mod, typ in zip(tree.names, tree.mods, tree.types):
+        cur = now.get(name)
+        if cur is None:
+            return name, "removed"
+        if cur is not mod:
+            return name, f"replaced (by a {type(cur).__name__})"
+        if type(cur) is not typ:
+            return name, f"changed from a {typ.__name__} to a {type(cur).__name__}"
+    known = set(tree.names)
+    added = next((n for n in now if n and n not in known), "?")
+    return added, f"added (a {type(now[added]).__name__})" if added in now else "changed"
+
+
+# ---- capture guards ---------------------------------------------------------------------------------------------
+
+_GUARD_PREFIX = "Guard failed: "
+_SIZE_GUARD = re.compile(r"^(?P<input>.+?)\.size\(\)\[(?P<dim>\d+)\] == (?P<value>-?\d+)$")
+
+
+def _typed_guards(gm: fx.GraphModule) -> None:
+    """Make a failing export guard (``_guards_fn``: ``AssertionError("Guard failed: ...")``) a
+    :class:`CaptureGuardError`; other assertion errors pass unchanged."""
+    guards = gm.__dict__.get("_modules", {}).get("_guards_fn")
+    fn = getattr(guards, "forward", None) if guards is not None else None
+    if fn is None or guards.__dict__.get("_dr_typed"):
+        return
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    # the fixed sizes of every tensor input, in the order the graph passes them to _guards_fn
+    fixed = []
+    for n in placeholders:
+        v = n.meta.get("val")
+        fixed.append((n.name, _fixed_dims(v) if isinstance(v, torch.Tensor) else {}))
+
+    def guarded(*args):
+        try:
+            return fn(*args)
+        except AssertionError as e:
+            msg = str(e)
+            if not msg.startswith(_GUARD_PREFIX):
+                raise
+            raise _guard_error(msg[len(_GUARD_PREFIX):], args, fixed) from None
+
+    guards.__dict__["_dr_typed"] = True
+    guards.forward = torch._dynamo.dont_skip_tracing(guarded) if hasattr(torch._dynamo, "dont_skip_tracing") else guarded
+
+
+def _fixed_dims(v: torch.Tensor) -> dict[int, int]:
+    """``{dim: size}`` for the dimensions of a placeholder's example value that are constants (specialised)."""
+    out = {}
+    for d, s in enumerate(v.shape):
+        if isinstance(s, torch.SymInt) and s.node.expr.is_number:
+            s = int(s.node.expr)
+        if isinstance(s, int):
+            out[d] = s
+    return out
+
+
+def _guard_error(guard: str, args: tuple, fixed: list) -> CaptureGuardError:
+    todo = (
+        "Convert with example inputs of the shape you will call it with (example_inputs= / example_kwargs=), or "
+        "pad/trim this call to the captured shape; graphs captured per call structure are planned."
+    )
+    m = _SIZE_GUARD.match(guard.strip())
+    for (name, dims), x in zip(fixed, args):
+        if not isinstance(x, torch.Tensor):
+            continue
+        for d, s in dims.items():
+            if d < x.dim() and x.shape[d] != s:
+                label = m.group("input") if m and int(m.group("dim")) == d and int(m.group("value")) == s else name
+                return CaptureGuardError(
+                    f"the converted model was captured with dimension {d} of {label!r} fixed to {s} (torch.export "
+                    f"specialised it at the example inputs); this call gives {int(x.shape[d])} (guard: {guard}). "
+                    + todo,
+                    input=label, dim=d, captured=s, given=int(x.shape[d]), guard=guard,
+                )
+    if m:
+        return CaptureGuardError(
+            f"the converted model was captured with dimension {m.group('dim')} of {m.group('input')!r} fixed to "
+            f"{m.group('value')}; this call breaks that guard ({guard}). " + todo,
+            input=m.group("input"), dim=int(m.group("dim")), captured=int(m.group("value")), guard=guard,
+        )
+    return CaptureGuardError(
+        f"this call breaks a shape guard the converted model was captured with: {guard}. " + todo, guard=guard
+    )
+
+
 _CLASSES: dict[type, type] = {}
 
 
@@ -240,4 +425,7 @@ def as_converted(
     gm._dr_report = report
     gm._dr_graphs = {True: gm.graph, False: eval_graph}
     gm.register_forward_pre_hook(_bind_inputs, with_kwargs=True, prepend=True)
+    gm.register_forward_pre_hook(_check_tree, with_kwargs=True, prepend=True)  # runs before _bind_inputs
+    _typed_guards(gm)
+    _record_tree(gm)
     return gm

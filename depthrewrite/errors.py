@@ -12,6 +12,8 @@ __all__ = [
     "NotPreNormError",
     "NoResidualChainError",
     "ConfigError",
+    "ModuleTreeChangedError",
+    "CaptureGuardError",
     "AttentionPatternError",
     "KernelError",
     "PipelineError",
@@ -52,6 +54,28 @@ class AttentionPatternError(DepthRewriteError, ValueError):
 
 class ConfigError(DepthRewriteError, ValueError):
     """A scheme or CLI option has a value that cannot be used."""
+
+
+class ModuleTreeChangedError(ConfigError):
+    """A converted model's submodule tree was changed after conversion, or a hook was put on one of its submodules
+    (or registered globally for every module), which its graph would silently bypass: the converted graph reads the
+    weights directly and never calls the submodules. ``module`` is the dotted path of the submodule (None for a
+    global hook); ``change`` says what changed."""
+
+    def __init__(self, message: str, module: str | None = None, change: str | None = None):
+        super().__init__(message)
+        self.module, self.change = module, change
+
+
+class CaptureGuardError(ConfigError):
+    """A call to a converted model broke a shape guard of the capture: a dimension that ``torch.export`` fixed (or
+    constrained) at the example inputs. ``input`` names the input, ``dim`` the dimension, ``captured`` the value it
+    was captured with and ``given`` the value of this call (None where the guard is not a fixed size)."""
+
+    def __init__(self, message: str, input: str | None = None, dim: int | None = None, captured: int | None = None,
+                 given: int | None = None, guard: str | None = None):
+        super().__init__(message)
+        self.input, self.dim, self.captured, self.given, self.guard = input, dim, captured, given, guard
 
 
 class KernelError(DepthRewriteError, RuntimeError):
