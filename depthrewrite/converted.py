@@ -22,18 +22,24 @@ What the captured graph needs before it can train like the original:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import marshal
+import sys
 import inspect as _inspect
 import operator
+import pickle
 import re
-from types import MappingProxyType
+from collections import OrderedDict
+from types import FunctionType, MappingProxyType
 from typing import Any, Mapping
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.export._unlift import GuardsFn
 
-from .errors import CaptureGuardError, ConfigError, DepthRewriteError, ModuleTreeChangedError
+from .errors import CaptureGuardError, ConfigError, ModuleTreeChangedError
 
 __all__ = ["ConvertedGraphModule", "as_converted", "graft_graph", "drop_dead_code"]
 
@@ -99,11 +105,22 @@ class ConvertedGraphModule(fx.GraphModule):
         r = self._dr_report
         return f"Converted{r.model_class}(scheme={r.config.name!r}, sites={len(r.sites)}, new_params={r.new_params:,})"
 
+    def __reduce__(self):
+        # pickle / torch.save: an empty instance of a fresh class, then __setstate__ rebuilds it (the state is pickled
+        # after the instance is memoised, so the module tree's references back to the root resolve to the copy)
+        return _new_converted, (_graph_module_base(type(self)),), _get_state(self, pickling=True)
+
+    def __getstate__(self):
+        return _get_state(self, pickling=True)
+
+    def __setstate__(self, state: dict) -> None:
+        _set_state(self, state)
+
     def __deepcopy__(self, memo):
-        raise DepthRewriteError(
-            "copy.deepcopy of a converted model is not supported yet: convert the original model again, and load "
-            "this model's state_dict() into the new conversion"
-        )
+        res = _new_converted(_graph_module_base(type(self)))
+        memo[id(self)] = res
+        _set_state(res, copy.deepcopy(_get_state(self, pickling=False), memo))
+        return res
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -339,12 +356,16 @@ def _typed_guards(gm: fx.GraphModule) -> None:
     fn = getattr(guards, "forward", None) if guards is not None else None
     if fn is None or guards.__dict__.get("_dr_typed"):
         return
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    # the fixed sizes of every tensor input, in the order the graph passes them to _guards_fn
-    fixed = []
-    for n in placeholders:
-        v = n.meta.get("val")
-        fixed.append((n.name, _fixed_dims(v) if isinstance(v, torch.Tensor) else {}))
+    # the fixed sizes of every tensor input, in the order the graph passes them to _guards_fn (kept on the module: a
+    # pickled copy's graphs carry no example values)
+    fixed = gm.__dict__.get("_dr_guard_dims")
+    if fixed is None:
+        fixed = []
+        for n in gm.graph.nodes:
+            if n.op == "placeholder":
+                v = n.meta.get("val")
+                fixed.append((n.name, _fixed_dims(v) if isinstance(v, torch.Tensor) else {}))
+        gm.__dict__["_dr_guard_dims"] = fixed
 
     def guarded(*args):
         try:
@@ -355,7 +376,10 @@ def _typed_guards(gm: fx.GraphModule) -> None:
                 raise
             raise _guard_error(msg[len(_GUARD_PREFIX):], args, fixed) from None
 
+    if type(guards) is GuardsFn:
+        guards.__class__ = _TypedGuards  # copies rebuild it (its forward is a function made by exec)
     guards.__dict__["_dr_typed"] = True
+    guards.__dict__["_dr_untyped_forward"] = fn
     guards.forward = torch._dynamo.dont_skip_tracing(guarded) if hasattr(torch._dynamo, "dont_skip_tracing") else guarded
 
 
@@ -399,6 +423,280 @@ def _guard_error(guard: str, args: tuple, fixed: list) -> CaptureGuardError:
     )
 
 
+# ---- copies: copy.deepcopy, pickle, torch.save -------------------------------------------------------------------
+#
+# The state of a converted model is its module state (parameters, buffers, submodules, plain attributes) plus what
+# is derived from it and rebuilt in the copy: the two graphs (deepcopy copies the fx.Graph objects; pickle carries each
+# graph as a node list whose op targets are names, so nothing of torch's op registry is pickled and the custom ops
+# resolve again on load), the generated forward (recompiled), our forward pre-hooks (registered again), the typed
+# guard wrapper (wrapped again around export's guard function, which pickle carries as its code object). The recorded
+# module tree travels with the modules it refers to (the same objects in the copy), so a copy checks its own tree.
+
+# attributes rebuilt in the copy
+_REBUILT = ("_graph", "_dr_graphs", "_dr_tree", "_code", "_lineno_map", "_prologue_start")
+# node meta entries that hold example values (fake tensors, symbolic ints): not carried by pickle
+_EXAMPLE_META = ("val", "example_value", "tensor_meta", "unbacked_bindings")
+
+
+def _graph_module_base(cls: type) -> type:
+    """The class a converted model's per-instance classes derive from (export's ``_StatefulGraphModule``)."""
+    for c in cls.__mro__:
+        if not issubclass(c, ConvertedGraphModule) and c.__qualname__.split(".")[-1] != "GraphModuleImpl":
+            return c
+    return fx.GraphModule
+
+
+def _converted_class(base: type) -> type:
+    cls = _CLASSES.get(base)
+    if cls is None:
+        # Reuse the base's call wrapper: fx's recompile() installs one per class, and a second one on this subclass
+        # would call back into itself through the base.
+        cls = type("ConvertedGraphModule", (ConvertedGraphModule, base), {"_wrapped_call": getattr(base, "_wrapped_call", None)})
+        _CLASSES[base] = cls
+    return cls
+
+
+def _new_converted(base: type) -> ConvertedGraphModule:
+    """An empty converted model of a class of its own (fx installs ``forward`` on the class): what unpickling a
+    converted model calls first, then :meth:`ConvertedGraphModule.__setstate__`."""
+    impl = type("GraphModuleImpl", (base,), {})  # as GraphModule.__new__ makes one per instance
+    # what recompile() would have installed on it (the converted class reuses it, see _converted_class)
+    impl._wrapped_call = torch.fx.graph_module._WrappedCall(impl, None)
+    return object.__new__(_converted_class(impl))
+
+
+class _NodeRef:
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __reduce__(self):
+        return _NodeRef, (self.name,)
+
+
+class _OpRef:
+    """An operator by name: ``torch.ops.<namespace>.<name>.<overload>`` (OpOverload), or a higher-order operator."""
+
+    __slots__ = ("path",)
+
+    def __init__(self, path: tuple):
+        self.path = path
+
+    def __reduce__(self):
+        return _OpRef, (self.path,)
+
+    def resolve(self):
+        obj = torch.ops
+        for part in self.path:
+            obj = getattr(obj, part)
+        return obj
+
+
+def _encode(a):
+    if isinstance(a, fx.Node):
+        return _NodeRef(a.name)
+    if isinstance(a, torch._ops.OpOverload):
+        ns, name = a._schema.name.split("::")
+        return _OpRef((ns, name, a._overloadname or "default"))
+    if isinstance(a, torch._ops.OpOverloadPacket):
+        ns, name = a._qualified_op_name.split("::")
+        return _OpRef((ns, name))
+    if isinstance(a, torch._ops.HigherOrderOperator):
+        return _OpRef(("higher_order", a.name()))
+    if isinstance(a, tuple) and not hasattr(a, "_fields"):
+        return tuple(_encode(x) for x in a)
+    if isinstance(a, list):
+        return [_encode(x) for x in a]
+    if isinstance(a, dict):
+        return {k: _encode(v) for k, v in a.items()}
+    if isinstance(a, slice):
+        return slice(_encode(a.start), _encode(a.stop), _encode(a.step))
+    return a
+
+
+def _decode(a, env: dict):
+    if isinstance(a, _NodeRef):
+        return env[a.name]
+    if isinstance(a, _OpRef):
+        return a.resolve()
+    if isinstance(a, tuple) and not hasattr(a, "_fields"):
+        return tuple(_decode(x, env) for x in a)
+    if isinstance(a, list):
+        return [_decode(x, env) for x in a]
+    if isinstance(a, dict):
+        return {k: _decode(v, env) for k, v in a.items()}
+    if isinstance(a, slice):
+        return slice(_decode(a.start, env), _decode(a.stop, env), _decode(a.step, env))
+    return a
+
+
+def _picklable_meta(meta: dict) -> dict:
+    out = {k: v for k, v in meta.items() if k not in _EXAMPLE_META}
+    try:
+        pickle.dumps(out)
+        return out
+    except Exception:  # noqa: BLE001 - keep what pickles, entry by entry
+        pass
+    keep = {}
+    for k, v in out.items():
+        try:
+            pickle.dumps(v)
+        except Exception:  # noqa: BLE001
+            continue
+        keep[k] = v
+    return keep
+
+
+def _graph_to_state(graph: fx.Graph) -> dict:
+    nodes = [
+        (n.op, n.name, _encode(n.target), _encode(n.args), _encode(dict(n.kwargs)),
+         n.type if n.type is None or isinstance(n.type, type) else None, _picklable_meta(n.meta))
+        for n in graph.nodes
+    ]
+    return {"nodes": nodes, "codegen": graph._codegen, "tracer_cls": graph._tracer_cls}
+
+
+def _graph_from_state(state: dict) -> fx.Graph:
+    graph = fx.Graph(tracer_cls=state["tracer_cls"])
+    graph._codegen = state["codegen"]
+    env: dict[str, fx.Node] = {}
+    for op, name, target, args, kwargs, type_expr, meta in state["nodes"]:
+        n = graph.create_node(
+            op, _decode(target, env), _decode(args, env), _decode(kwargs, env), name=name, type_expr=type_expr
+        )
+        if n.name != name:
+            raise RuntimeError(f"depthrewrite: node {name!r} came back as {n.name!r} on load")
+        n.meta.update(meta)
+        env[name] = n
+    return graph
+
+
+def _guard_code(fn) -> Any:
+    """The function export generated for the guards (named ``_``), found inside the wrappers around it."""
+    seen = set()
+    todo = [fn]
+    while todo:
+        f = todo.pop()
+        if id(f) in seen:
+            continue
+        seen.add(id(f))
+        if isinstance(f, FunctionType) and f.__name__ == "_":
+            return f
+        for cell in getattr(f, "__closure__", None) or ():
+            try:
+                v = cell.cell_contents
+            except ValueError:
+                continue
+            if callable(v):
+                todo.append(v)
+        if getattr(f, "__wrapped__", None) is not None:
+            todo.append(f.__wrapped__)
+    return None
+
+
+class _TypedGuards(GuardsFn):
+    """Export's guard submodule once :func:`_typed_guards` wrapped it. Copies are rebuilt around the same guard
+    function (deepcopy) or around its code object (pickle: the code is marshalled, so it loads under the same Python
+    version), then wrapped again."""
+
+    def __reduce__(self):
+        f = _guard_code(self.__dict__.get("_dr_untyped_forward"))
+        code = marshal.dumps(f.__code__) if f is not None else None
+        return _guards_from_code, (code, tuple(sys.version_info[:2]))
+
+    def __deepcopy__(self, memo):
+        return _new_guards(self.__dict__.get("_dr_untyped_forward"))
+
+
+def _new_guards(fn) -> _TypedGuards:
+    guards = _TypedGuards()
+    if fn is not None:
+        guards.forward = fn
+    guards._is_impure = True
+    return guards
+
+
+def _guards_from_code(code: bytes | None, version: tuple) -> _TypedGuards:
+    if code is None or tuple(sys.version_info[:2]) != tuple(version):
+        import warnings
+
+        warnings.warn(
+            "depthrewrite: this converted model was pickled under another Python version; its capture guards (the "
+            "input shapes torch.export fixed) are not checked in the loaded copy", stacklevel=2,
+        )
+        return _new_guards(None)
+    import math
+
+    from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+
+    fn = FunctionType(marshal.loads(code), {**SYMPY_INTERP, "math": math, "inf": float("inf"), "torch": torch})
+    if hasattr(torch._dynamo, "dont_skip_tracing"):
+        fn = torch._dynamo.dont_skip_tracing(fn)
+    return _new_guards(fn)
+
+
+def _get_state(gm: ConvertedGraphModule, pickling: bool) -> dict:
+    body = {k: v for k, v in gm.__dict__.items() if k not in _REBUILT}
+    ours = [k for k, h in gm._forward_pre_hooks.items() if h is _bind_inputs or h is _check_tree]
+    body["_forward_pre_hooks"] = OrderedDict((k, h) for k, h in gm._forward_pre_hooks.items() if k not in ours)
+    body["_forward_pre_hooks_with_kwargs"] = OrderedDict(
+        (k, v) for k, v in gm._forward_pre_hooks_with_kwargs.items() if k not in ours
+    )
+    graphs = gm.__dict__.get("_dr_graphs") or {gm.training: gm.graph}
+    return {
+        "body": body,
+        "graphs": {mode: _graph_to_state(g) if pickling else g for mode, g in graphs.items()},
+        "tree": gm.__dict__.get("_dr_tree"),
+    }
+
+
+def _set_state(gm: ConvertedGraphModule, state: dict) -> None:
+    gm.__dict__.update(state["body"])
+    graphs = {mode: _graph_from_state(g) if isinstance(g, dict) else g for mode, g in state["graphs"].items()}
+    for g in graphs.values():
+        g.owning_module = gm
+    gm.__dict__["_dr_graphs"] = graphs
+    gm.graph = graphs[bool(gm.training)] if bool(gm.training) in graphs else next(iter(graphs.values()))
+    if state.get("tree") is not None:
+        gm.__dict__["_dr_tree"] = state["tree"]
+    else:
+        _record_tree(gm)
+    _install_hooks(gm)
+    _typed_guards(gm)
+
+
+class _ExportHook:
+    """A picklable stand-in for the hooks ``ExportedProgram.module()`` registers as lambdas: each calls one function
+    of ``torch.export._unlift`` with the types of the module inputs (``module_types``)."""
+
+    def __init__(self, fn_name: str, module_types):
+        self.fn_name, self.module_types = fn_name, module_types
+
+    def __call__(self, *args, **kwargs):
+        import torch.export._unlift as unlift
+
+        return getattr(unlift, self.fn_name)(self.module_types)
+
+
+def _portable_export_hooks(gm: nn.Module) -> None:
+    """Replace export's lambda hooks on ``gm`` (same keys, same order) by :class:`_ExportHook`, so the model pickles."""
+    for attr in ("_forward_pre_hooks", "_forward_hooks"):
+        hooks = getattr(gm, attr)
+        for key, h in list(hooks.items()):
+            if not (isinstance(h, FunctionType) and h.__qualname__.startswith("_create_stateful_graph_module.")):
+                continue
+            names = [n for n in h.__code__.co_names if n.startswith(("_enter_", "_exit_"))]
+            cells = dict(zip(h.__code__.co_freevars, (c.cell_contents for c in h.__closure__ or ())))
+            if len(names) == 1 and set(cells) == {"module_types"}:
+                hooks[key] = _ExportHook(names[0], cells["module_types"])
+
+
+def _install_hooks(gm: nn.Module) -> None:
+    gm.register_forward_pre_hook(_bind_inputs, with_kwargs=True, prepend=True)
+    gm.register_forward_pre_hook(_check_tree, with_kwargs=True, prepend=True)  # runs before _bind_inputs
+
+
 _CLASSES: dict[type, type] = {}
 
 
@@ -407,13 +705,7 @@ def as_converted(
 ) -> fx.GraphModule:
     """Give ``gm`` (the training-mode graph) the converted-model behaviour; ``eval_graph`` runs in eval mode.
     The class swap keeps every attribute and state-dict key."""
-    base = type(gm)
-    cls = _CLASSES.get(base)
-    if cls is None:
-        # Reuse the base's call wrapper: fx's recompile() installs one per class, and a second one on this subclass
-        # would call back into itself through the base.
-        cls = type("ConvertedGraphModule", (ConvertedGraphModule, base), {"_wrapped_call": getattr(base, "_wrapped_call", None)})
-        _CLASSES[base] = cls
+    cls = _converted_class(type(gm))
     gm.__class__ = cls
     for name in ("train", "eval"):  # ExportedProgram.module() forbids them per instance; our graph supports both
         gm.__dict__.pop(name, None)
@@ -424,8 +716,8 @@ def as_converted(
     gm._dr_layout = (len(args), tuple(kwargs))
     gm._dr_report = report
     gm._dr_graphs = {True: gm.graph, False: eval_graph}
-    gm.register_forward_pre_hook(_bind_inputs, with_kwargs=True, prepend=True)
-    gm.register_forward_pre_hook(_check_tree, with_kwargs=True, prepend=True)  # runs before _bind_inputs
+    _install_hooks(gm)
+    _portable_export_hooks(gm)
     _typed_guards(gm)
     _record_tree(gm)
     return gm

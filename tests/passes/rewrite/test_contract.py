@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import depthrewrite as dr
-from depthrewrite import ConfigError, DepthRewriteError
+from depthrewrite import ConfigError
+from depthrewrite.converted import ConvertedGraphModule
 from depthrewrite.testing import nanogpt
 
 from ...conftest import build_zoo_model
@@ -167,9 +168,17 @@ def test_inspect_of_converted_model_is_its_report(pair):
     assert str(conv.report()).startswith("LlamaForCausalLM -> ")
 
 
-def test_deepcopy_gives_a_clear_error(pair):
-    with pytest.raises(DepthRewriteError, match="state_dict"):
-        copy.deepcopy(pair[2])
+def test_deepcopy_gives_an_independent_model(pair):
+    scheme, _, conv = pair
+    dup = copy.deepcopy(conv)
+    assert type(dup) is not type(conv) and isinstance(dup, ConvertedGraphModule)
+    assert dup.report() == conv.report() and list(dup.state_dict()) == list(conv.state_dict())
+    ours, theirs = dict(dup.named_parameters()), dict(conv.named_parameters())
+    assert ours.keys() == theirs.keys()
+    assert all(ours[k] is not theirs[k] and torch.equal(ours[k], theirs[k]) for k in ours)
+    ids = torch.randint(0, 256, (2, 7))
+    with torch.no_grad():
+        assert torch.equal(dup(ids).logits, conv(ids).logits)
 
 
 @pytest.mark.parametrize("scheme", ALL)
