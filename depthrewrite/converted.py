@@ -18,6 +18,9 @@ What the captured graph needs before it can train like the original:
   model itself run as on any module.
 * **capture guards**: a dimension export fixed at the example inputs fails its guard as a typed
   :class:`CaptureGuardError` naming the input, the dimension and both values.
+* **copies**: ``copy.deepcopy``, pickle and ``torch.save`` carry the module state and the two graphs (deepcopy as
+  ``fx.Graph`` objects, pickle as node lists with operators by name) and rebuild the rest in the copy: the generated
+  forward, the call hooks, the typed guard wrapper; the recorded module tree travels with the modules it names.
 """
 
 from __future__ import annotations
@@ -647,8 +650,44 @@ def _get_state(gm: ConvertedGraphModule, pickling: bool) -> dict:
     return {
         "body": body,
         "graphs": {mode: _graph_to_state(g) if pickling else g for mode, g in graphs.items()},
-        "tree": gm.__dict__.get("_dr_tree"),
+        "tree": _portable_tree(gm.__dict__.get("_dr_tree")),
     }
+
+
+class _ImplOf:
+    """Stands for a per-instance GraphModule class (``GraphModuleImpl``, local to ``GraphModule.__new__``) in a
+    recorded tree: the copy of that submodule has a class of its own."""
+
+    __slots__ = ("base",)
+
+    def __init__(self, base: type):
+        self.base = base
+
+    def __reduce__(self):
+        return _ImplOf, (self.base,)
+
+
+def _is_impl(t: type) -> bool:
+    return t.__qualname__.split(".")[-1] == "GraphModuleImpl"
+
+
+def _portable_tree(tree: _Tree | None) -> _Tree | None:
+    if tree is None:
+        return None
+    out = object.__new__(_Tree)
+    for k in _Tree.__slots__:
+        setattr(out, k, getattr(tree, k))
+    out.types = [_ImplOf(t.__mro__[1]) if _is_impl(t) else t for t in tree.types]
+    return out
+
+
+def _resolved_tree(tree: _Tree) -> _Tree:
+    tree.types = [
+        type(m) if isinstance(t, _ImplOf) and _is_impl(type(m)) and type(m).__mro__[1] is t.base
+        else t.base if isinstance(t, _ImplOf) else t
+        for t, m in zip(tree.types, tree.mods)
+    ]
+    return tree
 
 
 def _set_state(gm: ConvertedGraphModule, state: dict) -> None:
@@ -659,7 +698,7 @@ def _set_state(gm: ConvertedGraphModule, state: dict) -> None:
     gm.__dict__["_dr_graphs"] = graphs
     gm.graph = graphs[bool(gm.training)] if bool(gm.training) in graphs else next(iter(graphs.values()))
     if state.get("tree") is not None:
-        gm.__dict__["_dr_tree"] = state["tree"]
+        gm.__dict__["_dr_tree"] = _resolved_tree(state["tree"])
     else:
         _record_tree(gm)
     _install_hooks(gm)

@@ -226,3 +226,19 @@ def test_pipeline_split_model_copies(how):
         splits = [n.target for n in dup.graphs[mode].nodes if n.op == "call_function"]
         assert splits == [n.target for n in conv.graphs[mode].nodes if n.op == "call_function"]
     _assert_same(dup, conv, _ids())
+
+
+@pytest.mark.parametrize("how", list(COPIES))
+def test_copy_keeps_the_capture_guards(how):
+    """CPM-Ant's conversion fixes the sequence length (16): a copy raises the same typed CaptureGuardError."""
+    from depthrewrite.errors import CaptureGuardError
+
+    torch.manual_seed(0)
+    conv = dr.convert(hf_model("cpmant", layers=2).eval(), "attnres")
+    dup = COPIES[how](conv)
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(dup(input_ids=ids).logits, conv(input_ids=ids).logits)
+        with pytest.raises(CaptureGuardError) as e:
+            dup(input_ids=ids[:, :12])
+    assert (e.value.input, e.value.dim, e.value.captured, e.value.given) == ("input_ids", 1, 16, 12)
