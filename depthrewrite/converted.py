@@ -81,6 +81,8 @@ class ConvertedGraphModule(fx.GraphModule):
         becomes ``cuts`` and, when ``info`` is given, the report's ``pipeline`` section becomes ``info`` (a
         :class:`~depthrewrite.pipeline.PipelineInfo`). Called by :func:`depthrewrite.pipeline.split`."""
         self._dr_pipeline_cuts = tuple(cuts)
+        # a change made before the split is reported, not taken as the new tree (which is then recorded as it is)
+        _check_tree(self, (), {})
         _record_tree(self)
         if info is not None:
             self._dr_report = dataclasses.replace(self._dr_report, pipeline=info)

@@ -61,6 +61,17 @@ def test_replaced_submodule_raises_naming_it(conv):
     conv(input_ids=IDS)
 
 
+
+def test_a_change_before_a_pipeline_split_is_still_reported():
+    """split() records the tree again after placing its cuts; it must not take a replaced submodule as the new tree."""
+    import depthrewrite.pipeline as pp
+
+    conv = dr.convert(hf_model("llama", layers=2).eval(), "attnres", blocks=2)
+    conv.get_submodule("model.layers.0.self_attn").q_proj = nn.Linear(64, 64)
+    with pytest.raises(ModuleTreeChangedError) as e:
+        pp.split(conv, 2)
+    assert e.value.module == Q and "replaced" in str(e.value)
+
 def test_added_and_removed_submodules_raise(conv):
     layer = conv.get_submodule("model.layers.1")
     layer.adapter = nn.Linear(4, 4)
