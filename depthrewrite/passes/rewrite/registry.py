@@ -36,9 +36,8 @@ __all__ = [
     "DEFAULT_BLOCKS",
 ]
 
-_HANDLERS: dict[type, Callable] = {}
-_NAMES: dict[str, type] = {}
-
+#: every registered scheme's record by name, in registration order (names, configs and handlers are read from it)
+_SCHEMES: dict[str, "Scheme"] = {}
 #: the block count of the ``block-*`` names (the demo's Block AttnRes / Block MSAR)
 DEFAULT_BLOCKS = 4
 #: other names of a scheme with some options preset: name -> (scheme, default options); :func:`register` adds
@@ -62,12 +61,16 @@ class SchemeConfig:
 
 
 def get_handler(config: SchemeConfig) -> Callable:
-    return _HANDLERS[type(config)]
+    """The rewrite registered for ``config``'s class (``KeyError`` for a config class no scheme registered)."""
+    record = _SCHEMES.get(config.name)
+    if record is None or record.config is not type(config):
+        raise KeyError(type(config))
+    return record.handler
 
 
 def scheme_names() -> list[str]:
     """Every name :func:`scheme_config` accepts (lower case): the schemes, then the aliases."""
-    return sorted(_NAMES) + [a for a in SCHEME_ALIASES if a not in _NAMES]
+    return sorted(_SCHEMES) + [a for a in SCHEME_ALIASES if a not in _SCHEMES]
 
 
 def scheme_config(scheme: str | SchemeConfig, **options: Any) -> SchemeConfig:
@@ -80,14 +83,14 @@ def scheme_config(scheme: str | SchemeConfig, **options: Any) -> SchemeConfig:
             raise ConfigError(f"pass options inside the config, not beside it (got {sorted(options)})")
         return scheme
     key = scheme.strip().lower().replace("_", "-") if isinstance(scheme, str) else None
-    if key in SCHEME_ALIASES and key not in _NAMES:
+    if key in SCHEME_ALIASES and key not in _SCHEMES:
         key, preset = SCHEME_ALIASES[key]
         if "block_size" not in options:  # block_size wins over blocks anyway; keep the config free of a stale blocks
             options = {**preset, **options}
-    if key not in _NAMES:
+    if key not in _SCHEMES:
         raise ConfigError(f"unknown scheme {scheme!r}: choose one of {scheme_names()} or pass a SchemeConfig instance")
     scheme = key
-    cls = _NAMES[scheme]
+    cls = _SCHEMES[scheme].config
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(options) - fields)
     if unknown:
@@ -195,8 +198,6 @@ class Scheme:
         return fn
 
 
-_SCHEMES: dict[str, Scheme] = {}
-
 
 def register(record: Scheme) -> Scheme:
     """Register a scheme (called once, at import, by the scheme's rewrite file); returns the record as registered
@@ -213,8 +214,6 @@ def register(record: Scheme) -> Scheme:
         raise ConfigError(f"Scheme {record.name!r}: variant name(s) {clash} are already taken by another scheme")
     record = dataclasses.replace(record, variants=variants)
     _SCHEMES[record.name] = record
-    _HANDLERS[record.config] = record.handler
-    _NAMES[record.name] = record.config
     if record.block_form:
         SCHEME_ALIASES.setdefault(f"block-{record.name}", (record.name, {"blocks": DEFAULT_BLOCKS}))
     return record
@@ -227,8 +226,6 @@ def unregister(name: str) -> Scheme:
     if key not in _SCHEMES:  # an alias is not a scheme: unregistering "block-attnres" must not remove AttnRes
         raise ConfigError(f"unregister: no scheme named {name!r}; registered: {sorted(_SCHEMES)}")
     record = _SCHEMES.pop(key)
-    _NAMES.pop(record.name, None)
-    _HANDLERS.pop(record.config, None)
     for alias, (target, _) in list(SCHEME_ALIASES.items()):
         if target == record.name:
             del SCHEME_ALIASES[alias]
