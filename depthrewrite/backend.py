@@ -22,8 +22,9 @@ Options (``torch.compile(m, backend="depthrewrite", options={...})``):
   debugging and tests) or ``"eager"`` (the Dynamo graph as is).
 * ``two_phase``: batch Block AttnRes sites where the cost model says it moves fewer bytes (``True``, default),
   ``"always"``, or ``False``.
-* ``scheme``: assert the model was converted to this scheme: any registered name or alias, any case
-  (``depthrewrite.schemes()``: ``"attnres"``, ``"msar"``, ``"mhc"``, ``"moda"``, ...). A graph names its scheme by the
+* ``scheme``: assert the model was converted to this scheme: any registered name, any case
+  (``depthrewrite.schemes()``: ``"attnres"``, ``"msar"``, ``"mhc"``, ``"moda"``, ...; not an alias such as
+  ``"block-attnres"``, whose preset options this check cannot see). A graph names its scheme by the
   ``depthrewrite::*`` ops in it (each scheme's ``Scheme.ops``) or, for a scheme of aten ops only, by the tag its
   rewrite leaves in ``node.meta["custom"]`` (:data:`depthrewrite.passes.meta.SCHEME_TAG`), which Dynamo keeps.
 * ``log_chain``: log the chain report of unconverted graphs (default True).
