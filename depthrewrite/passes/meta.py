@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
+from .analyse.ops import op_name
+
 __all__ = ["META_KEY", "SCHEME_TAG", "NodeRole", "inherit_meta", "role_of", "depth_op_name", "scheme_tags"]
 
 META_KEY = "depthrewrite"
@@ -62,5 +64,4 @@ def depth_op_name(n: fx.Node) -> str | None:
     """``"moda_slots"`` for a call of ``torch.ops.depthrewrite.moda_slots``; None for any other node."""
     if n.op != "call_function" or getattr(n.target, "namespace", None) != "depthrewrite":
         return None
-    packet = getattr(n.target, "overloadpacket", None)
-    return getattr(packet, "__name__", None)
+    return op_name(n)

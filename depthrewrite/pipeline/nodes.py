@@ -7,6 +7,7 @@ import torch
 import torch.distributed.pipelining  # noqa: F401  (registers torch.ops.pippy._pipe_split)
 import torch.fx as fx
 
+from ..passes.analyse.ops import op_name
 from ..passes.rewrite.registry import depth_state_ops
 
 __all__ = ["PIPE_SPLIT", "CLONE_KEY", "is_split", "op_name", "is_depth_op", "nondeterministic", "is_sym"]
@@ -18,12 +19,6 @@ CLONE_KEY = "depthrewrite_pipeline_recomputed"  # node.meta: the side value a pe
 def is_split(n: fx.Node) -> bool:
     """A stage boundary (``torch.ops.pippy._pipe_split``)."""
     return n.op == "call_function" and n.target is PIPE_SPLIT
-
-
-def op_name(n: fx.Node) -> str | None:
-    """The aten/custom op's name without overload (``"to"``, ``"dropout"``), or None."""
-    packet = getattr(n.target, "overloadpacket", None)
-    return getattr(packet, "__name__", None) if packet is not None else None
 
 
 def is_depth_op(n: fx.Node) -> bool:

@@ -16,6 +16,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 __all__ = [
+    "op_name",
     "op_of", "val", "tensor_val", "is_float_tensor", "tensor_inputs", "is_alias", "strip_alias", "strip_casts", "is_param",
     "shape_str",
 ]
@@ -95,6 +96,13 @@ for _name, (_packets, _callables, _methods) in _TABLE.items():
 _MODULE_OPS = {torch.nn.LayerNorm: "layer_norm", torch.nn.Linear: "linear", torch.nn.Dropout: "dropout", torch.nn.Embedding: "embedding"}
 if hasattr(torch.nn, "RMSNorm"):
     _MODULE_OPS[torch.nn.RMSNorm] = "rms_norm"
+
+
+def op_name(n: fx.Node) -> str | None:
+    """The name of the aten or custom op ``n`` calls, without namespace and overload (``"to"``, ``"dropout"``,
+    ``"moda_slots"``), or None when ``n`` calls no op overload."""
+    packet = getattr(n.target, "overloadpacket", None)
+    return getattr(packet, "__name__", None) if packet is not None else None
 
 
 def op_of(node: fx.Node, gm: fx.GraphModule | None = None) -> str | None:

@@ -29,7 +29,7 @@ from ...errors import AttentionPatternError, ConfigError
 from ...kernels import moda as _kernels  # noqa: F401  (registers depthrewrite::moda_*, the ops this rewrite inserts)
 from ..analyse.chain import Branch, Chain
 from ..analyse.graph import module_path_of
-from ..analyse.ops import op_of, strip_alias, tensor_val
+from ..analyse.ops import op_name, op_of, strip_alias, tensor_val
 from ..meta import NodeRole, depth_op_name, inherit_meta, role_of
 from ..result import Change, PassResult
 from .editor import ChainEditor
@@ -100,22 +100,17 @@ class AttentionOp:
 def _unrepeat(x: fx.Node) -> fx.Node:
     """K/V before HF's repeat_kv (``k[:, :, None].expand(..).reshape(..)``: unsqueeze -> full slices -> expand ->
     reshape), else ``x``. The head count is checked against the shapes."""
-    if _aten_name(x) in ("reshape", "view", "_unsafe_view"):
+    if op_name(x) in ("reshape", "view", "_unsafe_view"):
         e = x.args[0]
-        if isinstance(e, fx.Node) and _aten_name(e) == "expand":
+        if isinstance(e, fx.Node) and op_name(e) == "expand":
             u = e.args[0]
-            while isinstance(u, fx.Node) and _aten_name(u) == "slice":
+            while isinstance(u, fx.Node) and op_name(u) == "slice":
                 u = u.args[0]
-            if isinstance(u, fx.Node) and _aten_name(u) == "unsqueeze" and isinstance(u.args[0], fx.Node):
+            if isinstance(u, fx.Node) and op_name(u) == "unsqueeze" and isinstance(u.args[0], fx.Node):
                 base, full = _shape(u.args[0]), _shape(x)
                 if len(base) == len(full) == 4 and _static_int(full[1]) % max(1, _static_int(base[1])) == 0:
                     return u.args[0]
     return x
-
-
-def _aten_name(n: fx.Node) -> str | None:
-    packet = getattr(n.target, "overloadpacket", None)
-    return getattr(packet, "__name__", None) if packet is not None else None
 
 
 def _shape(n: fx.Node) -> tuple[int, ...]:
@@ -175,10 +170,10 @@ def _attr_value(gm: fx.GraphModule, n: fx.Node) -> torch.Tensor | None:
 def _is_causal_buffer_mask(gm: fx.GraphModule, fill: fx.Node) -> bool:
     """``buf[..., :T, :T] == 0`` with ``buf`` a lower-triangular 0/1 buffer (minGPT / nanoGPT's registered ``bias``):
     True exactly above the diagonal, i.e. masked_fill(·, fill, -inf) is the causal mask."""
-    if _aten_name(fill) != "eq" or fill.args[1] != 0 or not isinstance(fill.args[0], fx.Node):
+    if op_name(fill) != "eq" or fill.args[1] != 0 or not isinstance(fill.args[0], fx.Node):
         return False
     x = fill.args[0]
-    while isinstance(x, fx.Node) and _aten_name(x) == "slice":
+    while isinstance(x, fx.Node) and op_name(x) == "slice":
         start = x.args[2] if len(x.args) > 2 else 0
         if start not in (None, 0):
             return False
@@ -203,7 +198,7 @@ def _from_eager(sm: fx.Node, gm: fx.GraphModule) -> AttentionOp:
     scale, mask, fill, softcap, cur = 1.0, None, None, 0.0, sm.args[0]
     scaled = False  # a scale was met (above the current node)
     while isinstance(cur, fx.Node) and op_of(cur) != "matmul":
-        op, name = op_of(cur), _aten_name(cur)
+        op, name = op_of(cur), op_name(cur)
         if op == "cast":
             cur = cur.args[0]
         elif op in ("mul", "div") and not isinstance(cur.args[1], fx.Node):
@@ -248,19 +243,19 @@ def _from_eager(sm: fx.Node, gm: fx.GraphModule) -> AttentionOp:
             x = cur  # name a score op hidden behind layout ops (BLOOM: view(baddbmm(alibi, q, kᵀ, beta, alpha)))
             while isinstance(x, fx.Node) and _is_layout(x) and x.args and isinstance(x.args[0], fx.Node):
                 x = x.args[0]
-            if isinstance(x, fx.Node) and _aten_name(x) in ("baddbmm", "addbmm", "bmm"):
-                raise _Mismatch(x, f"the scores as matmul(q, kᵀ); `{_aten_name(x)}` computes them"
+            if isinstance(x, fx.Node) and op_name(x) in ("baddbmm", "addbmm", "bmm"):
+                raise _Mismatch(x, f"the scores as matmul(q, kᵀ); `{op_name(x)}` computes them"
                                    + (" with an added bias (ALiBi as baddbmm(alibi, q, kᵀ), BLOOM), which is not a "
-                                      "recognised form" if _aten_name(x) != "bmm" else ", which is not a recognised form"))
+                                      "recognised form" if op_name(x) != "bmm" else ", which is not a recognised form"))
             raise _Mismatch(cur, "only a constant scale, tanh soft-capping, an additive mask or masked_fill(mask, -inf) "
                                  "between the scores matmul(q, kᵀ) and the softmax")
     if not isinstance(cur, fx.Node):
         raise _Mismatch(sm, "scores computed as matmul(q, kᵀ) before the softmax")
     m1 = cur
-    if _aten_name(m1) != "matmul" or len(m1.args) < 2:
+    if op_name(m1) != "matmul" or len(m1.args) < 2:
         raise _Mismatch(m1, "the scores as matmul(q, kᵀ) (torch.matmul / @)")
     q, kt = m1.args[0], m1.args[1]
-    if not isinstance(kt, fx.Node) or _aten_name(kt) != "transpose":
+    if not isinstance(kt, fx.Node) or op_name(kt) != "transpose":
         raise _Mismatch(m1, "the scores as q @ k.transpose(-2, -1): the second operand is not a transpose of k")
     k = _unrepeat(kt.args[0])
     p, dropout = sm, 0.0
@@ -274,7 +269,7 @@ def _from_eager(sm: fx.Node, gm: fx.GraphModule) -> AttentionOp:
         elif op_of(u) == "dropout":
             dropout = float(u.args[1]) if len(u.args) > 2 and u.args[2] else 0.0
             p = u
-        elif _aten_name(u) == "matmul" and u.args[0] is p:
+        elif op_name(u) == "matmul" and u.args[0] is p:
             m2 = u
             break
         else:
@@ -361,7 +356,7 @@ _LAYOUT = {
 
 
 def _is_layout(n: fx.Node) -> bool:
-    return op_of(n) == "getitem" or _aten_name(n) in _LAYOUT or (n.op == "call_method" and n.target in _LAYOUT)
+    return op_of(n) == "getitem" or op_name(n) in _LAYOUT or (n.op == "call_method" and n.target in _LAYOUT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,12 +376,12 @@ class KeyPath:
     externals: tuple[fx.Node, ...]
 
     def describe(self) -> str:
-        kinds = sorted({_aten_name(n) or str(n.target) for n in self.nodes if not _is_layout(n)} - {"_to_copy", "to"})
+        kinds = sorted({op_name(n) or str(n.target) for n in self.nodes if not _is_layout(n)} - {"_to_copy", "to"})
         return f"{len(self.nodes)} ops: {', '.join(kinds)}"
 
 
 def _has_bias(proj: fx.Node) -> bool:
-    name = _aten_name(proj) or getattr(proj.target, "__name__", "")
+    name = op_name(proj) or getattr(proj.target, "__name__", "")
     if name == "addmm":
         return True
     if name == "linear":
@@ -476,7 +471,7 @@ def key_path(ed: ChainEditor, a: AttentionOp) -> tuple[KeyPath | None, str]:
     B, hk, T, d = (str(x) for x in _shape(end))
     sh = tuple(str(x) for x in _shape(start))
     flat = (B, T, str(_static_int(hk) * _static_int(d))) if _static_int(hk) > 0 and _static_int(d) > 0 else None
-    turns = any(_aten_name(n) in ("transpose", "permute") for n in nodes)
+    turns = any(op_name(n) in ("transpose", "permute") for n in nodes)
     if sh == flat:
         layout = "flat"
     elif sh == (B, T, hk, d) and (turns or sh != (B, hk, T, d)):
@@ -821,9 +816,7 @@ def _boundary_labels(graph: fx.Graph, report, j: int) -> dict[fx.Node, str]:
     stream = {chain.source} | {s.residual_add for s in chain.sublayers}
     for n in graph.nodes:
         base = n
-        while base.op == "call_function" and base.args and getattr(getattr(base.target, "overloadpacket", None), "__name__", None) in (
-            "to", "_to_copy", "clone", "alias"
-        ):
+        while base.op == "call_function" and base.args and op_name(base) in ("to", "_to_copy", "clone", "alias"):
             base = base.args[0]
         if base.name in stream:
             labels.setdefault(n, "h (residual stream)")
