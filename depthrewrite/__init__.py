@@ -5,7 +5,8 @@ The public API::
     depthrewrite.capture(model)        # -> torch.fx.GraphModule (torch.export, dynamic batch/sequence)
     depthrewrite.inspect(model)        # -> ChainReport; print(report) shows the chain
     depthrewrite.detect_chain(gm)      # -> Chain (frozen data), on export or Dynamo graphs
-    depthrewrite.convert(model, "attnres", blocks=4)   # -> a trainable converted GraphModule
+    depthrewrite.convert(model, "attnres", blocks=4)   # converts in place, returns the model (still its own class)
+    converted.save_pretrained(dir); depthrewrite.from_pretrained(dir)
     torch.compile(converted, backend="depthrewrite")   # fused kernels on CUDA, inductor for the rest
     depthrewrite.explain(compiled)     # -> Explanation: what the backend did to each graph
     depthrewrite.convert(model, "attnres", blocks=4, pipeline_stages=2)   # + depthrewrite.pipeline.stages(...)
@@ -15,6 +16,8 @@ from typing import TYPE_CHECKING
 
 from . import backend  # noqa: F401  - registers the "depthrewrite" torch.compile backend
 from .api import convert, inspect
+from .model import is_converted
+from .saving import from_pretrained
 from .capture import capture
 from .errors import (
     CaptureError,
@@ -63,6 +66,8 @@ __all__ = [
     "capture",
     "inspect",
     "convert",
+    "is_converted",
+    "from_pretrained",
     "explain",
     "Explanation",
     "SchemeConfig",

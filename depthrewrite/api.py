@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import copy
+import inspect as _inspect
 import logging
 from typing import Any, Callable, TypeVar
+
+import torch
 
 import torch.fx as fx
 import torch.nn as nn
 
-from .capture import capture
-from .converted import ConvertedGraphModule, as_converted, drop_dead_code, graft_graph
+from .capture import _is_cache, capture, example_inputs_for
+from .converted import as_converted, drop_dead_code
 from .errors import ConfigError, DepthRewriteError
 from .passes.analyse.chain import detect_chain
 from .passes.rewrite import SchemeConfig, get_handler, scheme_config
+from .passes.rewrite import scheme as scheme_record
 from .passes.rewrite.blocks import block_size_for
 from .passes.rewrite.editor import PARAM_PREFIX
 from .views.report import ChainReport, ConvertReport, SiteInfo
@@ -47,8 +52,10 @@ def inspect(
     Raises:
         CaptureError, NotPreNormError, NoResidualChainError (all :class:`DepthRewriteError`).
     """
+    from .model import is_converted
+
     model = resolve(model)
-    if isinstance(model, ConvertedGraphModule):
+    if is_converted(model):
         return model.report()
     gm = capture(model, example_inputs, example_kwargs)
     chain = detect_chain(gm)
@@ -77,68 +84,130 @@ def convert(
     example_inputs: tuple | None = None,
     example_kwargs: dict | None = None,
     pipeline_stages: int | None = None,
+    inplace: bool = True,
     **options: Any,
-) -> fx.GraphModule:
-    """Rewrite the PreNorm residual chain of ``model`` into ``scheme``.
+) -> nn.Module:
+    """Rewrite the PreNorm residual chain of ``model`` into ``scheme``, in place.
 
     Args:
-        model (nn.Module | str): the model; it is not modified, and the converted model shares its parameters. Or a
-            model spec as the CLI takes it (``"hf:llama"``, ``"timm:vit_tiny_patch16_224"``, ``"pkg.module:factory"``).
+        model (nn.Module | str): the model. It is converted in place and returned (as ``torchao``'s ``quantize_``
+            does): the same object, of a subclass of its class, keeps ``.config``, ``generate()``,
+            ``save_pretrained()`` and its own methods; its ``forward`` runs rewritten graphs. Or a model spec as the
+            CLI takes it (``"hf:llama"``, ``"timm:vit_tiny_patch16_224"``, ``"pkg.module:factory"``).
         scheme (str | SchemeConfig): a registered scheme's name, any case (``depthrewrite.schemes()`` lists them;
             today ``"attnres"``, ``"msar"``, ``"mhc"``, ``"moda"``), or ``"block-<name>"`` for a scheme with a block
             form (the same with ``blocks=4``; an explicit ``blocks=`` wins), with that scheme's options as keywords
             (see its config class: ``depthrewrite.scheme(name).config``, e.g. :class:`AttnResConfig`), or a config
             instance such as ``AttnResConfig(blocks=8)``.
-        example_inputs, example_kwargs: inputs for capture, as for :func:`capture`.
+        example_inputs, example_kwargs: inputs for the first capture, as for :func:`capture` (built for HF and timm
+            models when None). Later calls with other arguments capture graphs of their own on first use.
         pipeline_stages (int, optional): place ``pipeline_stages - 1`` stage boundaries
-            (``torch.ops.pippy._pipe_split``) in both graphs, balanced by parameter count and on block boundaries for
+            (``torch.ops.pippy._pipe_split``) in every graph, balanced by parameter count and on block boundaries for
             Block schemes, so ``torch.distributed.pipelining.pipeline(converted, mb_args)`` splits it; the report then
             lists what crosses each boundary. See :mod:`depthrewrite.pipeline` and docs/pipelines.md.
+        inplace (bool): convert ``model`` itself (default). ``False`` converts a deep copy and leaves ``model`` as it
+            was (nothing is shared between the two).
 
     Returns:
-        A GraphModule that trains like the original: the original state-dict keys plus new parameters under
-        ``depthrewrite.``; ``.train()``/``.eval()``, ``.to(dtype/device)``, any batch and sequence length, the original
-        call signature and output type. ``converted.report()`` describes the rewrite.
+        The converted model: the original state-dict keys plus new parameters under ``depthrewrite.``; any call the
+        original accepts (a graph is captured per call structure on first use), ``.train()``/``.eval()``,
+        ``.to(dtype/device)``, the original output type. ``converted.report()`` describes the rewrite.
     """
+    from .model import ConversionState, converted_class, is_converted
+
     config = scheme_config(scheme, **options)
     model = resolve(model)
     if pipeline_stages is not None and (not isinstance(pipeline_stages, int) or isinstance(pipeline_stages, bool) or pipeline_stages < 1):
         raise ConfigError(f"pipeline_stages must be an integer >= 1, got {pipeline_stages!r}")
     if isinstance(model, fx.GraphModule):
         raise ConfigError(
-            f"convert() takes the original nn.Module, not a captured {type(model).__name__}: it captures the model in "
-            "training and in eval mode itself. Pass the model you captured from."
+            f"convert() takes the original nn.Module, not a captured {type(model).__name__}: it captures the model "
+            "itself, per call structure. Pass the model you captured from."
         )
-    handler = get_handler(config)
-    was_training = model.training
-    # Export bakes the mode into the graph (dropout, attention dropout, training-only routing), so capture and rewrite
-    # both modes; the eval graph shares the training graph's parameters, and .train()/.eval() swap graphs.
-    graphs, chains, results = {}, {}, {}
+    if is_converted(model):
+        raise ConfigError(
+            f"this {type(model).__name__} is already converted ({model.report().config.describe()}); convert the "
+            "original model (depthrewrite.convert(..., inplace=False) keeps the original)"
+        )
+    get_handler(config)  # an unregistered config class fails here, before anything is touched
+    if not inplace:
+        model = copy.deepcopy(model)
+    original = type(model)
     try:
-        for mode in (True, False):
-            model.train(mode)
-            graphs[mode] = capture(model, example_inputs, example_kwargs)
-    finally:
-        model.train(was_training)
-    name = type(model).__name__
-    for mode in (True, False):
-        where = f"{'training' if mode else 'eval'} graph of {name}"
-        chains[mode] = _run_pass("detect_chain", where, detect_chain, graphs[mode])
-        if not mode:  # share the new parameters with the training graph
-            graphs[False].add_submodule(PARAM_PREFIX, getattr(graphs[True], PARAM_PREFIX))
-        results[mode] = _run_pass(f"rewrite[{config.name}]", where, handler, graphs[mode], chains[mode], config)
-        _run_pass("drop_dead_code", where, drop_dead_code, graphs[mode])
-        if not results[mode].modified:
-            raise DepthRewriteError(
-                f"{config.name}: the rewrite changed nothing on {type(model).__name__}; not returning an unconverted model"
-            )
-    if [c.site for c in results[True].changes] != [c.site for c in results[False].changes]:
-        raise DepthRewriteError(
-            f"{type(model).__name__} has different residual chains in training and eval mode; cannot convert both"
+        signature = _inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        signature = None
+    if example_inputs is None and example_kwargs is None:
+        args, kwargs = example_inputs_for(model)
+    else:
+        args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs or ())
+        kwargs = dict(example_kwargs or {})
+    st = ConversionState(original, config, (args, kwargs), signature)
+    model.__dict__["_depthrewrite"] = st
+    model.__class__ = converted_class(original)
+    try:
+        # the first capture, in the model's mode: detects the chain, creates model.depthrewrite, makes the report
+        entry, _, _ = st.select(model, args, kwargs)
+    except BaseException:
+        model.__class__ = original
+        model.__dict__.pop("_depthrewrite", None)
+        model._modules.pop(PARAM_PREFIX, None)
+        raise
+    if pipeline_stages is not None:
+        from .pipeline import split
+
+        split(model, pipeline_stages)
+    log.info("converted %s: %d mixing sites, %d new parameters", original.__name__, len(st.report.sites),
+             st.report.new_params)
+    return model
+
+
+def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, Any]:
+    """Capture ``model`` (a converted model, run as its original class) on one call and rewrite the graph with the
+    conversion's scheme; the new parameters are ``model.depthrewrite`` (created by the first capture). Returns the
+    :class:`ConvertedGraphModule` and the rewrite's result; the first capture also fills ``st.report``."""
+    from .model import as_original
+
+    config = st.config
+    handler = get_handler(config)
+    name = st.original.__name__
+    where = f"{'training' if model.training else 'eval'} graph of {name}"
+    keep_cache = any(_is_cache(v) for v in kwargs.values()) or kwargs.get("use_cache") is True
+    why = scheme_record(config).no_cached_decoding
+    filled = [v for v in kwargs.values() if _is_cache(v) and v.get_seq_length() > 0]
+    if why and filled:
+        raise ConfigError(
+            f"the converted {name} ({config.name}) cannot decode with a filled KV cache: {why}. Call it without a "
+            "cache (use_cache=False; generate(..., use_cache=False) recomputes the sequence at every step)."
         )
-    gm, chain, result = graphs[True], chains[True], results[True]
-    model_params = sum(p.numel() for p in model.parameters())
-    eval_graph = graft_graph(gm, graphs[False])
+    with as_original(model):
+        gm = capture(model, args, kwargs, keep_cache=keep_cache)
+    chain = _run_pass("detect_chain", where, detect_chain, gm)
+    box = model._modules.get(PARAM_PREFIX)
+    if box is not None:  # share the new parameters (export made a shell module holding the same tensors)
+        gm._modules[PARAM_PREFIX] = box
+    result = _run_pass(f"rewrite[{config.name}]", where, handler, gm, chain, config)
+    _run_pass("drop_dead_code", where, drop_dead_code, gm)
+    if not result.modified:
+        raise DepthRewriteError(f"{config.name}: the rewrite changed nothing on {name}; not returning an unconverted model")
+    sites = tuple((c.site, tuple(c.sources)) for c in result.changes)
+    if st.sites is None:
+        st.sites = sites
+    elif sites != st.sites:
+        raise DepthRewriteError(
+            f"{name}: this call ({where}) gives a residual chain with sites {[s for s, _ in sites]}, the conversion's "
+            f"has {[s for s, _ in st.sites]}: the new parameters are matched by position in the chain, so this call "
+            "structure cannot share them. Call the model the way it was converted, or convert a copy for this use."
+        )
+    if box is None:
+        model.add_module(PARAM_PREFIX, getattr(gm, PARAM_PREFIX))
+    if st.report is None:
+        st.report = _report(model, gm, chain, result, config)
+    bound_args, bound_kwargs = gm.meta["depthrewrite_inputs"]
+    return as_converted(gm, model, st.signature, bound_args, bound_kwargs, st.report), result
+
+
+def _report(model: nn.Module, gm: fx.GraphModule, chain: Any, result: Any, config: SchemeConfig) -> ConvertReport:
     box = getattr(gm, PARAM_PREFIX)
     sites = []
     for c in result.changes:
@@ -147,28 +216,19 @@ def convert(
         where = chain.sublayers[c.site].branch_module if isinstance(c.site, int) else chain.final_norm.module
         sites.append(SiteInfo(site=c.site, module=where, sources=c.sources, params=params, detail=c.detail,
                               state_elements=c.state_elements))
-    S = block_size_for(config, len(chain))
+    new_params = sum(p.numel() for p in box.parameters())
     ref = next((p for p in model.parameters() if p.is_floating_point()), None)
-    report = ConvertReport(
-        model_class=type(model).__name__,
+    return ConvertReport(
+        model_class=model.__dict__["_depthrewrite"].original.__name__,
         config=config,
         chain=chain,
         sites=tuple(sites),
-        new_params=sum(p.numel() for p in box.parameters()),
-        model_params=model_params,
+        new_params=new_params,
+        model_params=sum(p.numel() for p in model.parameters()) - (new_params if PARAM_PREFIX in model._modules else 0),
         stored_sources=len(sites[-1].sources),
         bytes_per_element=ref.element_size() if ref is not None else 4,
-        block_size=S,
+        block_size=block_size_for(config, len(chain)),
         notes=result.notes,
         state_elements=result.state[0] if result.state else None,
         state_label=result.state[1] if result.state else "stored depth state",
     )
-    args, kwargs = gm.meta["depthrewrite_inputs"]
-    gm = as_converted(gm, eval_graph, model, args, kwargs, report)
-    gm.train(was_training)
-    if pipeline_stages is not None:
-        from .pipeline import split
-
-        split(gm, pipeline_stages)
-    log.info("converted %s: %d mixing sites, %d new parameters", type(model).__name__, len(sites), report.new_params)
-    return gm

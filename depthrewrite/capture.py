@@ -86,7 +86,7 @@ def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, An
 
     Keyed by the names of ``forward``'s parameters, as ``torch.export`` matches them."""
 
-    def spec(x: Any) -> Any:
+    def spec(x: Any, cached: bool = False) -> Any:
         if not isinstance(x, torch.Tensor):
             return None
         dims = {}
@@ -94,10 +94,65 @@ def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, An
             dims[0] = Dim.AUTO
         if x.dim() >= 2 and not x.is_floating_point():
             dims[1] = Dim.AUTO
+        if cached and x.dim() >= 3:  # a KV cache tensor [batch, heads, cached length, head dim]
+            dims[x.dim() - 2] = Dim.AUTO
         return dims or None
 
+    def walk(x: Any, cached: bool = False) -> Any:
+        if isinstance(x, torch.Tensor):
+            return spec(x, cached)
+        if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+            return type(x)(walk(v, cached) for v in x)
+        if isinstance(x, dict):
+            return {k: walk(v, cached) for k, v in x.items()}
+        node = torch.utils._pytree.SUPPORTED_NODES.get(type(x))
+        if node is not None:  # a registered container (a KV cache): export takes its children's shapes as a list
+            children, _ = node.flatten_fn(x)
+            return [walk(c, cached or _is_cache(x)) for c in children]
+        return None
+
     bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
-    return {k: torch.utils._pytree.tree_map(spec, v) if isinstance(v, (dict, list, tuple)) else spec(v) for k, v in bound.items()}
+    return {k: walk(v) for k, v in bound.items()}
+
+
+def _is_cache(x: Any) -> bool:
+    return type(x).__name__.endswith("Cache") and hasattr(x, "get_seq_length")
+
+
+_CACHE_REGISTERED = False
+
+
+def register_cache_support() -> None:
+    """Make a ``transformers`` ``DynamicCache`` a pytree node (transformers' own registration, done once), so export
+    takes and returns its tensors and call structures see its layout."""
+    global _CACHE_REGISTERED
+    if _CACHE_REGISTERED:
+        return
+    _CACHE_REGISTERED = True
+    try:
+        from transformers.integrations.executorch import register_dynamic_cache_export_support
+    except ImportError:  # pragma: no cover - transformers without export support
+        return
+    register_dynamic_cache_export_support()
+
+
+def _cache_support(args: tuple, kwargs: dict) -> None:
+    """Register cache support; a cache of another kind than a ``DynamicCache`` of full-attention layers is a
+    :class:`CaptureError`."""
+    caches = [x for x in (*args, *kwargs.values()) if _is_cache(x)]
+    register_cache_support()
+    try:
+        from transformers.cache_utils import DynamicCache, DynamicLayer
+    except ImportError:  # pragma: no cover
+        return
+    for c in caches:
+        if type(c) is not DynamicCache or any(type(layer) is not DynamicLayer for layer in getattr(c, "layers", ())):
+            kinds = sorted({type(layer).__name__ for layer in getattr(c, "layers", ())})
+            raise CaptureError(
+                f"depthrewrite runs cached calls with a transformers DynamicCache of full-attention layers; this call "
+                f"passes a {type(c).__name__} ({', '.join(kinds) or 'no layers'}). Call with use_cache=False (or "
+                "generate(..., use_cache=False)), or pass a DynamicCache."
+            )
 
 
 def _cache_configs(model: nn.Module) -> list[Any]:
@@ -206,6 +261,7 @@ def capture(
     *,
     dynamic: bool = True,
     check: bool = True,
+    keep_cache: bool = False,
 ) -> fx.GraphModule:
     """Capture ``model`` as an FX ``GraphModule`` with ``torch.export`` (non-strict, training IR).
 
@@ -216,7 +272,10 @@ def capture(
         dynamic (bool): make batch and sequence dimensions dynamic. Default: True.
         check (bool): when the model is in eval mode, run the captured graph and the model on the example inputs
             and raise :class:`CaptureError` if they disagree (export traced another path than eager runs). Default:
-            True.
+            True. (Not done for a call that passes a KV cache: the model would update it.)
+        keep_cache (bool): capture with the model's KV cache as configured (the call passes ``use_cache=True`` or a
+            ``past_key_values`` cache; a ``DynamicCache`` is taken and returned as tensors). Default: False, which
+            captures with ``use_cache`` off in every config that turns it on.
 
     Returns:
         The unlifted ``GraphModule`` (parameters as ``get_attr`` with their original names). Its
@@ -232,6 +291,9 @@ def capture(
         else:
             args = tuple(example_inputs) if example_inputs is not None else ()
         kwargs = dict(example_kwargs or {})
+    passes_cache = any(_is_cache(x) for x in (*args, *kwargs.values()))
+    if keep_cache or passes_cache:
+        _cache_support(args, kwargs)
     args, kwargs, copied = unalias_inputs(args, kwargs)
     if copied:
         log.info("capture: example inputs shared storage; copied %s so each stays its own graph input", ", ".join(copied))
@@ -245,7 +307,7 @@ def capture(
     log.info("capturing %s with torch.export (non-strict)", type(model).__name__)
     # A KV cache object is not a tensor output export can return: capture with the cache off in every config that
     # turns it on (a multimodal wrapper keeps it in its text_config), and restore them afterwards.
-    cache = _cache_configs(model) if _is_hf(model) else []
+    cache = _cache_configs(model) if _is_hf(model) and not keep_cache else []
     try:
         for c in cache:
             c.use_cache = False
@@ -260,7 +322,7 @@ def capture(
         ) from e
     else:
         gm = ep.module()
-        if check and not model.training:  # eval mode only: dropout would make the two calls differ
+        if check and not model.training and not passes_cache:  # eval mode only: dropout would make the two calls differ
             _check_graph(model, gm, args, kwargs)
     finally:
         for c in cache:

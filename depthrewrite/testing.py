@@ -134,6 +134,23 @@ class GPT(nn.Module):
             x = block(x)
         return self.lm_head(self.transformer.ln_f(x))
 
+    def configure_optimizers(self, weight_decay: float = 0.1, lr: float = 1e-3) -> torch.optim.Optimizer:
+        """AdamW with decay on matrices only, as nanoGPT's own ``configure_optimizers``."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        return torch.optim.AdamW(groups, lr=lr)
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """Greedy continuation of ``idx`` [B, T] (nanoGPT's loop: the whole context at every step, no cache)."""
+        for _ in range(max_new_tokens):
+            logits = self(idx[:, -self.config.block_size:])
+            idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        return idx
+
 
 def nanogpt(n_layer: int = 4, n_embd: int = 64, **kw) -> GPT:
     """Factory for CLI specs: ``depthrewrite inspect depthrewrite.testing:nanogpt``."""

@@ -33,7 +33,7 @@ def _hf_check(model_type: str, scheme: str, labels_view: bool = False):
     ids = torch.randint(0, V, (2, 12))
     am = torch.ones_like(ids)
     labels = ids[:] if labels_view else ids  # the same tensor, or a view of the same storage
-    conv = dr.convert(model, scheme, example_kwargs={"input_ids": ids, "attention_mask": am, "labels": labels}).eval()
+    conv = dr.convert(model, scheme, example_kwargs={"input_ids": ids, "attention_mask": am, "labels": labels}, inplace=False).eval()
     assert "labels" in {n.target for n in conv.graph.nodes if n.op == "placeholder"}
     for n in conv.graph.nodes:  # the token embedding reads input_ids, never the labels
         if n.op == "call_function" and n.target is torch.ops.aten.embedding.default:
@@ -94,7 +94,7 @@ def test_positional_aliasing(scheme):
     torch.manual_seed(0)
     model = _GPTWithTargets().eval()
     ids = torch.randint(0, 64, (2, 16))
-    conv = dr.convert(model, scheme, example_inputs=(ids, ids)).eval()
+    conv = dr.convert(model, scheme, example_inputs=(ids, ids), inplace=False).eval()
     x, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
     y[0, :3] = -1
     with torch.no_grad():
@@ -135,7 +135,7 @@ def test_paligemma_text_only_capture_is_refused_not_misconverted():
     # PaliGemma's eager forward lets a text-only prefix attend both ways; the exported graph is causal.
     model = hf_model("paligemma", layers=1).eval()
     with pytest.raises(dr.CaptureError, match="computes something else"):
-        dr.convert(model, "attnres")
+        dr.convert(model, "attnres", inplace=False)
 
 
 def test_a_crash_inside_a_rewrite_pass_names_the_pass(monkeypatch):
@@ -147,5 +147,5 @@ def test_a_crash_inside_a_rewrite_pass_names_the_pass(monkeypatch):
     monkeypatch.setattr(api, "get_handler", lambda config: broken)
     model = _GPTWithTargets().eval()
     with pytest.raises(dr.DepthRewriteError, match=r"the rewrite\[attnres\] pass failed on the training graph of _GPTWithTargets: KeyError") as ei:
-        dr.convert(model, "attnres", example_inputs=(torch.randint(0, 64, (2, 8)),))
+        dr.convert(model, "attnres", example_inputs=(torch.randint(0, 64, (2, 8)),), inplace=False)
     assert isinstance(ei.value.__cause__, KeyError)

@@ -136,15 +136,15 @@ def test_convert_report_graph_shows_sites_and_what_they_read():
     from depthrewrite.demo.zoo import hf_model
 
     model = hf_model("llama", layers=2)
-    full = dr.convert(model, "attnres").report().to_networkx()
+    full = dr.convert(model, "attnres", inplace=False).report().to_networkx()
     sites = [n for n, d in full.nodes(data=True) if d["role"] == "site"]
     assert sites == ["site:1", "site:2", "site:3", "site:output"]
     assert set(full.predecessors("site:3")) == {"source", "sub0", "sub1", "sub2"}
     assert full.has_edge("site:3", "sub3") and full.has_edge("site:output", "final_norm")
-    block = dr.convert(model, "block-attnres", blocks=2).report().to_networkx()
+    block = dr.convert(model, "block-attnres", blocks=2, inplace=False).report().to_networkx()
     assert set(block.predecessors("site:3")) == {"source", "b1", "sub2"}  # emb, b1, partial b2
     assert set(block.predecessors("b1")) == {"sub0", "sub1"}
-    mhc = dr.convert(model, "mhc").report().to_networkx()
+    mhc = dr.convert(model, "mhc", inplace=False).report().to_networkx()
     assert "x0, x1, x2, x3" in mhc.nodes["site:2"]["label"] and mhc.has_edge("sub1", "site:2")
     assert nx.is_directed_acyclic_graph(full) and nx.is_directed_acyclic_graph(block)
 

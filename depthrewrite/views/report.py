@@ -272,6 +272,7 @@ class ConvertReport(ChainReport):
     state_elements: int | None = None  # values per token, when the depth state is not d-sized vectors (MoDA)
     state_label: str = "stored depth state"
     pipeline: Any = None  # depthrewrite.pipeline.PipelineInfo once the model is split into stages
+    graphs: tuple[tuple[str, float, int], ...] = ()  # (call structure, capture seconds, calls) per captured graph
 
     @property
     def param_ratio(self) -> float:
@@ -293,6 +294,7 @@ class ConvertReport(ChainReport):
             stored_sources=self.stored_sources,
             memory_per_token=self.memory_per_token,
             **({"pipeline": self.pipeline.to_dict()} if self.pipeline is not None else {}),
+            graphs=[dict(structure=s, capture_seconds=t, calls=n) for s, t, n in self.graphs],
         )
 
     def __str__(self) -> str:
@@ -314,6 +316,11 @@ class ConvertReport(ChainReport):
         ]
         headers = ["site", "before", "K", "reads", "params"] + (["coefficients"] if detail else [])
         text = "\n".join(head) + "\n" + tabulate(rows, headers=headers, tablefmt="simple")
+        if self.graphs:
+            text += f"\ngraphs captured ({len(self.graphs)}; one per call structure, on first use):\n" + tabulate(
+                [[i, s, f"{t:.2f} s", n] for i, (s, t, n) in enumerate(self.graphs)],
+                headers=["#", "call structure", "capture", "calls"], tablefmt="simple",
+            )
         if self.pipeline is not None:
             text += "\n" + self.pipeline.table()
         return text

@@ -603,12 +603,9 @@ def _only_readers(df: Dataflow, h: fx.Node, allowed: set[str]) -> None:
         if u.name in allowed:
             continue
         if u.op == "output":
-            raise NotPreNormError(
-                f"the residual stream {_where(h)} is returned by the model (an output reads it): a rewritten chain "
-                "would return a different value there. Turn off intermediate outputs (e.g. output_hidden_states=False) "
-                "before converting.",
-                node=h.name,
-            )
+            # a returned hidden state (output_hidden_states=True): the rewrite leaves the output reading the residual
+            # sum h_k = h_0 + sum of the sublayer outputs, which equals the original's at init (docs/limitations.md)
+            continue
         raise NotPreNormError(
             f"the residual stream {_where(h)} is also read by {_where(u)}, which is neither a pre-norm, nor the "
             "residual add, nor the final norm. A rewritten chain would change what that node sees. If the model "

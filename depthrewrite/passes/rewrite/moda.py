@@ -113,6 +113,28 @@ def _unrepeat(x: fx.Node) -> fx.Node:
     return x
 
 
+def _this_call_tokens(x: fx.Node, q: fx.Node) -> fx.Node:
+    """K or V of the tokens of this call: where the attention reads a KV cache (``cat([cached, new], dim=-2)``, as
+    ``DynamicLayer.update`` builds it), the new part, so a depth slot holds the same token's K/V while decoding."""
+    kq, kx = _shape(q), _shape(x)
+    if len(kq) < 2 or len(kx) < 2 or kq[-2] is kx[-2] or str(kq[-2]) == str(kx[-2]):
+        return x
+    c = x
+    while op_name(c) == "slice" and len(c.args) >= 4 and c.args[2] in (0, None) and isinstance(c.args[3], int) \
+            and c.args[3] >= 2**62 and isinstance(c.args[0], fx.Node):  # full slices (x[:, :, ...])
+        c = c.args[0]
+    if op_name(c) == "cat" and isinstance(c.args[0], (list, tuple)) and len(c.args[0]) >= 2:
+        dim = c.args[1] if len(c.args) > 1 else c.kwargs.get("dim", 0)
+        last = c.args[0][-1]
+        if dim in (-2, len(kx) - 2) and isinstance(last, fx.Node) and str(_shape(last)[-2:-1]) == str(kq[-2:-1]):
+            return last
+    raise ConfigError(
+        f"MoDA: the keys/values `{x.name}` of the attention at `{q.name}`'s reader span {kx[-2]} positions where its "
+        f"queries span {kq[-2]}, and they are not a KV cache's cat([cached, new], dim=-2): the depth slots need this "
+        "call's own tokens. Call without a KV cache (use_cache=False)."
+    )
+
+
 def _shape(n: fx.Node) -> tuple[int, ...]:
     v = tensor_val(n)
     return tuple(v.shape) if v is not None else ()
@@ -428,8 +450,9 @@ def _any_ancestor(n: fx.Node, hit, limit: int) -> bool:
 
 def key_path(ed: ChainEditor, a: AttentionOp) -> tuple[KeyPath | None, str]:
     """The key pipeline of attention ``a`` read from the graph's dataflow (k projection -> [layout] -> k-norm /
-    RoPE / ... -> attention key input), or (None, why). A path of layout ops only is returned with no ``nodes``."""
-    end = a.k
+    RoPE / ... -> attention key input), or (None, why). A path of layout ops only is returned with no ``nodes``.
+    Where the attention reads a KV cache, the path ends at this call's new keys (before the cache concat)."""
+    end = _this_call_tokens(a.k, a.q)
     # 1. the ancestors of the key input down to the projections (linear layers end the walk)
     seen, stack, projs = {end}, [end], []
     while stack:
@@ -661,8 +684,8 @@ def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassR
         if k >= last_reader:
             continue  # nothing after this sublayer reads a slot
         if a is not None:
-            slots_k.append(a.k)
-            slots_v.append(a.v)
+            slots_k.append(_this_call_tokens(a.k, a.q))
+            slots_v.append(_this_call_tokens(a.v, a.q))
             labels.append(f"attn{k}")
         mlp = [b for b in s.branches if b.kind != "attention"]
         if config.ffn_kv and mlp:

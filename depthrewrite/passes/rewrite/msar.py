@@ -245,4 +245,8 @@ SCHEME = register(Scheme(
     stage_anchor=mix_site_anchor,
     boundary_labels=mix_site_labels,
     state_at=stored_sources_state,
+    no_cached_decoding=(
+        "MSAR's causal convolutions along the sequence need the last k-1 positions of every stored source at every "
+        "mixing site as decoding state, which depthrewrite does not keep in the KV cache yet"
+    ),
 ))

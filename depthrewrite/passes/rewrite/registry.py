@@ -167,6 +167,9 @@ class Scheme:
         boundary_labels: ``boundary_labels(graph, report, j) -> dict[fx.Node, str]``: readable names of the depth-state
             values crossing a cut before sublayer j.
         state_at: ``state_at(report, j) -> DepthState``: the depth state per token crossing a cut before sublayer j.
+        no_cached_decoding: None when a call with a filled KV cache (decoding one token, as ``generate()`` does) is
+            exact with the model's own cache (the scheme mixes each token's own values only); else why not, which a
+            converted model raises as a :class:`ConfigError` on such a call.
 
     A stage that needs a hook the record leaves ``None`` asks :meth:`hook`, which raises :class:`StageHookError`
     naming the scheme and the hook — never another scheme's behaviour.
@@ -185,6 +188,7 @@ class Scheme:
     stage_anchor: Callable[..., "fx.Node"] | None = None
     boundary_labels: Callable[..., dict] | None = None
     state_at: Callable[..., DepthState] | None = None
+    no_cached_decoding: str | None = None
 
     def hook(self, name: str, stage: str) -> Callable:
         """The hook ``name`` for ``stage`` (e.g. ``"pipeline planning"``), or a :class:`StageHookError` saying the

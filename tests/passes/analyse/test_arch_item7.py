@@ -63,9 +63,9 @@ def test_function_preserving_at_init(model_type, moda_refusal, scheme, options):
     model = _model(model_type)
     if scheme == "moda" and moda_refusal:
         with pytest.raises(dr.AttentionPatternError, match=moda_refusal):
-            dr.convert(model, scheme, **options)
+            dr.convert(model, scheme, **options, inplace=False)
         return
-    conv = dr.convert(model, scheme, **options).eval()
+    conv = dr.convert(model, scheme, **options, inplace=False).eval()
     ids = torch.randint(0, 256, (2, 9))
     with torch.no_grad():
         assert rel_err(logits(conv(ids)), logits(model(ids))) <= INIT_RTOL
@@ -209,7 +209,7 @@ def test_nested_add_inside_a_branch_is_one_branch():
 def test_hand_written_patterns_convert_exactly(cls, scheme, options):
     torch.manual_seed(0)
     model = cls().eval()
-    conv = dr.convert(model, scheme, example_inputs=(IDS,), **options).eval()
+    conv = dr.convert(model, scheme, example_inputs=(IDS,), **options, inplace=False).eval()
     x = torch.randint(0, 32, (3, 5))
     with torch.no_grad():
         assert rel_err(conv(x), model(x)) <= INIT_RTOL

@@ -17,7 +17,7 @@ from .reference_models import Decoder
 
 def test_mean_scale_is_paper_literal_and_close_only_up_to_eps():
     model = build_zoo_model("hf:llama").eval()
-    conv = dr.convert(model, "attnres", mix_scale="mean").eval()
+    conv = dr.convert(model, "attnres", mix_scale="mean", inplace=False).eval()
     x = _inputs("hf:llama", model)
     with torch.no_grad():
         err = _rel(_logits(conv(*x)), _logits(model(*x)))
@@ -43,15 +43,15 @@ def test_independent_reference(S, count):
     ref = Decoder(layers=3, use_attnres=True, block_size=S, count=count)
     ref.load_state_dict(vanilla.state_dict(), strict=False)
     idx = torch.randint(0, 64, (2, 7))
-    conv = dr.convert(vanilla, "attnres", block_size=S, mix_scale="count" if count else "mean", example_inputs=(idx,))
+    conv = dr.convert(vanilla, "attnres", block_size=S, mix_scale="count" if count else "mean", example_inputs=(idx,), inplace=False)
     _randomise(conv, ref)
     assert_matches_reference(ref, conv, idx, lambda n: "depthrewrite.mix_" + n[len("mixes."):] if n.startswith("mixes.") else n)
 
 
 def test_block_size_one_equals_full():
     model = build_zoo_model("hf:qwen2")
-    full = dr.convert(model, "attnres")
-    s1 = dr.convert(model, AttnResConfig(block_size=1))
+    full = dr.convert(model, "attnres", inplace=False)
+    s1 = dr.convert(model, AttnResConfig(block_size=1), inplace=False)
     s1.load_state_dict(full.state_dict())
     for p in full.depthrewrite.parameters():
         p.data.normal_()
@@ -63,7 +63,7 @@ def test_block_size_one_equals_full():
 @pytest.mark.parametrize("S", [1, 2, 3])
 def test_source_counts_follow_the_spec_and_never_repeat(S):
     model = nanogpt(n_layer=3)  # L = 6
-    rep = dr.convert(model, "attnres", block_size=S).report()
+    rep = dr.convert(model, "attnres", block_size=S, inplace=False).report()
     L = len(rep.chain)
     for site in rep.sites:
         j = L if site.site == "output" else site.site
@@ -74,9 +74,9 @@ def test_source_counts_follow_the_spec_and_never_repeat(S):
 
 def test_blocks_vs_block_size_precedence_and_report():
     model = nanogpt(n_layer=3)
-    rep = dr.convert(model, "attnres", blocks=4, block_size=3).report()  # block_size wins
+    rep = dr.convert(model, "attnres", blocks=4, block_size=3, inplace=False).report()  # block_size wins
     assert rep.block_size == 3
-    rep4 = dr.convert(model, "attnres", blocks=4).report()  # L=6, N=4 -> S=2, N_eff=3
+    rep4 = dr.convert(model, "attnres", blocks=4, inplace=False).report()  # L=6, N=4 -> S=2, N_eff=3
     assert rep4.block_size == 2 and rep4.stored_sources == 4
     text = str(rep4)
     assert "Block AttnRes (S=2" in text and "new parameters:" in text and "bytes" in text
@@ -101,7 +101,7 @@ def test_blocks_vs_block_size_precedence_and_report():
 def test_config_errors(kwargs, match):
     model = nanogpt(n_layer=2)
     with pytest.raises(ConfigError, match=match):
-        dr.convert(model, **kwargs)
+        dr.convert(model, **kwargs, inplace=False)
 
 
 def test_model_that_fails_detection():

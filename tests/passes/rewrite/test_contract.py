@@ -62,7 +62,7 @@ def _count_ops(gm, scheme):
 @pytest.mark.parametrize("name", ZOO)
 def test_function_preserving_at_init(name, scheme, options, tol):
     model = build_zoo_model(name).eval()
-    conv = dr.convert(model, scheme, **options).eval()
+    conv = dr.convert(model, scheme, **options, inplace=False).eval()
     x = inputs_for(name, model)
     with torch.no_grad():
         ref, out = logits(model(*x)), logits(conv(*x))
@@ -86,10 +86,10 @@ def test_function_preserving_at_init_more_hf(model_type, scheme):
     model = build_zoo_model(f"hf:{model_type}").eval()
     if model_type in REFUSED.get(scheme, ()):
         with pytest.raises(dr.AttentionPatternError, match=f"cannot be rewritten by {dr.scheme(scheme).title}") as ei:
-            dr.convert(model, scheme, **EXACT[scheme])
+            dr.convert(model, scheme, **EXACT[scheme], inplace=False)
         assert ei.value.node is not None and f"`{ei.value.node}`" in str(ei.value)
         return
-    conv = dr.convert(model, scheme, **EXACT[scheme]).eval()
+    conv = dr.convert(model, scheme, **EXACT[scheme], inplace=False).eval()
     ids = torch.randint(0, 256, (2, 9))
     with torch.no_grad():
         assert rel_err(logits(conv(ids)), logits(model(ids))) <= INIT_RTOL
@@ -127,7 +127,7 @@ PAIR_OPTIONS = {
 @pytest.fixture(scope="module", params=ALL)
 def pair(request):
     model = build_zoo_model("hf:llama")
-    return request.param, model, dr.convert(model, request.param, **PAIR_OPTIONS[request.param])
+    return request.param, model, dr.convert(model, request.param, **PAIR_OPTIONS[request.param], inplace=False)
 
 
 def test_state_dict_contract(pair):
@@ -186,7 +186,7 @@ def test_train_eval_switches_dropout(scheme):
     model = build_zoo_model("hf:gpt2")
     model.config.resid_pdrop = model.config.embd_pdrop = model.config.attn_pdrop = 0.5
     model = type(model)(model.config)  # rebuild with dropout > 0
-    conv = dr.convert(model, scheme, **EXACT[scheme])
+    conv = dr.convert(model, scheme, **EXACT[scheme], inplace=False)
     ids = torch.randint(0, 256, (2, 8))
     conv.eval()
     model.eval()
@@ -204,7 +204,7 @@ def test_train_eval_switches_dropout(scheme):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_to_half_dtypes_runs(scheme, dtype):
     model = build_zoo_model("hf:llama")
-    conv = dr.convert(model, scheme, **EXACT[scheme]).to(dtype)
+    conv = dr.convert(model, scheme, **EXACT[scheme], inplace=False).to(dtype)
     ids = torch.randint(0, 256, (2, 8))
     with torch.no_grad():
         out = conv(ids).logits
@@ -256,7 +256,7 @@ def test_unknown_options_and_bad_values(scheme):
 def test_convert_refuses_a_captured_graph():
     gm = dr.capture(nanogpt(n_layer=1))
     with pytest.raises(ConfigError, match="original nn.Module"):
-        dr.convert(gm, "attnres")
+        dr.convert(gm, "attnres", inplace=False)
 
 
 def test_call_without_a_converted_input(pair):

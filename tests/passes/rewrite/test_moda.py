@@ -115,8 +115,8 @@ def _build(name, extra):
 def test_attention_forms_convert(name, extra, form):
     model = _build(name, extra).eval()
     x = inputs_for(name, model)
-    exact = dr.convert(model, "moda", preserve_init=True).eval()
-    paper = dr.convert(model, "moda").eval()
+    exact = dr.convert(model, "moda", preserve_init=True, inplace=False).eval()
+    paper = dr.convert(model, "moda", inplace=False).eval()
     with torch.no_grad():
         ref = logits(model(*x))
         assert rel_err(logits(exact(*x)), ref) <= INIT_RTOL  # λ = 0: the original model
@@ -145,7 +145,7 @@ def _reference_pair(attn="plain", kv_heads=None, preserve_init=True, layers=3, s
     ref = MoDADecoder(layers=layers, attn=attn, kv_heads=kv_heads, lam=preserve_init)
     ref.load_state_dict(vanilla.state_dict(), strict=False)
     idx = torch.randint(0, 64, (2, 7))
-    conv = dr.convert(vanilla, "moda", preserve_init=preserve_init, example_inputs=(idx,))
+    conv = dr.convert(vanilla, "moda", preserve_init=preserve_init, example_inputs=(idx,), inplace=False)
     g = torch.Generator().manual_seed(1)
     box = conv.depthrewrite
     for j, p in ref.kv_proj.items():
@@ -208,8 +208,8 @@ def test_mingpt_textbook_attention():
     flash = dr.testing.nanogpt(n_layer=3).eval()
     flash.load_state_dict(eager.state_dict(), strict=False)
     ids = torch.randint(0, 256, (2, 11))
-    exact = dr.convert(eager, "moda", preserve_init=True).eval()
-    a, b = dr.convert(eager, "moda").eval(), dr.convert(flash, "moda").eval()
+    exact = dr.convert(eager, "moda", preserve_init=True, inplace=False).eval()
+    a, b = dr.convert(eager, "moda", inplace=False).eval(), dr.convert(flash, "moda", inplace=False).eval()
     b.depthrewrite.load_state_dict(a.depthrewrite.state_dict())
     with torch.no_grad():
         ref = eager(ids)
@@ -252,7 +252,7 @@ def test_ffn_slot_depth_scores_are_position_free(name):
     q·k of a slot written with the reading attention's rotation (moda.md §8 Q1) is the same at every position.
     Raw FFN keys (no RoPE, no k-norm) give (R_t q)·k, which varies with t."""
     model = build_zoo_model(name).eval()
-    conv = dr.convert(model, "moda").eval()
+    conv = dr.convert(model, "moda", inplace=False).eval()
     ids = torch.full((1, 12), 5, dtype=torch.long)
     q, Kd = _moda_inputs(conv, ids)[0]  # the first reading site: slots attn0, ffn1
     G = q.shape[1] // Kd.shape[3]
@@ -267,7 +267,7 @@ def test_ffn_key_rotation_equals_the_attention_key_rotation():
     """Feed the attention's own raw keys through kv_proj (kv_proj := [k_proj; v_proj]): the FFN slot then equals the
     attention slot of the same block exactly — same k-norm, same rotation at the same position."""
     model = build_zoo_model("hf:qwen3").eval()
-    conv = dr.convert(model, "moda", preserve_init=True).eval()
+    conv = dr.convert(model, "moda", preserve_init=True, inplace=False).eval()
     attn = model.model.layers[0].self_attn
     with torch.no_grad():
         conv.depthrewrite.kv_proj_1.weight.copy_(torch.cat([attn.k_proj.weight, attn.v_proj.weight]))
@@ -284,10 +284,10 @@ def test_ffn_key_rotation_equals_the_attention_key_rotation():
 
 def test_ffn_keys_option():
     m = build_zoo_model("hf:qwen3")
-    raw = dr.convert(m, "moda", ffn_keys="raw").report()
+    raw = dr.convert(m, "moda", ffn_keys="raw", inplace=False).report()
     w = next(s for s in raw.sites if not s.sources)
     assert "raw keys (ffn_keys='raw')" in w.detail
-    nxt = dr.convert(m, "moda", ffn_keys="next").report()
+    nxt = dr.convert(m, "moda", ffn_keys="next", inplace=False).report()
     assert "keys through attn2's key path" in next(s for s in nxt.sites if not s.sources).detail
     with pytest.raises(ConfigError, match="ffn_keys"):
         dr.MoDAConfig(ffn_keys="rope")
@@ -301,7 +301,7 @@ def test_kv_proj_bias_follows_the_qkv_projections():
 @pytest.mark.parametrize("name", ["hf:llama", "hf:qwen3", "hf:gpt2", "hf:phi", "hf:mixtral", "hf:olmo2", "nanogpt"])
 def test_causality(name):
     model = build_zoo_model(name).eval()
-    conv = dr.convert(model, "moda").eval()
+    conv = dr.convert(model, "moda", inplace=False).eval()
     (ids,) = inputs_for(name, model, seq=10)
     ids2 = ids.clone()
     ids2[:, 6] = (ids2[:, 6] + 1) % 64
@@ -403,7 +403,7 @@ def test_refusal_of_an_hf_model_suggests_attn_implementation():
     ml.eager_attention_forward = odd
     try:
         with pytest.raises(AttentionPatternError, match="softmax over the last dimension") as ei:
-            dr.convert(model, "moda", example_inputs=(torch.randint(0, 64, (2, 5)),))
+            dr.convert(model, "moda", example_inputs=(torch.randint(0, 64, (2, 5)),), inplace=False)
     finally:
         ml.eager_attention_forward = orig
     assert "attn_implementation='sdpa' (or 'eager')" in str(ei.value)
@@ -430,7 +430,7 @@ def test_masked_fill_with_a_data_mask_is_a_sequence_mask():
     model = PadMasked().eval()
     idx = torch.randint(1, 32, (2, 6))
     idx[0, 2] = 0
-    conv = dr.convert(model, "moda", preserve_init=True, example_inputs=(idx,)).eval()
+    conv = dr.convert(model, "moda", preserve_init=True, example_inputs=(idx,), inplace=False).eval()
     with torch.no_grad():
         assert rel_err(conv(idx), model(idx)) <= INIT_RTOL
     attn = [n for n in conv.graph.nodes if n.target is torch.ops.depthrewrite.moda_attn.default]
@@ -483,7 +483,7 @@ def test_sdpa_with_enable_gqa():
     torch.manual_seed(0)
     model = GQAEnable().eval()
     idx = torch.randint(0, 64, (2, 6))
-    conv = dr.convert(model, "moda", preserve_init=True, example_inputs=(idx,)).eval()
+    conv = dr.convert(model, "moda", preserve_init=True, example_inputs=(idx,), inplace=False).eval()
     with torch.no_grad():
         assert rel_err(conv(idx), model(idx)) <= INIT_RTOL
     assert conv.depthrewrite.kv_proj_1.weight.shape == (2 * 2 * 8, 32)  # 2·Hk·d with Hk = 2, not Hq = 4
@@ -514,7 +514,7 @@ def test_a_key_path_reading_hidden_states_falls_back_to_raw_keys():
     torch.manual_seed(0)
     model = GatedKeys().eval()
     idx = torch.randint(0, 64, (2, 6))
-    conv = dr.convert(model, "moda", preserve_init=True, example_inputs=(idx,)).eval()
+    conv = dr.convert(model, "moda", preserve_init=True, example_inputs=(idx,), inplace=False).eval()
     with torch.no_grad():
         assert rel_err(conv(idx), model(idx)) <= INIT_RTOL
     rep = conv.report()
@@ -590,7 +590,7 @@ def test_mask_scale_softcap_in_order_are_exact(variant, causal, softcap):
     with torch.no_grad():
         for p in model.qkv.parameters():
             p.mul_(4.0)  # sharp attention: a misplaced mask would show
-    conv = dr.convert(model, "moda", preserve_init=True, example_inputs=(torch.randint(1, 32, (2, 8)),)).eval()
+    conv = dr.convert(model, "moda", preserve_init=True, example_inputs=(torch.randint(1, 32, (2, 8)),), inplace=False).eval()
     attn = [n for n in conv.graph.nodes if n.target is torch.ops.depthrewrite.moda_attn.default]
     assert attn and all(n.args[8] is causal and n.args[11] == softcap for n in attn)
     for shape in ((2, 8), (1, 1), (3, 5)):
@@ -630,8 +630,8 @@ def test_a_flat_stream_is_refused_for_ffn_slots():
     torch.manual_seed(0)
     model, idx = FlatStream().eval(), torch.randint(0, 32, (3, 6))
     with pytest.raises(ConfigError, match=r"\[batch, sequence, hidden\] stream.*ffn_kv=False"):
-        dr.convert(model, "moda", example_inputs=(idx,))
-    conv = dr.convert(model, "moda", ffn_kv=False, preserve_init=True, example_inputs=(idx,)).eval()
+        dr.convert(model, "moda", example_inputs=(idx,), inplace=False)
+    conv = dr.convert(model, "moda", ffn_kv=False, preserve_init=True, example_inputs=(idx,), inplace=False).eval()
     with torch.no_grad():
         assert rel_err(conv(idx), model(idx)) <= INIT_RTOL
 
@@ -656,7 +656,7 @@ def test_mixed_rotations_are_noted(name, pairs):
     from depthrewrite.demo.zoo import hf_model
 
     model = hf_model(name, layers=3 if name in MIXED_ROTATION else 2, hidden=32, **MIXED_ROTATION.get(name, {}))
-    notes = [n for n in dr.convert(model, "moda").report().notes if "depend on position" in n]
+    notes = [n for n in dr.convert(model, "moda", inplace=False).report().notes if "depend on position" in n]
     if pairs is None:
         assert notes == []
     else:

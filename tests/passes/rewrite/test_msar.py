@@ -34,8 +34,8 @@ def test_conv_identity_init_in_the_tap_layout():
 def test_equals_attnres_at_init(blocks, mix_scale):
     model = build_zoo_model("hf:qwen2").eval()
     x = inputs_for("hf:qwen2", model)
-    a = dr.convert(model, "attnres", blocks=blocks, mix_scale=mix_scale).eval()
-    m = dr.convert(model, "msar", blocks=blocks, mix_scale=mix_scale).eval()
+    a = dr.convert(model, "attnres", blocks=blocks, mix_scale=mix_scale, inplace=False).eval()
+    m = dr.convert(model, "msar", blocks=blocks, mix_scale=mix_scale, inplace=False).eval()
     with torch.no_grad():
         assert rel_err(logits(m(*x)), logits(a(*x))) <= INIT_RTOL
 
@@ -45,7 +45,7 @@ def test_independent_reference(S):
     kernels = (2, 3, 5)
     vanilla, ref = msar_reference_pair(S, kernels)
     idx = torch.randint(0, 64, (2, 7))
-    conv = dr.convert(vanilla, "msar", block_size=S, kernel_sizes=kernels, example_inputs=(idx,))
+    conv = dr.convert(vanilla, "msar", block_size=S, kernel_sizes=kernels, example_inputs=(idx,), inplace=False)
     randomise_like_reference(ref, conv)
     assert_matches_reference(ref, conv, idx, mix_name)
 
@@ -63,13 +63,13 @@ def test_mixer_eps_is_fixed_not_the_models():
     ref = MSARDecoder(layers=2, kernels=kernels, norm_eps=1e-5)
     ref.load_state_dict(vanilla.state_dict(), strict=False)
     idx = torch.randint(0, 64, (2, 7))
-    conv = dr.convert(vanilla, "msar", kernel_sizes=kernels, example_inputs=(idx,))
+    conv = dr.convert(vanilla, "msar", kernel_sizes=kernels, example_inputs=(idx,), inplace=False)
     mixes = [n for n in conv.graph.nodes if n.target is torch.ops.depthrewrite.msar_mix.default]
     assert mixes and all(n.args[7] == 1e-5 and n.args[11] == 1e-6 for n in mixes)  # key ε = model's, mixer ε fixed
     randomise_like_reference(ref, conv)
     assert_matches_reference(ref, conv, idx, mix_name)
     # the option is honoured, and the reference then no longer matches
-    other = dr.convert(vanilla, "msar", kernel_sizes=kernels, eps_mix=1e-5, example_inputs=(idx,))
+    other = dr.convert(vanilla, "msar", kernel_sizes=kernels, eps_mix=1e-5, example_inputs=(idx,), inplace=False)
     randomise_like_reference(ref, other)
     assert all(n.args[11] == 1e-5 for n in other.graph.nodes if n.target is torch.ops.depthrewrite.msar_mix.default)
     with torch.no_grad():
@@ -84,10 +84,10 @@ def test_eps_mix_is_validated(bad):
 
 def test_block_msar_stores_single_stream_summaries():
     model = nanogpt(n_layer=4)  # L = 8
-    rep = dr.convert(model, "msar", blocks=2).report()  # S = 4, N_eff = 2
+    rep = dr.convert(model, "msar", blocks=2, inplace=False).report()  # S = 4, N_eff = 2
     assert rep.stored_sources == 2 + 1  # (N_eff + 1)·d, like Block AttnRes; not m·(N_eff + 1)·d
     assert rep.memory_per_token == 3 * 64 * 4
-    assert rep.stored_sources == dr.convert(model, "attnres", blocks=2).report().stored_sources
+    assert rep.stored_sources == dr.convert(model, "attnres", blocks=2, inplace=False).report().stored_sources
     assert "Block MSAR (S=4" in str(rep) and "m=4 streams" in str(rep)
 
 
@@ -98,7 +98,7 @@ CAUSAL = ["hf:llama", "hf:mistral", "hf:qwen2", "hf:qwen3", "hf:gemma", "hf:gemm
 def test_causality(name):
     """Perturbing position t changes no output before t, with random convs, queries and mixer."""
     model = build_zoo_model(name).eval()
-    conv = dr.convert(model, "msar").eval()
+    conv = dr.convert(model, "msar", inplace=False).eval()
     g = torch.Generator().manual_seed(0)
     for n, p in conv.named_parameters():
         if n.startswith("depthrewrite."):
@@ -151,7 +151,7 @@ def test_config_errors(kwargs, match):
 def test_options_keys_only_and_mean_mixer_still_exact_at_init():
     model = build_zoo_model("hf:llama").eval()
     x = inputs_for("hf:llama", model)
-    conv = dr.convert(model, "msar", conv_on="k", mixer="mean", streams=3).eval()
+    conv = dr.convert(model, "msar", conv_on="k", mixer="mean", streams=3, inplace=False).eval()
     assert len(conv.depthrewrite.mix_1.conv) == 2 and conv.depthrewrite.mix_1.conv[1].shape[1] == 8  # k_r = 4r
     with torch.no_grad():
         assert rel_err(logits(conv(*x)), logits(model(*x))) <= INIT_RTOL

@@ -66,12 +66,12 @@ def test_left_padding_equals_unpadded(model_type, blocks):
     torch.manual_seed(0)
     model = hf_model(model_type, layers=2).eval()
     V = model.config.vocab_size
-    conv = dr.convert(model, "msar", blocks=blocks, example_kwargs=_example(V)).eval()
+    conv = dr.convert(model, "msar", blocks=blocks, example_kwargs=_example(V), inplace=False).eval()
     assert len(_wheres(conv)) == 2 * 2 + 1  # the embedding and each sublayer output, masked once as they are stored
     _randomise(conv)
     assert _padded_vs_unpadded(conv, V) <= 1e-5
     # the same without the mask: the convs read the pad positions' states, and the padded row changes
-    off = dr.convert(model, "msar", blocks=blocks, padding_mask=None, example_kwargs=_example(V)).eval()
+    off = dr.convert(model, "msar", blocks=blocks, padding_mask=None, example_kwargs=_example(V), inplace=False).eval()
     assert not _wheres(off) and not any("pad" in n for n in off.report().notes)
     _randomise(off)
     assert _padded_vs_unpadded(off, V) > 1e-3
@@ -82,7 +82,7 @@ def test_function_preserved_at_init_on_real_positions(blocks):
     torch.manual_seed(0)
     model = hf_model("llama", layers=2).eval()
     ex = _example(model.config.vocab_size)
-    conv = dr.convert(model, "msar", blocks=blocks, example_kwargs=ex).eval()
+    conv = dr.convert(model, "msar", blocks=blocks, example_kwargs=ex, inplace=False).eval()
     with torch.no_grad():
         a, b = conv(**ex).logits, model(**ex).logits
     torch.testing.assert_close(a[0, PAD:], b[0, PAD:], rtol=1e-4, atol=1e-5)
@@ -93,8 +93,8 @@ def test_mask_found_by_auto_and_by_name():
     torch.manual_seed(0)
     model = hf_model("llama", layers=2).eval()
     ex = _example(model.config.vocab_size)
-    auto = dr.convert(model, "msar", example_kwargs=ex)
-    named = dr.convert(model, "msar", padding_mask="attention_mask", example_kwargs=ex)
+    auto = dr.convert(model, "msar", example_kwargs=ex, inplace=False)
+    named = dr.convert(model, "msar", padding_mask="attention_mask", example_kwargs=ex, inplace=False)
     for conv in (auto, named):
         notes = conv.report().notes
         assert any("zeroed at pad positions" in n and "`attention_mask`" in n for n in notes), notes
@@ -109,8 +109,8 @@ def test_without_a_mask_input_nothing_changes():
     torch.manual_seed(0)
     model = hf_model("llama", layers=2).eval()
     ids = torch.randint(0, model.config.vocab_size, (2, 8))
-    a = dr.convert(model, "msar", example_kwargs={"input_ids": ids})
-    b = dr.convert(model, "msar", padding_mask=None, example_kwargs={"input_ids": ids})
+    a = dr.convert(model, "msar", example_kwargs={"input_ids": ids}, inplace=False)
+    b = dr.convert(model, "msar", padding_mask=None, example_kwargs={"input_ids": ids}, inplace=False)
     assert not _wheres(a) and not a.report().notes
     assert [n.target for n in a.graph.nodes] == [n.target for n in b.graph.nodes]
 
@@ -120,9 +120,9 @@ def test_bad_name_lists_the_inputs():
     model = hf_model("llama", layers=2).eval()
     ex = _example(model.config.vocab_size)
     with pytest.raises(ConfigError, match=r"no input of that name.*input_ids, attention_mask, position_ids"):
-        dr.convert(model, "msar", padding_mask="pad_mask", example_kwargs=ex)
+        dr.convert(model, "msar", padding_mask="pad_mask", example_kwargs=ex, inplace=False)
     with pytest.raises(ConfigError, match=r"`position_ids` holds values other than 0 and 1"):
-        dr.convert(model, "msar", padding_mask="position_ids", example_kwargs=ex)
+        dr.convert(model, "msar", padding_mask="position_ids", example_kwargs=ex, inplace=False)
 
 
 @pytest.mark.parametrize("bad", ["", 3, True])
@@ -141,14 +141,14 @@ def test_independent_reference_with_padding(S):
     mask = torch.ones(2, 9)
     mask[0, :PAD] = 0
     conv = dr.convert(vanilla, "msar", block_size=S, kernel_sizes=kernels,
-                      example_kwargs={"idx": idx, "attention_mask": mask})
+                      example_kwargs={"idx": idx, "attention_mask": mask}, inplace=False)
     assert len(_wheres(conv)) == 2 * 3 + 1
     randomise_like_reference(ref, conv)
     x = torch.randint(0, 64, (2, 9))
     assert_matches_reference(ref, conv, x, mix_name, attention_mask=mask)
     # and the comparison is sensitive to the mask: converted without it, the padded row's real positions differ
     off = dr.convert(vanilla, "msar", block_size=S, kernel_sizes=kernels, padding_mask=None,
-                     example_kwargs={"idx": idx, "attention_mask": mask})
+                     example_kwargs={"idx": idx, "attention_mask": mask}, inplace=False)
     randomise_like_reference(ref, off)
     with torch.no_grad():
         assert (off(x, attention_mask=mask)[0, PAD:] - ref(x, attention_mask=mask)[0, PAD:]).abs().max() > 1e-3
@@ -159,11 +159,11 @@ def test_auto_skips_an_attention_mask_that_is_not_0_1_and_says_so():
     vanilla, _ = msar_reference_pair(1)
     idx = torch.randint(0, 64, (2, 9))
     mask = torch.full((2, 9), 2.0)  # nonzero keeps a key in this model, but it is no 0/1 padding mask
-    conv = dr.convert(vanilla, "msar", example_kwargs={"idx": idx, "attention_mask": mask})
+    conv = dr.convert(vanilla, "msar", example_kwargs={"idx": idx, "attention_mask": mask}, inplace=False)
     assert not _wheres(conv)
     assert any("padding is not masked" in n and "other than 0 and 1" in n for n in conv.report().notes)
     with pytest.raises(ConfigError, match="other than 0 and 1.*inputs: idx, attention_mask"):
-        dr.convert(vanilla, "msar", padding_mask="attention_mask", example_kwargs={"idx": idx, "attention_mask": mask})
+        dr.convert(vanilla, "msar", padding_mask="attention_mask", example_kwargs={"idx": idx, "attention_mask": mask}, inplace=False)
 
 
 def test_pipeline_stages_with_a_mask():
@@ -174,7 +174,7 @@ def test_pipeline_stages_with_a_mask():
     torch.manual_seed(0)
     model = hf_model("llama", layers=2).eval()
     ex = _example(model.config.vocab_size)
-    conv = dr.convert(model, "msar", blocks=2, pipeline_stages=2, example_kwargs=ex).eval()
+    conv = dr.convert(model, "msar", blocks=2, pipeline_stages=2, example_kwargs=ex, inplace=False).eval()
     _randomise(conv)
     (b,) = conv.report().pipeline.boundaries
     assert {t.label for t in b.tensors if t.kind == "depth"} == {"emb", "partial b1"}

@@ -23,7 +23,7 @@ def _pooled_vit():
 @pytest.mark.parametrize("scheme, options, tol", SCHEMES)
 def test_pooled_vit_function_preserving_at_init(scheme, options, tol):
     model = _pooled_vit()
-    conv = dr.convert(model, scheme, **options).eval()
+    conv = dr.convert(model, scheme, **options, inplace=False).eval()
     x = torch.randn(2, 3, 224, 224)
     with torch.no_grad():
         assert rel_err(conv(x), model(x)) <= tol
@@ -59,7 +59,7 @@ def test_pooled_vit_trains(scheme):
 def test_opt_any_batch_and_sequence(scheme, options, batch, seq):
     """The reshapes back to OPT's [B·T, D] and [B, T, D] read their sizes at run time."""
     model = build_zoo_model("hf:opt")
-    conv = dr.convert(model, scheme, **options).eval()
+    conv = dr.convert(model, scheme, **options, inplace=False).eval()
     ids = torch.randint(0, 256, (batch, seq))
     with torch.no_grad():
         err = rel_err(logits(conv(ids)), logits(model(ids)))

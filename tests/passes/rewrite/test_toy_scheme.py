@@ -107,7 +107,7 @@ def test_registered_everywhere_the_registry_is_read(depthavg):
 
 def test_convert_is_exact_at_init_and_reported(depthavg):
     model = _model()
-    conv = dr.convert(model, "depthavg").eval()
+    conv = dr.convert(model, "depthavg", inplace=False).eval()
     with torch.no_grad():
         assert rel_err(conv(IDX), model(IDX)) <= INIT_RTOL
     report = conv.report()
@@ -118,7 +118,7 @@ def test_convert_is_exact_at_init_and_reported(depthavg):
     assert repr(conv) == f"ConvertedGPT(scheme='depthavg', sites={L}, new_params=0)"
     assert not any(depth_op_name(n) for n in conv.graph.nodes)  # aten ops only
     # a config instance works as well as the name
-    assert type(dr.convert(model, DepthAvgConfig(mix_scale="mean")).report().config) is DepthAvgConfig
+    assert type(dr.convert(model, DepthAvgConfig(mix_scale="mean"), inplace=False).report().config) is DepthAvgConfig
 
 
 def test_compile_backend_recognises_it_without_ops_or_parameters(depthavg):

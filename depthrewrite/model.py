@@ -1,0 +1,611 @@
+"""The converted model: the user's own object, whose ``forward`` runs rewritten graphs captured per call structure.
+
+:func:`depthrewrite.convert` converts in place (as ``torchao.quantization.quantize_`` does): the model keeps its
+identity, its attributes and its methods, and its class becomes a subclass of the original one
+(:class:`ConvertedModel` first in the method order) whose ``forward`` has the original signature. So ``.config``,
+``generate()``, ``save_pretrained()``, HF ``Trainer`` and a hand-written model's own methods keep working.
+
+How a call runs (:meth:`ConversionState.call`):
+
+1. **Module tree.** A fingerprint of the submodule tree (every submodule object, its type, its parameters' and
+   buffers' identities) is compared with the one recorded at the last capture. A replaced, added or removed submodule
+   (peft's LoRA), a reassigned parameter or buffer (``.to()`` replaces buffers, ``tie_weights()`` parameters) drops
+   every captured graph, and the call recaptures: the module tools are followed, never bypassed. A hook on a submodule
+   cannot be followed (a captured graph would run its side effects once, at capture): it is a
+   :class:`~depthrewrite.errors.ModuleTreeChangedError`, as is a global module hook.
+2. **Call structure.** The call is bound to the original signature; its structure is the training mode, the model's
+   dtype and device, and per argument: ``None``, a tensor's dtype/device/rank, a Python value, or a container's
+   layout (a KV cache). Each structure gets its own graphs on first use: captured with ``torch.export`` from the
+   original ``forward``, rewritten by the scheme's pass, sharing the same new parameters (``model.depthrewrite``,
+   sites matched by position in the chain; a structure whose chain differs is a typed error).
+3. **Shapes.** Batch and sequence dimensions are dynamic. Where export fixed a dimension (or a dynamic one is 0 or 1
+   in this call, which export assumes it is not), the call gets a graph of its own, as ``torch.compile`` recompiles.
+4. **Caches.** A call that passes a ``transformers`` ``DynamicCache`` runs a graph that takes the cache's tensors and
+   returns the new ones; they are written back into the caller's cache object, which HF models (and ``generate()``)
+   expect to be updated in place.
+
+Copies (``copy.deepcopy``, pickle, ``torch.save``) carry the module state and the conversion's recipe, never the
+graphs: a copy recaptures on first use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import inspect as _inspect
+import itertools
+import logging
+import operator
+import time
+from collections import OrderedDict
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from .errors import CaptureGuardError, ConfigError, DepthRewriteError, ModuleTreeChangedError
+
+__all__ = ["ConvertedModel", "ConversionState", "GraphEntry", "is_converted", "state_of", "converted_class"]
+
+log = logging.getLogger(__name__)
+
+PARAM_PREFIX = "depthrewrite"
+
+# Set to False to skip the module-tree check (for measuring its cost only: changes then go unnoticed).
+CHECK_MODULE_TREE = True
+
+
+# ---- the module tree fingerprint ---------------------------------------------------------------------------------
+
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_hooks_of = operator.attrgetter(*_HOOKS)
+_children_of = operator.attrgetter("_modules")
+_params_of = operator.attrgetter("_parameters")
+_buffers_of = operator.attrgetter("_buffers")
+_HOOK_WORDS = {
+    "_forward_pre_hooks": "a forward pre-hook",
+    "_forward_hooks": "a forward hook",
+    "_backward_pre_hooks": "a backward pre-hook",
+    "_backward_hooks": "a backward hook",
+}
+_GLOBAL_HOOKS = (
+    ("_global_forward_pre_hooks", "register_module_forward_pre_hook"),
+    ("_global_forward_hooks", "register_module_forward_hook"),
+    ("_global_backward_pre_hooks", "register_module_full_backward_pre_hook"),
+    ("_global_backward_hooks", "register_module_(full_)backward_hook"),
+)
+_KNOWN_HOOK_OWNERS = ("transformers.", "torch.", "peft.", "accelerate.", "depthrewrite.")
+
+
+def _tensor_ids(owners: list[nn.Module]) -> list[int]:
+    return list(map(id, itertools.chain.from_iterable(
+        itertools.chain(map(dict.values, map(_params_of, owners)), map(dict.values, map(_buffers_of, owners)))
+    )))
+
+
+class ModuleTree:
+    """The submodule tree when the graphs were captured: ``names[i]``/``mods[i]``/``types[i]`` for every submodule,
+    ``children[j]`` a copy of the ``_modules`` dict of ``owners[j]`` (the root, then every submodule), and the
+    identities of every parameter and buffer."""
+
+    __slots__ = ("names", "mods", "types", "owners", "children", "hooks", "hook_snapshot", "tensors")
+
+    def __init__(self, root: nn.Module):
+        named = [(n, m) for n, m in root.named_modules() if m is not root]
+        self.names = [n for n, _ in named]
+        self.mods = [m for _, m in named]
+        self.types = list(map(type, self.mods))
+        self.owners = [root, *self.mods]
+        self.children = [dict(d) for d in map(_children_of, self.owners)]
+        # the hook dicts themselves (register_*_hook adds to them in place): any() over them is one C-level pass
+        self.hooks = [d for m in self.mods for d in _hooks_of(m)]
+        self.hook_snapshot = [dict(d) for d in self.hooks]
+        self.tensors = _tensor_ids(self.owners)
+
+    def changed(self, root: nn.Module) -> bool:
+        """Whether a submodule was replaced, added or removed, a hook added or removed on one, or a parameter or
+        buffer reassigned, since recording. A few C-level passes over lists (about 40 µs for a 32-layer model)."""
+        return (
+            list(map(type, self.mods)) != self.types
+            or list(map(_children_of, self.owners)) != self.children  # dict ==: same names, same objects
+            or self.hooks != self.hook_snapshot  # the live hook dicts against copies: same keys, same functions
+            or _tensor_ids(self.owners) != self.tensors
+        )
+
+    def user_hooks(self) -> list[tuple[str, Any]]:
+        """``(module path, hook)`` for hooks on submodules that no library we know installed (transformers records
+        hidden states and attentions with hooks of its own; peft and accelerate install some too)."""
+        out = []
+        for name, m in zip(self.names, self.mods):
+            for d in _hooks_of(m):
+                for h in d.values():
+                    owner = getattr(h, "__module__", None) or getattr(type(h), "__module__", "") or ""
+                    if not owner.startswith(_KNOWN_HOOK_OWNERS):
+                        out.append((name, h))
+        return out
+
+    def change(self, root: nn.Module) -> tuple[str, str]:
+        if self.hooks != self.hook_snapshot:
+            i = next(i for i, (a, b) in enumerate(zip(self.hooks, self.hook_snapshot)) if a != b)
+            return self.names[i // len(_HOOKS)], f"{_HOOK_WORDS[_HOOKS[i % len(_HOOKS)]]} added or removed"
+        """The first difference between this record and ``root``'s tree: ``(path, what happened)``."""
+        now = dict(root.named_modules())
+        for name, mod, typ in zip(self.names, self.mods, self.types):
+            cur = now.get(name)
+            if cur is None:
+                return name, "removed"
+            if cur is not mod:
+                return name, f"replaced (by a {type(cur).__name__})"
+            if type(cur) is not typ:
+                return name, f"changed from a {typ.__name__} to a {type(cur).__name__}"
+        known = set(self.names)
+        added = next((n for n in now if n and n not in known), None)
+        if added is not None:
+            return added, f"added (a {type(now[added]).__name__})"
+        return "", "a parameter or buffer was reassigned"
+
+    def check_hooks(self) -> None:
+        mm = torch.nn.modules.module
+        if mm._global_forward_pre_hooks or mm._global_forward_hooks or mm._global_backward_pre_hooks or mm._global_backward_hooks:
+            kind = next(fn for attr, fn in _GLOBAL_HOOKS if getattr(mm, attr))
+            raise ModuleTreeChangedError(
+                f"a global module hook is registered (torch.nn.modules.module.{kind}; FlopCounterMode and "
+                "ModuleTracker register one too): it would run for the converted model itself but for none of its "
+                "submodules, whose code runs inside a captured graph. Remove the global hook before calling the "
+                "converted model.",
+                module=None, change="global hook",
+            )
+
+
+# ---- call structures ----------------------------------------------------------------------------------------------
+
+
+def _describe_leaf(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return ("T", x.dtype, x.device, x.dim())
+    try:
+        hash(x)
+    except TypeError:
+        return ("obj", type(x).__qualname__)
+    if isinstance(x, (bool, int, float, str, type(None))) or x is Ellipsis:
+        return ("V", type(x).__name__, x)
+    return ("obj", type(x).__qualname__)
+
+
+def _describe(value: Any) -> Any:
+    leaves, spec = pytree.tree_flatten(value)
+    if spec.is_leaf():
+        return _describe_leaf(value)
+    return (str(spec), tuple(map(_describe_leaf, leaves)))
+
+
+def _has_cache(value: Any) -> bool:
+    return type(value).__name__.endswith("Cache") and hasattr(value, "get_seq_length")
+
+
+@dataclasses.dataclass
+class GraphEntry:
+    """One captured and rewritten graph: the call structure it serves, its shape guards and how long capture took."""
+
+    module: fx.GraphModule  # a ConvertedGraphModule (see depthrewrite.converted)
+    structure: str  # readable: "train, input_ids: int64[2d], labels: int64[2d]"
+    guards: tuple  # per tensor input: {dim: fixed size or symbol name}
+    seconds: float
+    calls: int = 0
+
+    def matches(self, tensors: list[torch.Tensor]) -> bool:
+        if len(tensors) != len(self.guards):
+            return False
+        symbols: dict[str, int] = {}
+        for t, dims in zip(tensors, self.guards):
+            for d, g in dims.items():
+                if d >= t.dim():
+                    return False
+                s = int(t.shape[d])
+                if isinstance(g, int):
+                    if s != g:
+                        return False
+                elif s < 2 or symbols.setdefault(g, s) != s:  # export assumes dynamic sizes are >= 2 and equal per symbol
+                    return False
+        return True
+
+
+def _guards_of(gm: fx.GraphModule) -> tuple:
+    out = []
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        v = n.meta.get("val")
+        if not isinstance(v, torch.Tensor):
+            continue
+        dims: dict[int, Any] = {}
+        for d, s in enumerate(v.shape):
+            if isinstance(s, torch.SymInt):
+                expr = s.node.expr
+                if expr.is_number:
+                    dims[d] = int(expr)
+                elif expr.is_Symbol:
+                    dims[d] = str(expr)
+                else:  # a derived size (2*s0): fixed by the symbols it is made of
+                    continue
+            else:
+                dims[d] = int(s)
+        out.append(dims)
+    return tuple(out)
+
+
+def _readable(training: bool, bound: Mapping[str, Any]) -> str:
+    def one(x):
+        if isinstance(x, torch.Tensor):
+            return f"{str(x.dtype).replace('torch.', '')}[{x.dim()}d]"
+        if _has_cache(x):
+            return f"{type(x).__name__}({x.get_seq_length()} cached)"
+        if isinstance(x, (bool, int, float, str)):
+            return repr(x)
+        return type(x).__name__
+
+    return ", ".join(["train" if training else "eval", *(f"{k}={one(v)}" for k, v in bound.items())])
+
+
+# ---- the conversion state -----------------------------------------------------------------------------------------
+
+
+class ConversionState:
+    """Everything depthrewrite keeps on a converted model (``model.__dict__["_depthrewrite"]``): the recipe (scheme
+    config, original class and signature, example inputs, pipeline stages), the report of the first capture, and the
+    captured graphs per call structure (dropped in copies, recaptured on use)."""
+
+    def __init__(self, original: type, config: Any, example: tuple[tuple, dict], signature: _inspect.Signature | None):
+        self.original = original
+        self.config = config
+        self.example = example
+        self.signature = signature
+        self.report: Any = None
+        self.sites: tuple | None = None  # (site, sources) per change of the first capture: every later one must match
+        self.pipeline_stages: int | None = None
+        self.pipeline_kw: dict = {}
+        self.graphs: dict[tuple, list[GraphEntry]] = {}
+        self.tree: ModuleTree | None = None
+        self.captures = 0  # graphs captured so far (including dropped ones)
+        self.recaptures = 0  # times the module tree changed and every graph was dropped
+        self.last: dict[bool, GraphEntry] = {}  # the graph the last call in each mode ran
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["graphs"], state["tree"], state["last"] = {}, None, {}
+        return state
+
+    def __deepcopy__(self, memo):
+        out = object.__new__(ConversionState)
+        memo[id(self)] = out
+        out.__dict__.update(copy.deepcopy(self.__getstate__(), memo))
+        return out
+
+    # -- the captured graphs
+
+    def entries(self) -> list[GraphEntry]:
+        return [e for es in self.graphs.values() for e in es]
+
+    def drop_graphs(self) -> None:
+        self.graphs.clear()
+        self.last.clear()
+        self.tree = None
+
+    # -- a call
+
+    def bind(self, args: tuple, kwargs: dict) -> OrderedDict:
+        """The call's arguments by parameter name (``**kwargs`` spread out), without ``None`` where ``None`` is the
+        default (passing it and leaving it out are the same call)."""
+        sig = self.signature
+        if sig is None:
+            return OrderedDict([*((f"args[{i}]", a) for i, a in enumerate(args)), *kwargs.items()])
+        try:
+            bound = sig.bind(*args, **kwargs).arguments
+        except TypeError as e:
+            raise ConfigError(f"the converted {self.original.__name__} takes the original forward's arguments: {e}") from e
+        out = OrderedDict()
+        for k, v in bound.items():
+            p = sig.parameters[k]
+            if p.kind is p.VAR_KEYWORD:
+                out.update((kk, vv) for kk, vv in v.items() if vv is not None)
+            elif p.kind is p.VAR_POSITIONAL:
+                out.update((f"{k}[{i}]", vv) for i, vv in enumerate(v))
+            elif v is None and p.default is None:
+                continue
+            else:
+                out[k] = v
+        return out
+
+    def split_call(self, bound: OrderedDict) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` to capture and call with: positional-only parameters positionally, the rest by name."""
+        sig = self.signature
+        if sig is None:
+            pos = tuple(v for k, v in bound.items() if k.startswith("args["))
+            return pos, {k: v for k, v in bound.items() if not k.startswith("args[")}
+        pos, kw = [], {}
+        for k, v in bound.items():
+            p = sig.parameters.get(k.split("[")[0])
+            if p is not None and p.kind in (p.POSITIONAL_ONLY, p.VAR_POSITIONAL):
+                pos.append(v)
+            else:
+                kw[k] = v
+        return tuple(pos), kw
+
+    def key(self, model: nn.Module, bound: OrderedDict) -> tuple:
+        ref = _ref_param(model)
+        return (
+            bool(model.training),
+            (ref.dtype, ref.device) if ref is not None else None,
+            tuple((k, _describe(v)) for k, v in bound.items()),
+        )
+
+    def check_tree(self, model: nn.Module) -> None:
+        tree = self.tree
+        if tree is None:
+            self.tree = ModuleTree(model)
+            tree = self.tree
+            _warn_user_hooks(tree)
+        elif CHECK_MODULE_TREE and tree.changed(model):
+            path, change = tree.change(model)
+            log.info("depthrewrite: %s: module tree changed (%s %s); recapturing", self.original.__name__, path, change)
+            self.drop_graphs()
+            self.tree = ModuleTree(model)
+            tree = self.tree
+            self.recaptures += 1
+            _warn_user_hooks(tree)
+        if CHECK_MODULE_TREE:
+            tree.check_hooks()
+
+    def select(self, model: nn.Module, args: tuple, kwargs: dict, *, capture: bool = True) -> tuple[GraphEntry, tuple, dict]:
+        """The graph for this call (captured if there is none yet) and the call's ``(args, kwargs)`` for it."""
+        self.check_tree(model)
+        bound = self.bind(args, kwargs)
+        pos, kw = self.split_call(bound)
+        if any(map(_has_cache, bound.values())):
+            from .capture import register_cache_support
+
+            register_cache_support()  # before the key: the cache's layout is part of the call structure
+        key = self.key(model, bound)
+        tensors = [x for x in pytree.tree_leaves((pos, kw)) if isinstance(x, torch.Tensor)]
+        for entry in self.graphs.get(key, ()):
+            if entry.matches(tensors):
+                return entry, pos, kw
+        if not capture:
+            entry = self.last.get(bool(model.training)) or next(iter(self.entries()), None)
+            if entry is None:
+                raise DepthRewriteError(
+                    f"the converted {self.original.__name__} has no graph for this call yet and cannot capture one "
+                    "while it is being traced (torch.compile / torch.export): call it once eagerly with the same kind "
+                    "of inputs first."
+                )
+            return entry, pos, kw
+        entry = self.capture(model, pos, kw, _readable(bool(model.training), bound))
+        self.graphs.setdefault(key, []).append(entry)
+        return entry, pos, kw
+
+    def capture(self, model: nn.Module, args: tuple, kwargs: dict, structure: str) -> GraphEntry:
+        from .api import capture_and_rewrite
+
+        t0 = time.perf_counter()
+        gm, result = capture_and_rewrite(model, self, args, kwargs)
+        self.captures += 1
+        if self.pipeline_stages is not None:
+            from .pipeline import split
+
+            split(gm, self.pipeline_stages, **self.pipeline_kw)
+        self.tree = ModuleTree(model)  # the first capture adds model.depthrewrite
+        entry = GraphEntry(module=gm, structure=structure, guards=_guards_of(gm), seconds=time.perf_counter() - t0)
+        log.info("depthrewrite: captured a graph for %s (%s) in %.2f s", self.original.__name__, structure, entry.seconds)
+        return entry
+
+    def call(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
+        tracing = torch.compiler.is_compiling() or torch.compiler.is_exporting()
+        entry, pos, kw = self.select(model, args, kwargs, capture=not tracing)
+        self.last[bool(model.training)] = entry
+        entry.calls += 1
+        caches = [v for v in kw.values() if _has_cache(v)]
+        out = entry.module(*pos, **kw)
+        if caches:
+            out = _write_back(caches[0], out)
+        return out
+
+
+_WARNED: set = set()
+
+
+def _warn_user_hooks(tree: ModuleTree) -> None:
+    """Hooks on submodules are traced into the captured graphs, as torch.export and torch.compile trace them: what a
+    hook returns (or changes in its module's inputs and outputs) is followed on every call, but its other side effects
+    (appending to a list, counting calls) happen once, at capture. Said once per hook."""
+    import warnings
+
+    for name, h in tree.user_hooks():
+        if id(h) in _WARNED:
+            continue
+        _WARNED.add(id(h))
+        warnings.warn(
+            f"depthrewrite: the hook {getattr(h, '__qualname__', type(h).__name__)} on {name!r} is traced into the "
+            "converted model's graph (as torch.export traces it): its effect on the module's inputs and outputs is "
+            "followed on every call, but its other side effects (recording activations into a list, counting calls) "
+            "happen only when the graph is captured. Register such hooks on the converted model itself, or use "
+            "output_hidden_states=True.",
+            stacklevel=4,
+        )
+
+
+def _ref_param(model: nn.Module) -> torch.Tensor | None:
+    return next((p for p in model.parameters() if p.is_floating_point()), None)
+
+
+def _write_back(cache: Any, out: Any) -> Any:
+    """Put the graph's new cache tensors into the caller's cache object (HF updates caches in place) and return the
+    output with that object in place of the graph's copy."""
+    new = getattr(out, "past_key_values", None)
+    if new is None or new is cache:
+        return out
+    layers_in, layers_out = getattr(cache, "layers", None), getattr(new, "layers", None)
+    if layers_in is None or layers_out is None:
+        return out
+    for li, lo in zip(layers_in, layers_out):
+        if getattr(lo, "keys", None) is None:
+            continue
+        if not getattr(li, "is_initialized", True):
+            li.lazy_initialization(lo.keys, lo.values)
+        li.keys, li.values = lo.keys, lo.values
+    out.past_key_values = cache
+    return out
+
+
+def state_of(model: nn.Module) -> ConversionState:
+    st = model.__dict__.get("_depthrewrite")
+    if st is None:
+        raise ConfigError(f"{type(model).__name__} is not a model converted by depthrewrite.convert()")
+    return st
+
+
+def is_converted(model: Any) -> bool:
+    """Whether ``model`` was converted by :func:`depthrewrite.convert`."""
+    return isinstance(model, ConvertedModel)
+
+
+@contextlib.contextmanager
+def as_original(model: nn.Module) -> Iterator[nn.Module]:
+    """Run ``model`` as its original class (for capture): the class and the root's own hooks are put back after."""
+    st = state_of(model)
+    cls = type(model)
+    hooks = {a: getattr(model, a) for a in (
+        "_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
+        "_forward_hooks_always_called",
+    ) if hasattr(model, a)}
+    model.__class__ = st.original
+    for a in hooks:
+        setattr(model, a, OrderedDict())
+    try:
+        yield model
+    finally:
+        model.__class__ = cls
+        for a, v in hooks.items():
+            setattr(model, a, v)
+
+
+# ---- the class ----------------------------------------------------------------------------------------------------
+
+
+class ConvertedModel(nn.Module):
+    """What a converted model's class adds to the original class (``type(model).__mro__`` is ``(Converted,
+    ConvertedModel, Original, ...)``; the class keeps the original's name)."""
+
+    def forward(self, *args, **kwargs):
+        return state_of(self).call(self, args, kwargs)
+
+    # -- inspection
+
+    def report(self):
+        """The :class:`~depthrewrite.views.report.ConvertReport` of this conversion, with the graphs captured so far."""
+        st = state_of(self)
+        return dataclasses.replace(st.report, graphs=tuple(
+            (e.structure, e.seconds, e.calls) for e in st.entries()
+        ))
+
+    def graph_module(self, training: bool | None = None) -> fx.GraphModule:
+        """The converted graph module the last call in ``training`` mode (default: the current mode) ran; the one
+        captured at conversion before any call. Captures one from the example inputs when there is none in that
+        mode yet."""
+        st = state_of(self)
+        mode = bool(self.training if training is None else training)
+        entry = st.last.get(mode)
+        if entry is None:
+            entry = next((e for k, es in st.graphs.items() if k[0] == mode for e in es), None)
+        if entry is None:
+            was = self.training
+            try:
+                self.train(mode)
+                args, kwargs = st.example
+                entry, _, _ = st.select(self, args, kwargs)
+            finally:
+                self.train(was)
+        return entry.module
+
+    @property
+    def graph(self) -> fx.Graph:
+        """The rewritten graph of the current mode (see :meth:`graph_module`)."""
+        return self.graph_module().graph
+
+    @property
+    def graphs(self) -> Mapping[bool, fx.Graph]:
+        """``{True: training graph, False: eval graph}`` of the example call structure (captured when missing)."""
+        return {mode: self.graph_module(mode).graph for mode in (True, False)}
+
+    @property
+    def pipeline_cuts(self) -> tuple[int, ...] | None:
+        return self.graph_module().pipeline_cuts
+
+    # -- save and load
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Save the model (its own ``save_pretrained`` for a Hugging Face model, else ``model.safetensors`` of the
+        state dict) plus ``depthrewrite.json`` (scheme, config, version, original class); load it with
+        :func:`depthrewrite.from_pretrained`."""
+        from .saving import save_pretrained
+
+        return save_pretrained(self, save_directory, *args, **kwargs)
+
+    # -- copies
+
+    def __reduce_ex__(self, protocol):
+        return _new_converted, (state_of(self).original,), self.__getstate__()
+
+    def __getstate__(self):
+        return nn.Module.__getstate__(self) if hasattr(nn.Module, "__getstate__") else dict(self.__dict__)
+
+    def __setstate__(self, state):
+        nn.Module.__setstate__(self, state)
+
+    def __deepcopy__(self, memo):
+        out = _new_converted(state_of(self).original)
+        memo[id(self)] = out
+        out.__dict__.update(copy.deepcopy(dict(self.__dict__), memo))
+        return out
+
+    def __repr__(self) -> str:
+        st = self.__dict__.get("_depthrewrite")
+        text = super().__repr__()
+        if st is None:
+            return text
+        return f"{text}\n(converted by depthrewrite: {st.config.describe(getattr(st.report, 'block_size', None))}, " \
+               f"{len(st.entries())} graph(s) captured)"
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def converted_class(original: type) -> type:
+    """The converted class of ``original``: a subclass with :class:`ConvertedModel` first, the original's name and
+    module, and a ``forward`` with the original signature (HF ``generate()``, ``Trainer`` and peft read it)."""
+    cls = _CLASSES.get(original)
+    if cls is not None:
+        return cls
+
+    def forward(self, *args, **kwargs):
+        return state_of(self).call(self, args, kwargs)
+
+    try:
+        forward.__signature__ = _inspect.signature(original.forward)
+    except (TypeError, ValueError):
+        pass
+    forward.__doc__ = original.forward.__doc__
+    forward.__qualname__ = f"{original.__qualname__}.forward"
+    cls = type(original.__name__, (ConvertedModel, original), {
+        "forward": forward, "__module__": original.__module__, "__qualname__": original.__qualname__,
+        "__doc__": original.__doc__,
+    })
+    _CLASSES[original] = cls
+    return cls
+
+
+def _new_converted(original: type) -> nn.Module:
+    """An empty instance of ``original``'s converted class: what unpickling and deepcopy make first."""
+    return object.__new__(converted_class(original))

@@ -1,0 +1,195 @@
+"""Save and load converted models: ``converted.save_pretrained(dir)`` and :func:`from_pretrained`.
+
+A saved directory holds the model as its own class saves it (a Hugging Face model's ``save_pretrained``: config,
+generation config, ``model.safetensors`` with every state-dict key including the new ``depthrewrite.*`` ones; any other
+model: ``pytorch_model.bin``, its state dict) plus ``depthrewrite.json``, the conversion's recipe::
+
+    {"format": 1, "depthrewrite": "0.1.0", "scheme": {"scheme": "msar", "version": 1, ...options},
+     "original_class": "transformers.models.llama.modeling_llama:LlamaForCausalLM", "pipeline_stages": null}
+
+:func:`from_pretrained` builds the original model (``from_pretrained`` of its class for HF; a model you pass for any
+other), converts it with the recorded scheme and options, and loads the new parameters. The graphs are not saved: they
+are captured again on first use. HF ``Trainer`` checkpoints go through ``save_pretrained``, so they carry the recipe
+too, and resuming loads the ``depthrewrite.*`` parameters with the rest of the state dict.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .errors import ConfigError
+
+__all__ = ["save_pretrained", "from_pretrained", "RECIPE", "FORMAT"]
+
+RECIPE = "depthrewrite.json"
+FORMAT = 1
+_PLAIN_WEIGHTS = "pytorch_model.bin"
+
+
+def _class_path(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _import_class(path: str) -> type:
+    module, _, qualname = path.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
+    """Save a converted model and its recipe (see the module docstring). Extra arguments go to the original
+    ``save_pretrained`` (HF models); other models accept none."""
+    from . import __version__
+    from .model import state_of
+
+    st = state_of(model)
+    out = Path(save_directory)
+    out.mkdir(parents=True, exist_ok=True)
+    original_save = getattr(st.original, "save_pretrained", None)
+    if original_save is not None:
+        result = original_save(model, save_directory, *args, **kwargs)
+    else:
+        if args or kwargs:
+            raise ConfigError(
+                f"{st.original.__name__} has no save_pretrained of its own; converted.save_pretrained(dir) takes no "
+                f"other arguments (got {len(args)} positional, {sorted(kwargs)})"
+            )
+        torch.save(model.state_dict(), out / _PLAIN_WEIGHTS)
+        result = None
+    recipe = {
+        "format": FORMAT,
+        "depthrewrite": __version__,
+        "scheme": st.config.to_dict(),
+        "original_class": _class_path(st.original),
+        "pipeline_stages": st.pipeline_stages,
+    }
+    (out / RECIPE).write_text(json.dumps(recipe, indent=2, default=list) + "\n")
+    return result
+
+
+def read_recipe(directory: str | os.PathLike) -> dict[str, Any]:
+    """The ``depthrewrite.json`` of a saved converted model (a :class:`ConfigError` when there is none, or when it was
+    written by a newer format)."""
+    path = Path(directory) / RECIPE
+    if not path.is_file():
+        raise ConfigError(
+            f"{directory} has no {RECIPE}: it was not saved from a converted model (converted.save_pretrained(dir)). "
+            "To convert a plain checkpoint, load it as usual and call depthrewrite.convert()."
+        )
+    recipe = json.loads(path.read_text())
+    if int(recipe.get("format", 0)) > FORMAT:
+        raise ConfigError(
+            f"{path} has format {recipe.get('format')}, newer than this depthrewrite reads ({FORMAT}); upgrade "
+            "depthrewrite"
+        )
+    return recipe
+
+
+def _config_from(recipe: dict[str, Any]) -> Any:
+    from .passes.rewrite import scheme_config
+    from .passes.rewrite import scheme as scheme_record
+
+    options = dict(recipe["scheme"])
+    name = options.pop("scheme")
+    version = options.pop("version", 1)
+    cls = scheme_record(name).config
+    if version > cls.version:
+        raise ConfigError(f"the saved {name} config has version {version}, newer than this depthrewrite's ({cls.version})")
+    options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
+    return scheme_config(name, **options)
+
+
+def _saved_state(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor saved in ``directory`` (safetensors shards or a torch state-dict file)."""
+    files = sorted(directory.glob("*.safetensors"))
+    state: dict[str, torch.Tensor] = {}
+    if files:
+        from safetensors.torch import load_file
+
+        for f in files:
+            state.update(load_file(str(f)))
+        return state
+    for name in (_PLAIN_WEIGHTS, "pytorch_model.bin"):
+        f = directory / name
+        if f.is_file():
+            return torch.load(f, map_location="cpu", weights_only=True)
+    raise ConfigError(f"{directory} has no weights (*.safetensors or {_PLAIN_WEIGHTS})")
+
+
+def from_pretrained(
+    directory: str | os.PathLike,
+    model: nn.Module | None = None,
+    *,
+    example_inputs: tuple | None = None,
+    example_kwargs: dict | None = None,
+    **load_kwargs: Any,
+) -> nn.Module:
+    """Load a converted model saved with ``converted.save_pretrained(directory)``.
+
+    Args:
+        directory: the saved directory.
+        model (nn.Module, optional): the original (unconverted) model to load into; required for models that have no
+            ``from_pretrained`` of their own (a hand-written model: build it with the same configuration). Default:
+            ``OriginalClass.from_pretrained(directory, **load_kwargs)``.
+        example_inputs, example_kwargs: inputs for the first capture, as for :func:`depthrewrite.convert`.
+        load_kwargs: passed to the original class's ``from_pretrained`` (``torch_dtype=...``, ...).
+
+    Returns:
+        The converted model, with every saved parameter (original and ``depthrewrite.*``) loaded.
+    """
+    from .api import convert
+    from .model import PARAM_PREFIX
+
+    directory = Path(directory)
+    recipe = read_recipe(directory)
+    config = _config_from(recipe)
+    saved = _saved_state(directory)
+    if model is None:
+        cls = _import_class(recipe["original_class"])
+        if not hasattr(cls, "from_pretrained"):
+            raise ConfigError(
+                f"{recipe['original_class']} has no from_pretrained: build the model with the configuration it was "
+                "saved with and pass it, depthrewrite.from_pretrained(dir, model=MyModel(cfg))"
+            )
+        try:  # the depthrewrite.* keys are unknown to the original class: they are loaded below, not warned about
+            from transformers.utils import logging as hf_logging
+
+            level = hf_logging.get_verbosity()
+            hf_logging.set_verbosity_error()
+        except ImportError:  # pragma: no cover
+            hf_logging = None
+        try:
+            model = cls.from_pretrained(str(directory), **load_kwargs)
+        finally:
+            if hf_logging is not None:
+                hf_logging.set_verbosity(level)
+        model.eval()
+    else:
+        missing, unexpected = model.load_state_dict(
+            {k: v for k, v in saved.items() if not k.startswith(PARAM_PREFIX + ".")}, strict=False
+        )
+        if unexpected or missing:
+            raise ConfigError(
+                f"the saved weights do not fit the {type(model).__name__} passed to from_pretrained: missing "
+                f"{missing[:5]}, unexpected {unexpected[:5]}; build it with the configuration it was saved with"
+            )
+    model = convert(model, config, example_inputs=example_inputs, example_kwargs=example_kwargs,
+                    pipeline_stages=recipe.get("pipeline_stages"))
+    ours = {k: v for k, v in saved.items() if k.startswith(PARAM_PREFIX + ".")}
+    expected = {k for k in model.state_dict() if k.startswith(PARAM_PREFIX + ".")}
+    if set(ours) != expected:
+        raise ConfigError(
+            f"{directory}: the saved depthrewrite parameters {sorted(set(ours) ^ expected)[:6]} do not match the "
+            f"conversion of this model with {config.describe()}: was it saved from another architecture or size?"
+        )
+    model.load_state_dict(ours, strict=False)
+    return model

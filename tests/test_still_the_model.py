@@ -1,0 +1,333 @@
+"""A converted model is still the model (issue #14): in-place conversion keeping the original's class and methods, any
+call the original accepts (a graph per call structure), generate() with a KV cache, save/load, peft LoRA.
+
+Conversions are shared per module (one per model and scheme) and every call structure captures once per conversion.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import depthrewrite as dr
+from depthrewrite.demo.zoo import hf_model
+from depthrewrite.errors import ConfigError
+from depthrewrite.passes.rewrite import scheme as scheme_record
+from depthrewrite.testing import nanogpt
+
+SCHEMES = ["attnres", "msar", "mhc", "moda"]
+IDS = torch.randint(3, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+
+
+def _exact(name: str) -> dict:
+    return dict(scheme_record(name).exact)
+
+
+def _randomise(model: torch.nn.Module, scale: float = 0.3) -> None:
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.depthrewrite.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+_PAIRS: dict = {}
+
+
+def _pair(name: str, scheme: str):
+    """(original, converted copy with the exact-at-init options), built once per module."""
+    key = (name, scheme)
+    if key not in _PAIRS:
+        torch.manual_seed(0)
+        model = hf_model(name, layers=2).eval()
+        _PAIRS[key] = (model, dr.convert(model, scheme, inplace=False, **_exact(scheme)))
+    return _PAIRS[key]
+
+
+# ---- 1. the same object, its class, its methods -------------------------------------------------------------------
+
+
+def test_convert_is_in_place_and_keeps_the_class():
+    model = hf_model("llama", layers=2).eval()
+    cls = type(model)
+    conv = dr.convert(model, "attnres", blocks=2)
+    assert conv is model and isinstance(conv, cls) and type(conv).__name__ == cls.__name__
+    assert dr.is_converted(conv) and not dr.is_converted(hf_model("llama", layers=2))
+    assert conv.config.model_type == "llama" and conv.generation_config is not None
+    assert conv.get_input_embeddings() is conv.model.embed_tokens
+    assert conv.num_parameters() == sum(p.numel() for p in conv.parameters())
+    assert "depthrewrite" in repr(conv)
+    with pytest.raises(ConfigError, match="already converted"):
+        dr.convert(conv, "msar")
+
+
+def test_inplace_false_shares_nothing():
+    model = hf_model("llama", layers=2).eval()
+    ref = model(IDS).logits
+    conv = dr.convert(model, "attnres", inplace=False)
+    assert not dr.is_converted(model) and conv is not model
+    assert not {id(p) for p in model.parameters()} & {id(p) for p in conv.parameters()}
+    conv.to(torch.bfloat16)
+    assert next(model.parameters()).dtype == torch.float32
+    torch.testing.assert_close(model(IDS).logits, ref)
+
+
+def test_hand_written_model_keeps_its_methods():
+    torch.manual_seed(0)
+    model = nanogpt(n_layer=2, n_embd=32)
+    ref = model.generate(IDS[:, :4] % 64, max_new_tokens=3)
+    conv = dr.convert(model, "attnres")
+    assert torch.equal(conv.generate(IDS[:, :4] % 64, max_new_tokens=3), ref)
+    opt = conv.configure_optimizers()
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(list(conv.parameters()))
+    conv(IDS % 64).float().pow(2).mean().backward()
+    opt.step()
+
+
+# ---- 2. any call the original accepts -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_any_call_structure(scheme):
+    model, conv = _pair("llama", scheme)
+    mask = torch.ones_like(IDS)
+    calls = [
+        dict(input_ids=IDS),
+        dict(input_ids=IDS, labels=IDS),
+        dict(input_ids=IDS, attention_mask=mask),
+        dict(input_ids=IDS, output_hidden_states=True),
+        dict(input_ids=IDS[:1, :5]),  # batch 1, another length: export's dynamic dims assume >= 2
+    ]
+    for kw in calls:
+        want, got = model(**kw), conv(**kw)
+        atol = 1e-4 if scheme != "mhc" else 2e-3  # mHC's default alpha_init is exact; Sinkhorn rounding
+        torch.testing.assert_close(got.logits, want.logits, atol=atol, rtol=1e-4)
+        if "labels" in kw:
+            torch.testing.assert_close(got.loss, want.loss, atol=atol, rtol=1e-4)
+        if kw.get("output_hidden_states"):
+            assert len(got.hidden_states) == len(want.hidden_states)
+    rep = conv.report()
+    assert len(rep.graphs) >= len(calls) and "graphs captured" in str(rep)
+
+
+def test_train_mode_labels_and_positional_call_share_parameters():
+    model = hf_model("llama", layers=2)
+    conv = dr.convert(model, "msar", blocks=2)
+    conv.train()
+    conv(IDS, labels=IDS).loss.backward()  # positional input_ids, labels by name
+    grads = [p.grad for p in conv.depthrewrite.parameters()]
+    assert all(g is not None for g in grads)
+    conv.eval()
+    conv(input_ids=IDS)
+    params = {id(p) for p in conv.depthrewrite.parameters()}
+    for entry in conv.__dict__["_depthrewrite"].entries():
+        assert {id(p) for p in entry.module.depthrewrite.parameters()} == params
+
+
+def test_another_dtype_recaptures():
+    model, _ = _pair("llama", "attnres")
+    conv = dr.convert(copy.deepcopy(model), "attnres").to(torch.bfloat16)
+    out = conv(IDS).logits
+    assert out.dtype == torch.bfloat16
+    ref = model.to(torch.float32)(IDS).logits
+    assert (out.float() - ref).abs().max() < 0.1
+
+
+def test_a_failing_shape_guard_gets_its_own_graph():
+    torch.manual_seed(0)
+    model = hf_model("cpmant", layers=2).eval()  # export fixes the sequence length of CPM-Ant's graph
+    ids = torch.randint(0, 100, (2, 12))
+    ref = model(input_ids=ids).logits
+    conv = dr.convert(model, "attnres", inplace=False)
+    torch.testing.assert_close(conv(input_ids=ids).logits, ref, atol=1e-4, rtol=1e-4)
+    assert len(conv.report().graphs) == 2
+
+
+# ---- 3. generate() with a cache ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_generate_greedy_equals_the_original_at_init(name, scheme):
+    model, conv = _pair(name, scheme)
+    cache = scheme_record(scheme).no_cached_decoding is None
+    kw = dict(max_new_tokens=4, do_sample=False, use_cache=cache, pad_token_id=0)
+    assert torch.equal(conv.generate(IDS[:, :6], **kw), model.generate(IDS[:, :6], **kw))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("scheme", ["attnres", "mhc", "moda"])
+def test_cached_decoding_equals_recomputing(name, scheme):
+    torch.manual_seed(0)
+    conv = dr.convert(hf_model(name, layers=2).eval(), scheme, blocks=2) if scheme == "attnres" else \
+        dr.convert(hf_model(name, layers=2).eval(), scheme)
+    _randomise(conv)
+    kw = dict(max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+    a = conv.generate(IDS[:, :6], use_cache=True, **kw)
+    b = conv.generate(IDS[:, :6], use_cache=False, **kw)
+    assert torch.equal(a.sequences, b.sequences)
+    assert max((x - y).abs().max().item() for x, y in zip(a.scores, b.scores)) < 1e-4
+    structures = [s for s, _, _ in conv.report().graphs]
+    assert any("cached)" in s and "(0 cached)" not in s for s in structures)  # a decoding graph ran
+
+
+def test_beam_search_reorders_the_cache():
+    model, conv = _pair("llama", "attnres")
+    kw = dict(max_new_tokens=4, num_beams=3, do_sample=False, use_cache=True, pad_token_id=0)
+    assert torch.equal(conv.generate(IDS[:, :6], **kw), model.generate(IDS[:, :6], **kw))
+
+
+def test_msar_cached_decoding_is_a_typed_error_and_uncached_works():
+    model, conv = _pair("llama", "msar")
+    with pytest.raises(ConfigError, match="use_cache=False"):
+        conv.generate(IDS[:, :6], max_new_tokens=2, do_sample=False, use_cache=True, pad_token_id=0)
+    out = conv.generate(IDS[:, :6], max_new_tokens=2, do_sample=False, use_cache=False, pad_token_id=0)
+    assert out.shape == (2, 8)
+
+
+# ---- 4. save and load ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_save_pretrained_from_pretrained(scheme, tmp_path):
+    torch.manual_seed(0)
+    conv = dr.convert(hf_model("qwen2", layers=2).eval(), scheme)
+    _randomise(conv)
+    ref = conv(IDS).logits
+    conv.save_pretrained(tmp_path)
+    assert (tmp_path / "depthrewrite.json").is_file() and (tmp_path / "config.json").is_file()
+    back = dr.from_pretrained(tmp_path)
+    assert dr.is_converted(back) and type(back).__name__ == "Qwen2ForCausalLM"
+    assert back.report().config == conv.report().config
+    torch.testing.assert_close(back(IDS).logits, ref)
+
+
+def test_save_and_load_a_hand_written_model(tmp_path):
+    conv = dr.convert(nanogpt(n_layer=2, n_embd=32), "msar", blocks=2)
+    _randomise(conv)
+    x = IDS % 64
+    conv.save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="model="):
+        dr.from_pretrained(tmp_path)
+    back = dr.from_pretrained(tmp_path, model=nanogpt(n_layer=2, n_embd=32))
+    torch.testing.assert_close(back(x), conv(x))
+
+
+def test_from_pretrained_without_a_recipe_is_a_typed_error(tmp_path):
+    with pytest.raises(ConfigError, match="depthrewrite.json"):
+        dr.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_copies_recapture_and_compute_the_same(how, tmp_path):
+    import io
+
+    torch.manual_seed(0)
+    conv = dr.convert(hf_model("llama", layers=2).eval(), "mhc")
+    _randomise(conv)
+    ref = conv(IDS).logits
+    if how == "deepcopy":
+        other = copy.deepcopy(conv)
+    else:
+        buf = io.BytesIO()
+        torch.save(conv, buf)
+        buf.seek(0)
+        other = torch.load(buf, weights_only=False)
+    assert dr.is_converted(other) and other.report().graphs == ()  # graphs are rebuilt on use, never copied
+    torch.testing.assert_close(other(IDS).logits, ref)
+    assert not {id(p) for p in other.parameters()} & {id(p) for p in conv.parameters()}
+
+
+def test_trainer_trains_saves_and_resumes(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from torch.utils.data import Dataset
+
+    class Tokens(Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            ids = torch.randint(3, 100, (8,), generator=torch.Generator().manual_seed(i))
+            return {"input_ids": ids, "labels": ids}
+
+    torch.manual_seed(0)
+    conv = dr.convert(hf_model("llama", layers=2), "attnres", blocks=2)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=4, save_steps=2, per_device_train_batch_size=2, use_cpu=True,
+        report_to=[], logging_steps=1, learning_rate=1e-2, disable_tqdm=True,
+    )
+    trainer = transformers.Trainer(model=conv, args=args, train_dataset=Tokens())
+    trainer.train()
+    ckpt = tmp_path / "checkpoint-4"
+    assert (ckpt / "depthrewrite.json").is_file()
+    back = dr.from_pretrained(ckpt)
+    torch.testing.assert_close(back.depthrewrite.mix_1.query, conv.depthrewrite.mix_1.query)
+    # resume from step 2 in a fresh conversion: the depthrewrite parameters come back with the checkpoint
+    torch.manual_seed(1)
+    fresh = dr.convert(hf_model("llama", layers=2), "attnres", blocks=2)
+    args.max_steps = 4
+    t2 = transformers.Trainer(model=fresh, args=args, train_dataset=Tokens())
+    t2.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    torch.testing.assert_close(fresh.depthrewrite.mix_1.query, conv.depthrewrite.mix_1.query, atol=1e-5, rtol=1e-4)
+
+
+# ---- 5. module tools are followed ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", ["attnres", "msar"])
+def test_peft_lora_trains_through_the_converted_model(scheme):
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    conv = dr.convert(hf_model("llama", layers=2), scheme, blocks=2)
+    conv.eval()
+    before = conv(IDS).logits
+    lora = peft.get_peft_model(conv, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    for n, p in lora.named_parameters():
+        if ".depthrewrite." in n:
+            p.requires_grad_(True)
+    lora.eval()
+    torch.testing.assert_close(lora(input_ids=IDS).logits, before)  # B = 0: LoRA adds nothing yet
+    with torch.no_grad():
+        for n, p in lora.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    assert (lora(input_ids=IDS).logits - before).abs().max() > 1e-3  # the graph runs the LoRA layers
+    lora.train()
+    lora(input_ids=IDS, labels=IDS).loss.backward()
+    got = {n for n, p in lora.named_parameters() if p.grad is not None}
+    assert any("lora_A" in n for n in got) and any(".depthrewrite." in n for n in got)
+    assert all("lora_" in n or ".depthrewrite." in n for n in got)
+
+
+def test_replaced_submodule_and_hooks_are_followed():
+    torch.manual_seed(0)
+    conv = dr.convert(hf_model("llama", layers=2).eval(), "attnres")
+    ref = conv(IDS).logits
+    old = conv.model.layers[0].mlp.down_proj
+    new = torch.nn.Linear(old.in_features, old.out_features, bias=False)
+    with torch.no_grad():
+        new.weight.copy_(old.weight * 2)
+    conv.model.layers[0].mlp.down_proj = new
+    doubled = conv(IDS).logits
+    assert (doubled - ref).abs().max() > 1e-4  # recaptured with the new module
+    with pytest.warns(UserWarning, match="traced into the converted model's graph"):
+        h = conv.model.layers[1].mlp.register_forward_hook(lambda m, i, o: o * 0)
+        hooked = conv(IDS).logits
+    assert (hooked - doubled).abs().max() > 1e-4  # the hook's effect on the output is in the graph
+    h.remove()
+    torch.testing.assert_close(conv(IDS).logits, doubled)
+    assert conv.__dict__["_depthrewrite"].recaptures == 3
+
+
+def test_a_global_module_hook_is_a_typed_error():
+    from depthrewrite.errors import ModuleTreeChangedError
+
+    _, conv = _pair("llama", "attnres")
+    h = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: None)
+    try:
+        with pytest.raises(ModuleTreeChangedError, match="global module hook"):
+            conv(IDS)
+    finally:
+        h.remove()
