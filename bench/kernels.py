@@ -122,7 +122,7 @@ def model_step_rows(device: str, dtype: torch.dtype, rep: int, layers: int, hidd
             intermediate_size=int(hidden * 8 / 3) // 64 * 64, vocab_size=32000,
         ).to(device=device, dtype=dtype)
         ids = torch.randint(0, 32000, (B, T), device=device)
-        model = base if scheme is None else dr.convert(base, scheme, example_inputs=(ids[:, :64],), **options)
+        model = base if scheme is None else dr.convert(base, scheme, example_inputs=(ids[:, :64],), inplace=False, **options)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
 
         def step():  # the loss outside the model: a converted model takes the inputs it was captured with

@@ -46,15 +46,18 @@ def _temperature() -> None:
     dr.convert(TemperatureAttention(), "moda", example_inputs=_ids())
 
 
-def _hooked_after_conversion() -> None:
+def _global_hook() -> None:
     conv = dr.convert(hf_model("llama", layers=2), "attnres")
-    conv.get_submodule("model.layers.0.self_attn.q_proj").register_forward_hook(lambda *a: None)
-    conv(*_ids())
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
+    try:
+        conv(*_ids())
+    finally:
+        handle.remove()
 
 
-def _other_length_than_captured() -> None:
-    conv = dr.convert(hf_model("cpmant", layers=2).eval(), "attnres")
-    conv(input_ids=torch.randint(0, 32, (2, 12)))
+def _msar_cached_decoding() -> None:
+    conv = dr.convert(hf_model("llama", layers=2).eval(), "msar")
+    conv.generate(_ids()[0], max_new_tokens=2, do_sample=False, use_cache=True)
 
 
 #: (heading, what the model does, the call that is refused)
@@ -81,10 +84,10 @@ CASES: list[tuple[str, str, Callable[[], None]]] = [
      lambda: dr.convert(hf_model("mpt", layers=2), "moda")),
     ("PaliGemma, text only (`hf:paligemma`)", "Its eager prefix attends both ways; the exported trace is causal.",
      lambda: dr.convert(hf_model("paligemma", layers=1), "attnres")),
-    ("A forward hook added after conversion (`hf:llama`)", "The converted graph reads weights directly, so the "
-     "hook on `q_proj` would never run; the next call says so.", _hooked_after_conversion),
-    ("Another length than captured (`hf:cpmant`)", "CPM-Ant's code fixes the sequence length at capture (16 tokens); "
-     "the call gives 12.", _other_length_than_captured),
+    ("A global module hook (`hf:llama`)", "`register_module_forward_hook` (FlopCounterMode, ModuleTracker) would run "
+     "for the converted model but not for the submodules inside its graph.", _global_hook),
+    ("MSAR decoding with a KV cache (`hf:llama`)", "The causal convs need the last k-1 positions of every source, "
+     "which the cache does not hold yet.", _msar_cached_decoding),
 ]
 
 

@@ -130,9 +130,10 @@ def records_for(module: torch.nn.Module) -> list[GraphRecord]:
     A converted model shares its original's parameters, so a converted model gets only the graphs of converted
     models, and any other module only the others."""
     from .converted import ConvertedGraphModule
+    from .model import is_converted
 
     params = list(module.parameters())
-    converted = isinstance(module, ConvertedGraphModule)
+    converted = isinstance(module, ConvertedGraphModule) or is_converted(module)
     return [r for r in _RECORDS if (r.kind == "converted") == converted and r.reads(params)]
 
 

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from .errors import ConfigError
 
-__all__ = ["ConvertedGraphModule", "as_converted", "drop_dead_code"]
+__all__ = ["ConvertedGraphModule", "as_converted", "drop_dead_code", "graph_module_of"]
 
 aten = torch.ops.aten
 
@@ -193,3 +193,15 @@ def _converted_class(base: type) -> type:
         cls = type("ConvertedGraphModule", (ConvertedGraphModule, base), {"_wrapped_call": getattr(base, "_wrapped_call", None)})
         _CLASSES[base] = cls
     return cls
+
+
+def graph_module_of(obj: Any, what: str = "this") -> "ConvertedGraphModule":
+    """The :class:`ConvertedGraphModule` to work on: ``obj`` itself, or for a converted model the graph of its current
+    mode (the one its last call ran; captured from the conversion's example call when there is none yet)."""
+    if isinstance(obj, ConvertedGraphModule):
+        return obj
+    from .model import is_converted
+
+    if is_converted(obj):
+        return obj.graph_module()
+    raise ConfigError(f"{what} needs a model returned by depthrewrite.convert(), got {type(obj).__name__}")

@@ -360,8 +360,11 @@ class ConversionState:
             tree.check_hooks()
 
     def select(self, model: nn.Module, args: tuple, kwargs: dict, *, capture: bool = True) -> tuple[GraphEntry, tuple, dict]:
-        """The graph for this call (captured if there is none yet) and the call's ``(args, kwargs)`` for it."""
-        self.check_tree(model)
+        """The graph for this call (captured if there is none yet) and the call's ``(args, kwargs)`` for it. While
+        traced (``capture=False``) the module tree is not checked: the tracer (pipelining's export, Dynamo) may wrap
+        the model, and no graph can be captured inside a trace anyway."""
+        if capture:
+            self.check_tree(model)
         bound = self.bind(args, kwargs)
         pos, kw = self.split_call(bound)
         if any(map(_has_cache, bound.values())):
@@ -402,8 +405,12 @@ class ConversionState:
         return entry
 
     def call(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
-        tracing = torch.compiler.is_compiling() or torch.compiler.is_exporting()
-        entry, pos, kw = self.select(model, args, kwargs, capture=not tracing)
+        if torch.compiler.is_exporting():  # inside torch.export (pipelining's tracer): use a graph we have
+            entry, pos, kw = self.select(model, args, kwargs, capture=False)
+        elif torch.compiler.is_compiling():  # Dynamo: choose (and capture) eagerly, trace the chosen graph
+            entry, pos, kw = _select_eagerly(self, model, args, kwargs)
+        else:
+            entry, pos, kw = self.select(model, args, kwargs)
         self.last[bool(model.training)] = entry
         entry.calls += 1
         caches = [v for v in kw.values() if _has_cache(v)]
@@ -434,6 +441,13 @@ def _warn_user_hooks(tree: ModuleTree) -> None:
             "output_hidden_states=True.",
             stacklevel=4,
         )
+
+
+@torch._dynamo.disable
+def _select_eagerly(st: ConversionState, model: nn.Module, args: tuple, kwargs: dict):
+    """:meth:`ConversionState.select` outside Dynamo's trace (a graph break): the module-tree check and a capture run
+    as in eager mode, and Dynamo guards on the graph module returned."""
+    return st.select(model, args, kwargs)
 
 
 def _ref_param(model: nn.Module) -> torch.Tensor | None:

@@ -66,7 +66,7 @@ def test_boundaries_in_both_graphs_and_function_unchanged():
         conv.train(mode)
         before[mode] = conv(x).logits
     pp.split(conv, 3)
-    assert _splits(conv._dr_graphs[True]) == 2 and _splits(conv._dr_graphs[False]) == 2
+    assert _splits(conv.graphs[True]) == 2 and _splits(conv.graphs[False]) == 2
     for mode in (True, False):
         conv.train(mode)
         torch.testing.assert_close(conv(x).logits, before[mode], rtol=0, atol=0)
@@ -76,7 +76,7 @@ def test_boundaries_in_both_graphs_and_function_unchanged():
     assert "pipeline: 3 stages" in str(conv.report())
     assert conv.report().to_dict()["pipeline"]["stages"] == 3
     pp.split(conv, 2)  # re-splitting replaces the boundaries
-    assert _splits(conv._dr_graphs[True]) == 1 and _splits(conv._dr_graphs[False]) == 1
+    assert _splits(conv.graphs[True]) == 1 and _splits(conv.graphs[False]) == 1
 
 
 def test_plan_aligns_with_blocks_and_balances():
@@ -288,18 +288,23 @@ def test_converted_model_surface_and_placement_pass():
     conv = dr.convert(_llama(), "attnres", blocks=2)
     assert conv.pipeline_cuts is None
     assert set(conv.graphs) == {True, False} and conv.graphs[conv.training] is conv.graph
+    gms = [conv.graph_module(mode) for mode in (True, False)]  # one converted graph module per mode
+    gm = gms[0]
+    assert dict(gm.graphs) == {True: gm.graph}
     with pytest.raises(TypeError):
-        conv.graphs[True] = conv.graph  # a read-only view
+        gm.graphs[True] = gm.graph  # a read-only view
     name, p = next(iter(conv.named_parameters()))
-    assert conv.resolve_attr(name) is p and conv.resolve_attr("no.such.attr") is None
+    assert gm.resolve_attr(name) is p and gm.resolve_attr("no.such.attr") is None
     x = torch.randint(0, 256, (2, 8))
-    assert conv.bind_inputs((x,)) == ((), {"input_ids": x})
+    assert gm.bind_inputs((x,)) == ((), {"input_ids": x})
     ref = conv(x).logits
     cuts = pp.plan(conv, 2)
-    results = [place_boundaries(conv, graph, conv.report(), cuts) for graph in conv.graphs.values()]
-    conv.recompile()
-    for graph, result in zip(conv.graphs.values(), results):
-        assert result.modified and result.graph_module is conv
+    results = [place_boundaries(g, g.graph, conv.report(), cuts) for g in gms]
+    for g in gms:
+        g.recompile()
+    for g, result in zip(gms, results):
+        graph = g.graph
+        assert result.modified and result.graph_module is g
         (change,) = result.changes
         assert change.site == cuts[0] and "stage 1 begins" in change.detail
         names = {n.name for n in graph.nodes}
@@ -313,12 +318,13 @@ def test_specialise_keeps_shapes_not_activations():
     """The example run keeps scalars and each tensor's shape and dtype (meta tensors), not the activations; the
     converted graphs carry no export dtype asserts (convert() dropped them)."""
     conv = _converted("attnres", (("blocks", 2),))
-    for graph in conv._dr_graphs.values():
+    for graph in conv.graphs.values():
         assert not any(n.target is torch.ops.aten._assert_tensor_metadata.default for n in graph.nodes)
     x = torch.randint(0, 256, (3, 8))
     from depthrewrite.pipeline.measure import _tokens, flat_inputs, specialise
 
-    g, vals = specialise(conv, conv.graph, flat_inputs(conv, (x,), {}))
+    gm = conv.graph_module()
+    g, vals = specialise(gm, gm.graph, flat_inputs(gm, (x,), {}))
     tensors = [v for v in vals.values() if isinstance(v, torch.Tensor)]
     assert tensors and all(v.device.type == "meta" for v in tensors)
     assert _tokens(vals, g) == 3 * 8

@@ -330,7 +330,7 @@ def train_variant(
         model, new_params = original, 0
     else:
         torch.manual_seed(seed)  # schemes with random init (mHC's phi) draw the same numbers for every run of a seed
-        model = api.convert(original, variant.scheme, **variant.options)
+        model = api.convert(original, variant.scheme, inplace=False, **variant.options)
         new_params = model.report().new_params
         original.eval()
         model.eval()

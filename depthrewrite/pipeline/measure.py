@@ -136,6 +136,9 @@ def example_batch(converted, example_inputs: tuple | None, example_kwargs: dict 
 
 def boundary_info(converted, example_inputs: tuple | None = None, example_kwargs: dict | None = None) -> PipelineInfo:
     """Measure what crosses each boundary of a split converted model at one example (micro-)batch."""
+    from ..converted import graph_module_of
+
+    converted = graph_module_of(converted, "pipeline")
     return measure(converted, converted.pipeline_cuts or (), *example_batch(converted, example_inputs, example_kwargs))
 
 

@@ -4,6 +4,7 @@ and :func:`split`, which places the same cuts in both graphs and records the mea
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from typing import Sequence
 
@@ -15,6 +16,7 @@ import torch.utils._pytree as pytree
 from ..passes.result import Change, PassResult
 from .measure import example_batch, measure
 from .nodes import CLONE_KEY, PIPE_SPLIT, is_depth_op, is_split, is_sym, nondeterministic, op_name
+from ..converted import graph_module_of
 from .plan import check_stages, plan, stage_anchor
 
 __all__ = ["place_boundaries", "split"]
@@ -149,9 +151,28 @@ def split(converted, P: int, *, align_blocks: bool = True, example_inputs: tuple
     pipeline section (``converted.report().pipeline``): per boundary the tensors crossing and their bytes per token,
     measured at ``example_inputs`` (default: the inputs the model was converted with).
 
+    For a converted model (what :func:`depthrewrite.convert` returns) the same cuts go into every graph it has captured
+    (both modes of its example call are captured first) and into every graph it captures later; its report gains the
+    pipeline section.
+
     Raises:
         ConfigError: P < 1, more stages than sublayers, or (Block schemes) more stages than block boundaries.
     """
+    from ..model import is_converted, state_of
+
+    if is_converted(converted):
+        check_stages(converted, P)
+        st = state_of(converted)
+        converted.graphs  # noqa: B018 - both modes of the example call, so both carry the cuts
+        st.pipeline_stages, st.pipeline_kw = P, {"align_blocks": align_blocks}  # and every graph captured later
+        for entry in st.entries():
+            split(entry.module, P, align_blocks=align_blocks)
+        info = graph_module_of(converted).report().pipeline
+        if example_inputs is not None or example_kwargs is not None:
+            info = measure(graph_module_of(converted), graph_module_of(converted).pipeline_cuts,
+                           *example_batch(graph_module_of(converted), example_inputs, example_kwargs))
+        st.report = dataclasses.replace(st.report, pipeline=info)
+        return converted
     report, _, _ = check_stages(converted, P)
     cuts = plan(converted, P, align_blocks=align_blocks)
     for graph in converted.graphs.values():  # the same cuts in the training and the eval graph

@@ -9,7 +9,7 @@ from typing import Any
 import torch.fx as fx
 import torch.nn as nn
 
-from ..converted import ConvertedGraphModule
+from ..converted import graph_module_of
 from ..errors import ConfigError
 from ..passes.rewrite.registry import scheme
 
@@ -49,8 +49,7 @@ def _segment_params(converted, graph: fx.Graph, anchors: list[fx.Node]) -> list[
 
 def check_stages(converted, P) -> tuple[Any, int, int]:
     """``(report, L, S)`` of a converted model that can be cut into P stages (L sublayers, S per block, 1 if none)."""
-    if not isinstance(converted, ConvertedGraphModule):
-        raise ConfigError(f"pipeline: expected a model returned by depthrewrite.convert(), got {type(converted).__name__}")
+    converted = graph_module_of(converted, "pipeline")
     report = converted.report()
     L = len(report.chain.sublayers)
     if not isinstance(P, int) or isinstance(P, bool) or P < 1:
@@ -67,6 +66,7 @@ def plan(converted, P: int, *, align_blocks: bool = True) -> tuple[int, ...]:
     """The sublayer index where each of stages 1..P-1 begins: balanced by parameter count (the embedding counts for
     stage 0, the final norm and head for the last); for a scheme in block form (the record's ``block_form``, S > 1)
     only block boundaries (sublayer j with j % S == 0, where the state is smallest) unless ``align_blocks=False``."""
+    converted = graph_module_of(converted, "pipeline")
     report, L, S = check_stages(converted, P)
     if P == 1:
         return ()

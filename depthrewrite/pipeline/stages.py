@@ -10,6 +10,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from ..converted import graph_module_of
 from ..errors import ConfigError
 from .cache import cached_stages
 from .measure import crossings, example_batch, flat_inputs, specialise
@@ -97,11 +98,14 @@ def stages(converted, P: int | None = None, example_inputs: tuple | None = None,
     """
     if ranks is not None and (not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1):
         raise ConfigError(f"ranks must be an integer >= 1 (the number of pipeline ranks), got {ranks!r}")
+    model = converted
+    converted = graph_module_of(model, "pipeline")
     cuts = converted.pipeline_cuts
     if P is None:
         P = len(cuts) + 1 if cuts is not None else 1
     if cuts is None or len(cuts) + 1 != P:
-        split(converted, P, align_blocks=align_blocks, example_inputs=example_inputs, example_kwargs=example_kwargs)
+        split(model, P, align_blocks=align_blocks, example_inputs=example_inputs, example_kwargs=example_kwargs)
+        converted = graph_module_of(model, "pipeline")
     flat = flat_inputs(converted, *example_batch(converted, example_inputs, example_kwargs))
     g, vals = specialise(converted, converted.graph, flat)
     st, live = crossings(g)

@@ -34,11 +34,12 @@ _FILL = dict(
 )
 
 
-def _report(converted):
-    report = getattr(converted, "report", None)
-    if report is None or not isinstance(converted, fx.GraphModule):
-        raise ConfigError("rewritten-graph drawing needs a model returned by depthrewrite.convert()")
-    return report()
+def _graph(converted):
+    """``(report, graph module)`` of a converted model (its graph in the current mode) or of one converted graph."""
+    from ..converted import graph_module_of
+
+    gm = graph_module_of(converted, "rewritten-graph drawing")
+    return gm.report(), gm
 
 
 def _owner(path: str | None, owners: list[tuple[str, str]]) -> str | None:
@@ -53,9 +54,8 @@ def _owner(path: str | None, owners: list[tuple[str, str]]) -> str | None:
 def rewritten_networkx(converted: fx.GraphModule) -> nx.DiGraph:
     """The converted graph contracted to groups (see the module docstring); node attributes ``role``, ``label`` and
     ``nodes`` (the FX node names in the group)."""
-    report = _report(converted)
+    report, gm = _graph(converted)
     chain = report.chain
-    gm = converted
     g = nx.DiGraph(model=report.model_class, scheme=report.config.describe(report.block_size))
 
     owners: list[tuple[str, str]] = []

@@ -194,8 +194,9 @@ def explain(model: nn.Module, *args: Any, graph_breaks: bool = False, **kwargs: 
     """
     from torch._dynamo.eval_frame import OptimizedModule
 
-    from ..converted import ConvertedGraphModule
+    from ..converted import ConvertedGraphModule, graph_module_of
     from ..errors import ConfigError
+    from ..model import is_converted
 
     if not isinstance(model, nn.Module):
         raise ConfigError(
@@ -204,7 +205,8 @@ def explain(model: nn.Module, *args: Any, graph_breaks: bool = False, **kwargs: 
         )
     compiled = isinstance(model, OptimizedModule)
     module = model._orig_mod if compiled else model
-    name = repr(module) if isinstance(module, ConvertedGraphModule) else type(module).__name__
+    name = repr(graph_module_of(module)) if isinstance(module, ConvertedGraphModule) or is_converted(module) \
+        else type(module).__name__
     device = _device_of_module(module)
     graphs = records_for(module)
     if compiled and not graphs and (args or kwargs):
@@ -221,12 +223,13 @@ def explain(model: nn.Module, *args: Any, graph_breaks: bool = False, **kwargs: 
         exp.graph_breaks = out.graph_break_count
         exp.break_reasons = [str(getattr(b, "reason", b)).split("\n")[0] for b in out.break_reasons]
     if not graphs:
-        if isinstance(module, ConvertedGraphModule):
+        if isinstance(module, ConvertedGraphModule) or is_converted(module):
             from ..backend import _depth_ops
             from ..passes.lower.two_phase import find_two_phase_groups
 
-            exp.static_ops = _depth_ops(module.graph)
-            exp.static_two_phase = find_two_phase_groups(module.graph)
+            graph = graph_module_of(module).graph
+            exp.static_ops = _depth_ops(graph)
+            exp.static_two_phase = find_two_phase_groups(graph)
             exp.note = "not compiled yet; torch.compile(model, backend='depthrewrite') applies the above"
         elif compiled:
             exp.note = "compiled lazily: nothing has run yet; call the model once, or pass example inputs to explain()"

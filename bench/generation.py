@@ -1,0 +1,85 @@
+"""Decoding cost with a KV cache: time per generated token at a short and a long prefix, vanilla and every scheme.
+
+    python -m bench.generation [--layers 4] [--hidden 256] [--prefixes 32 512] [--tokens 16] [--threads 1]
+
+A converted model decodes one token with the model's own KV cache (``generate()``'s default), so the time per token
+should grow with the prefix only as the vanilla model's does (attention over a longer cache), not by re-running the
+prefix. Per-token time is measured as ``(t(generate N+1 tokens) - t(generate 1 token)) / N`` so the prefill cancels
+out; every row is measured in the same run, side by side, best of ``--repeats``. A scheme whose record says it cannot
+decode with a cache (``Scheme.no_cached_decoding``: MSAR) is timed with ``use_cache=False`` and marked: that row shows
+what recomputing the prefix at every step costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+from datetime import date
+
+import torch
+
+import depthrewrite as dr
+from depthrewrite.demo.zoo import hf_model
+
+
+def _per_token(model, prefix: int, tokens: int, cache: bool, repeats: int) -> float:
+    vocab = model.config.vocab_size
+    ids = torch.randint(3, vocab, (1, prefix), generator=torch.Generator().manual_seed(prefix))
+    kw = dict(do_sample=False, use_cache=cache, pad_token_id=0, min_new_tokens=1)
+
+    def run(n: int) -> float:
+        t = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, **{k: v for k, v in kw.items() if k != "min_new_tokens"})
+        return time.perf_counter() - t
+
+    run(2)  # capture the prefill and decoding graphs, warm up
+    best = float("inf")
+    for _ in range(repeats):
+        best = min(best, (run(tokens + 1) - run(1)) / tokens)
+    return best
+
+
+def rows(layers: int, hidden: int, prefixes: tuple[int, int], tokens: int, repeats: int) -> list[list]:
+    torch.manual_seed(0)
+    base = hf_model("llama", layers=layers, hidden=hidden, max_position_embeddings=max(prefixes) + tokens + 8).eval()
+    variants = [("vanilla", None, {})]
+    for name, rec in dr.schemes().items():
+        for v in rec.variants:
+            variants.append((v.label, v.key, dict(v.options)))
+    out = []
+    for label, key, options in variants:
+        model = base if key is None else dr.convert(base, key, inplace=False, **options)
+        rec = None if key is None else dr.scheme(model.report().config)
+        cache = rec is None or rec.no_cached_decoding is None
+        short, long = (_per_token(model, p, tokens, cache, repeats) for p in prefixes)
+        out.append([label, "yes" if cache else "no (use_cache=False)", f"{1e3 * short:.2f}", f"{1e3 * long:.2f}",
+                    f"{long / short:.2f}"])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--prefixes", type=int, nargs=2, default=(32, 512))
+    p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    s, l_ = a.prefixes
+    table = rows(a.layers, a.hidden, (s, l_), a.tokens, a.repeats)
+    from tabulate import tabulate
+
+    print(f"Generation, tiny Llama ({a.layers} layers, hidden {a.hidden}), batch 1, greedy, {a.tokens} tokens; "
+          f"{platform.processor() or platform.machine()}, {a.threads} thread(s), torch {torch.__version__}, "
+          f"{date.today()}")
+    print(tabulate(table, headers=["model", "KV cache", f"ms/token @ {s}", f"ms/token @ {l_}", f"ratio {l_}/{s}"],
+                   tablefmt="github"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
