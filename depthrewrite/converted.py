@@ -47,9 +47,9 @@ class ConvertedGraphModule(fx.GraphModule):
 
     @property
     def graphs(self) -> Mapping[bool, fx.Graph]:
-        """Both graphs of the conversion, by training mode: ``graphs[True]`` runs in training mode, ``graphs[False]``
-        in eval mode (``self.graph`` is the one of the current mode). A read-only view; a pass that edits the graphs
-        in place calls :meth:`recompile` afterwards."""
+        """This module's graph by the training mode it was captured in (``{mode: self.graph}``: one graph per module;
+        a converted model's ``graphs`` has both modes). A read-only view; a pass that edits the graph in place calls
+        :meth:`recompile` afterwards."""
         return MappingProxyType(self.__dict__.get("_dr_graphs") or {self.training: self.graph})
 
     @property
@@ -59,7 +59,7 @@ class ConvertedGraphModule(fx.GraphModule):
         return self.__dict__.get("_dr_pipeline_cuts")
 
     def record_pipeline(self, cuts: tuple[int, ...], info: Any = None) -> None:
-        """Record a pipeline split whose boundaries are already placed in both :attr:`graphs`: :attr:`pipeline_cuts`
+        """Record a pipeline split whose boundaries are already placed in :attr:`graph`: :attr:`pipeline_cuts`
         becomes ``cuts`` and, when ``info`` is given, the report's ``pipeline`` section becomes ``info`` (a
         :class:`~depthrewrite.pipeline.PipelineInfo`). Called by :func:`depthrewrite.pipeline.split`."""
         self._dr_pipeline_cuts = tuple(cuts)

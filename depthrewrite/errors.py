@@ -57,10 +57,11 @@ class ConfigError(DepthRewriteError, ValueError):
 
 
 class ModuleTreeChangedError(ConfigError):
-    """A converted model's submodule tree was changed after conversion, or a hook was put on one of its submodules
-    (or registered globally for every module), which its graph would silently bypass: the converted graph reads the
-    weights directly and never calls the submodules. ``module`` is the dotted path of the submodule (None for a
-    global hook); ``change`` says what changed."""
+    """A change around a converted model that its captured graphs cannot follow: a global module hook (registered for
+    every module: it would run for the converted model but for none of the submodules inside its graph). Changes of
+    the model's own module tree (replaced, added or removed submodules, hooks on submodules) are followed by
+    recapturing instead. ``module`` is the dotted path of the submodule concerned (None for a global hook);
+    ``change`` says what changed."""
 
     def __init__(self, message: str, module: str | None = None, change: str | None = None):
         super().__init__(message)
@@ -68,7 +69,8 @@ class ModuleTreeChangedError(ConfigError):
 
 
 class CaptureGuardError(ConfigError):
-    """A call to a converted model broke a shape guard of the capture: a dimension that ``torch.export`` fixed (or
+    """Not raised by converted models any more (a call that breaks a shape guard now gets a graph of its own); kept so
+    code that catches it keeps importing. A call to a converted model broke a shape guard of the capture: a dimension that ``torch.export`` fixed (or
     constrained) at the example inputs. ``input`` names the input, ``dim`` the dimension, ``captured`` the value it
     was captured with and ``given`` the value of this call (None where the guard is not a fixed size)."""
 

@@ -146,6 +146,6 @@ def test_a_crash_inside_a_rewrite_pass_names_the_pass(monkeypatch):
 
     monkeypatch.setattr(api, "get_handler", lambda config: broken)
     model = _GPTWithTargets().eval()
-    with pytest.raises(dr.DepthRewriteError, match=r"the rewrite\[attnres\] pass failed on the training graph of _GPTWithTargets: KeyError") as ei:
+    with pytest.raises(dr.DepthRewriteError, match=r"the rewrite\[attnres\] pass failed on the eval graph of _GPTWithTargets: KeyError") as ei:
         dr.convert(model, "attnres", example_inputs=(torch.randint(0, 64, (2, 8)),), inplace=False)
     assert isinstance(ei.value.__cause__, KeyError)

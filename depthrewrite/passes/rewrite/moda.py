@@ -554,7 +554,7 @@ def _structure(gm: fx.GraphModule, n: fx.Node, memo: dict, depth: int = 0):
         return memo[n]
     if n.op == "get_attr":
         t = _attr_value(gm, n)
-        d = ("attr", tuple(t.shape), str(t.dtype), hash(t.detach().cpu().contiguous().numpy().tobytes())) if t is not None \
+        d = ("attr", tuple(t.shape), str(t.dtype), hash(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())) if t is not None \
             else ("attr", str(n.target))
     elif n.op == "placeholder" or depth > 40:
         d = (n.op, n.name)

@@ -82,9 +82,8 @@ def _streams(conv, ids) -> torch.Tensor:
                 states.append(out)
             return out
 
-    args, kwargs = conv._dr_layout
     with torch.no_grad():
-        Grab(conv).run(ids)
+        Grab(conv.graph_module()).run(ids)
     return states[-1]
 
 

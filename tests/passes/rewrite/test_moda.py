@@ -240,7 +240,7 @@ def _moda_inputs(conv, *args):
                 seen.append((a[0], a[4]))
             return super().call_function(target, a, kw)
 
-    gm = conv.graph_module if hasattr(conv, "graph_module") else conv
+    gm = conv.graph_module()
     with torch.no_grad():
         Rec(gm).run(*args)
     return seen

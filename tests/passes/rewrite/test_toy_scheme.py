@@ -115,7 +115,8 @@ def test_convert_is_exact_at_init_and_reported(depthavg):
     assert type(report.config) is DepthAvgConfig and len(report.sites) == L  # sites 1..L-1 + output
     text = str(report)
     assert "Depth average (fixed weights)" in text
-    assert repr(conv) == f"ConvertedGPT(scheme='depthavg', sites={L}, new_params=0)"
+    assert repr(conv.graph_module()) == f"ConvertedGPT(scheme='depthavg', sites={L}, new_params=0)"
+    assert "converted by depthrewrite: Depth average" in repr(conv)
     assert not any(depth_op_name(n) for n in conv.graph.nodes)  # aten ops only
     # a config instance works as well as the name
     assert type(dr.convert(model, DepthAvgConfig(mix_scale="mean"), inplace=False).report().config) is DepthAvgConfig
