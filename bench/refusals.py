@@ -55,11 +55,6 @@ def _global_hook() -> None:
         handle.remove()
 
 
-def _msar_cached_decoding() -> None:
-    conv = dr.convert(hf_model("llama", layers=2).eval(), "msar")
-    conv.generate(_ids()[0], max_new_tokens=2, do_sample=False, use_cache=True)
-
-
 #: (heading, what the model does, the call that is refused)
 CASES: list[tuple[str, str, Callable[[], None]]] = [
     ("BERT (`hf:bert`)", "PostNorm: each residual sum is normalised right after the add.",
@@ -86,8 +81,6 @@ CASES: list[tuple[str, str, Callable[[], None]]] = [
      lambda: dr.convert(hf_model("paligemma", layers=1), "attnres")),
     ("A global module hook (`hf:llama`)", "`register_module_forward_hook` (FlopCounterMode, ModuleTracker) would run "
      "for the converted model but not for the submodules inside its graph.", _global_hook),
-    ("MSAR decoding with a KV cache (`hf:llama`)", "The causal convs need the last k-1 positions of every source, "
-     "which the cache does not hold yet.", _msar_cached_decoding),
 ]
 
 

@@ -20,6 +20,7 @@ from .passes.rewrite import SchemeConfig, get_handler, scheme_config
 from .passes.rewrite import scheme as scheme_record
 from .passes.rewrite.blocks import block_size_for
 from .passes.rewrite.editor import PARAM_PREFIX
+from .passes.rewrite.msar_decode import DECODE_META
 from .views.report import ChainReport, ConvertReport, SiteInfo
 from .demo.zoo import resolve
 
@@ -182,6 +183,8 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) ->
         )
     with as_original(model):
         gm = capture(model, args, kwargs, keep_cache=keep_cache)
+    if keep_cache:  # a scheme with decoding state of its own (MSAR) reads it from extra cache layers
+        gm.meta[DECODE_META] = history_inputs(gm, args, kwargs)
     chain = _run_pass("detect_chain", where, detect_chain, gm)
     box = model._modules.get(PARAM_PREFIX)
     if box is not None:  # share the new parameters (export made a shell module holding the same tensors)
@@ -205,6 +208,26 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) ->
         st.report = _report(model, gm, chain, result, config)
     bound_args, bound_kwargs = gm.meta["depthrewrite_inputs"]
     return as_converted(gm, model, st.signature, bound_args, bound_kwargs, st.report), result
+
+
+def history_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict) -> list[str]:
+    """The placeholders of ``gm`` that carry decoding state: the tensors of the extra layers a converted model
+    appended to the call's KV cache (:func:`depthrewrite.model.store_history`), keys then values per layer."""
+    from .model import history_of
+
+    cache = next((v for v in (*args, *kwargs.values()) if _is_cache(v)), None)
+    wanted = history_of(cache) if cache is not None else []
+    if not wanted:
+        return []
+    leaves = [x for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    tensors = [n for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]
+    if len(leaves) != len(tensors):
+        raise DepthRewriteError(
+            f"depthrewrite: the captured graph has {len(tensors)} tensor inputs for the call's {len(leaves)}; cannot "
+            "find the decoding state in the KV cache (a bug: please report it)"
+        )
+    index = {id(t): i for i, t in enumerate(leaves)}
+    return [tensors[index[id(t)]].name for t in wanted]
 
 
 def _report(model: nn.Module, gm: fx.GraphModule, chain: Any, result: Any, config: SchemeConfig) -> ConvertReport:

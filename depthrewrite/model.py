@@ -46,7 +46,8 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from .errors import CaptureGuardError, ConfigError, DepthRewriteError, ModuleTreeChangedError
+from .errors import ConfigError, DepthRewriteError, ModuleTreeChangedError
+from .passes.rewrite.msar_decode import HISTORY_META
 
 __all__ = ["ConvertedModel", "ConversionState", "GraphEntry", "is_converted", "state_of", "converted_class"]
 
@@ -415,8 +416,13 @@ class ConversionState:
         entry.calls += 1
         caches = [v for v in kw.values() if _has_cache(v)]
         out = entry.module(*pos, **kw)
+        history = None
+        if entry.module.meta.get(HISTORY_META):
+            out, history = out
         if caches:
             out = _write_back(caches[0], out)
+        if history is not None:
+            store_history(caches[0] if caches else getattr(out, "past_key_values", None), history)
         return out
 
 
@@ -471,6 +477,42 @@ def _write_back(cache: Any, out: Any) -> Any:
         li.keys, li.values = lo.keys, lo.values
     out.past_key_values = cache
     return out
+
+
+_EXTRA = "_depthrewrite_extra_layers"
+
+
+def history_of(cache: Any) -> list[torch.Tensor]:
+    """The decoding state a converted model keeps in ``cache`` (MSAR's conv history): the keys then values of the
+    extra layers it appended after the model's own, in order; ``[]`` when there are none."""
+    n = cache.__dict__.get(_EXTRA, 0) if cache is not None else 0
+    if not n:
+        return []
+    return [t for layer in cache.layers[-n:] for t in (layer.keys, layer.values)]
+
+
+def store_history(cache: Any, history: list[torch.Tensor]) -> None:
+    """Keep ``history`` (``[B, 1, k-1, D]`` tensors) in ``cache`` as extra layers after the model's own, two tensors
+    per layer, so ``reorder_cache`` (beam search) and ``batch_select_indices`` treat it as the rest of the cache."""
+    if cache is None:
+        raise DepthRewriteError(
+            "depthrewrite: the converted model returned decoding state but the call has no KV cache object to keep it in"
+        )
+    from transformers.cache_utils import DynamicLayer
+
+    tensors = list(history) + ([torch.zeros_like(history[-1])] if len(history) % 2 else [])
+    n = len(tensors) // 2
+    have = cache.__dict__.get(_EXTRA, 0)
+    if have not in (0, n):
+        raise DepthRewriteError(f"depthrewrite: the cache holds {have} layers of decoding state, this call returns {n}")
+    if not have:
+        for _ in range(n):
+            layer = DynamicLayer()
+            layer.lazy_initialization(tensors[0], tensors[1])
+            cache.layers.append(layer)
+        cache.__dict__[_EXTRA] = n
+    for layer, k, v in zip(cache.layers[-n:], tensors[0::2], tensors[1::2]):
+        layer.keys, layer.values = k, v
 
 
 def state_of(model: nn.Module) -> ConversionState:

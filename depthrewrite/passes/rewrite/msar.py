@@ -30,6 +30,7 @@ from ..meta import NodeRole, inherit_meta
 from ..result import PassResult
 from .blocks import DepthMixConfig, mix_site_anchor, mix_site_labels, rewrite_depth_mix, stored_sources_state
 from .editor import ChainEditor
+from .msar_decode import DECODE_META, add_decode_state, cut_mask_to_new_tokens
 from .registry import DEFAULT_BLOCKS, Scheme, SchemeVariant, register
 
 __all__ = ["MSARConfig"]
@@ -180,9 +181,10 @@ def _padding_mask(gm: fx.GraphModule, config: MSARConfig, stream: torch.Tensor) 
                   "row behaves as if it began at its first real token (msar.md §4.4); the mix is 0 at pad positions")
 
 
-def _masked_store(mask: fx.Node, scheme: str):
+def _masked_store(mask: fx.Node, scheme: str, decoding: bool = False):
     """store() for :func:`rewrite_depth_mix`: each source becomes ``where(mask != 0, v, 0)`` (dtype-preserving; equal
-    to v·mask for a 0/1 mask), the [B, T, 1] keep mask computed once, with the first (stream) source."""
+    to v·mask for a 0/1 mask), the [B, T, 1] keep mask computed once, with the first (stream) source. While decoding
+    the mask covers the cached tokens too: its last T positions are used."""
     keep: list[fx.Node] = []
 
     def store(ed: ChainEditor, node: fx.Node, k: int | None) -> fx.Node:
@@ -190,8 +192,10 @@ def _masked_store(mask: fx.Node, scheme: str):
         graph = ed.graph
         if not keep:
             ne = graph.call_function(torch.ops.aten.ne.Scalar, (mask, 0))
+            if decoding:
+                ne = cut_mask_to_new_tokens(graph, ne, node, scheme)
             keep.append(graph.call_function(torch.ops.aten.unsqueeze.default, (ne, -1)))
-            mv = tensor_val(mask)
+            mv = tensor_val(mask) if not decoding else None
             for n in (ne, keep[0]):
                 inherit_meta(n, node, role, copy_val=False)
             if mv is not None:
@@ -225,7 +229,12 @@ def _rewrite_msar(gm: fx.GraphModule, chain: Chain, config: MSARConfig) -> PassR
                 float(config.eps_mix))
         return ed.graph.call_function(torch.ops.depthrewrite.msar_mix.default, args)
 
-    result = rewrite_depth_mix(gm, chain, config, emit, _masked_store(mask, config.name) if mask is not None else None)
+    decoding = DECODE_META in gm.meta
+    store = _masked_store(mask, config.name, decoding) if mask is not None else None
+    result = rewrite_depth_mix(gm, chain, config, emit, store)
+    if decoding:
+        add_decode_state(gm, max(config.kernels, default=1) - 1, config.name)
+        gm.recompile()
     return dataclasses.replace(result, notes=result.notes + (note,)) if note else result
 
 
@@ -245,8 +254,4 @@ SCHEME = register(Scheme(
     stage_anchor=mix_site_anchor,
     boundary_labels=mix_site_labels,
     state_at=stored_sources_state,
-    no_cached_decoding=(
-        "MSAR's causal convolutions along the sequence need the last k-1 positions of every stored source at every "
-        "mixing site as decoding state, which depthrewrite does not keep in the KV cache yet"
-    ),
 ))
