@@ -311,7 +311,15 @@ def capture(
     try:
         for c in cache:
             c.use_cache = False
-        ep = torch.export.export(model, args, kwargs, dynamic_shapes=dyn, strict=False)
+        # export warns for every dynamic dimension it specialises (a batch or sequence of 1): expected here, since a
+        # call structure gets a graph per specialisation (depthrewrite.model)
+        quiet = logging.getLogger("torch._export.non_strict_utils")
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
+        try:
+            ep = torch.export.export(model, args, kwargs, dynamic_shapes=dyn, strict=False)
+        finally:
+            quiet.setLevel(level)
     except Exception as e:  # torch.export raises many types; all of them mean the same to our user
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CaptureError(

@@ -1,5 +1,6 @@
 """Convert a Hugging Face Llama to Block AttnRes, check it is the same function, load its checkpoint, and train it
-byte-level on the Python standard library's source (the demo's corpus).
+byte-level on the Python standard library's source (the demo's corpus), then generate with the KV cache and save and
+reload it with its recipe (save_pretrained / depthrewrite.from_pretrained).
 
     python examples/convert_llama.py [--out DIR] [--steps N]
 
@@ -23,7 +24,7 @@ def main(out: Path, steps: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     model = hf_model("llama", layers=4, hidden=64)
-    conv = dr.convert(model, "attnres", blocks=4)
+    conv = dr.convert(model, "attnres", blocks=4, inplace=False)  # keep the original to compare with
     print(conv.report())
 
     ids = torch.randint(0, model.config.vocab_size, (4, 32))
@@ -56,8 +57,15 @@ def main(out: Path, steps: int) -> None:
         val = [torch.nn.functional.cross_entropy(conv(x).logits.flatten(0, 1), y.flatten()).item()
                for x, y in corpus.eval_batches(4, 8, 64)]
     print(f"validation loss (held-out files): {sum(val) / len(val):.3f} nats/byte")
-    torch.save(conv.state_dict(), out / "llama_attnres.pt")
-    print(f"wrote {out / 'llama_attnres.pt'}")
+    # still the model: generate() with the KV cache, save_pretrained / from_pretrained with the scheme's recipe
+    prompt, _ = corpus.batch("val", 1, 16, gen)
+    tokens = conv.generate(prompt, max_new_tokens=16, do_sample=False, use_cache=True, pad_token_id=0)
+    print(f"generated {tokens.shape[1] - prompt.shape[1]} tokens with the KV cache")
+    conv.save_pretrained(out / "llama_attnres")
+    back = dr.from_pretrained(out / "llama_attnres")
+    with torch.no_grad():
+        same = torch.equal(back(prompt).logits, conv(prompt).logits)
+    print(f"wrote {out / 'llama_attnres'} (config.json, model.safetensors, depthrewrite.json); reloaded: same logits {same}")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ def main(out: Path, steps: int) -> None:
     for label, (scheme, options) in schemes().items():
         torch.manual_seed(0)
         model = nanogpt(n_layer=4, n_embd=64)
-        conv = dr.convert(model, scheme, **options)
+        conv = dr.convert(model, scheme, inplace=False, **options)  # the original stays the reference
         with torch.no_grad():
             err = ((conv(x) - model(x)).abs().max() / model(x).abs().max()).item()
         opt = torch.optim.AdamW(conv.parameters(), lr=3e-3)
