@@ -48,10 +48,11 @@ def _pair(name: str, scheme: str):
 # ---- 1. the same object, its class, its methods -------------------------------------------------------------------
 
 
-def test_convert_is_in_place_and_keeps_the_class():
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_convert_is_in_place_and_keeps_the_class(scheme):
     model = hf_model("llama", layers=2).eval()
     cls = type(model)
-    conv = dr.convert(model, "attnres", blocks=2)
+    conv = dr.convert(model, scheme)
     assert conv is model and isinstance(conv, cls) and type(conv).__name__ == cls.__name__
     assert dr.is_converted(conv) and not dr.is_converted(hf_model("llama", layers=2))
     assert conv.config.model_type == "llama" and conv.generation_config is not None
@@ -88,9 +89,10 @@ def test_hand_written_model_keeps_its_methods():
 # ---- 2. any call the original accepts -----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_any_call_structure(scheme):
-    model, conv = _pair("llama", scheme)
+def test_any_call_structure(name, scheme):
+    model, conv = _pair(name, scheme)
     mask = torch.ones_like(IDS)
     calls = [
         dict(input_ids=IDS),
@@ -287,11 +289,11 @@ def test_trainer_trains_saves_and_resumes(tmp_path):
 # ---- 5. module tools are followed ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("scheme", ["attnres", "msar"])
-def test_peft_lora_trains_through_the_converted_model(scheme):
+@pytest.mark.parametrize("name, scheme", [("llama", s) for s in SCHEMES] + [("qwen2", "block-msar")])
+def test_peft_lora_trains_through_the_converted_model(name, scheme):
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
-    conv = dr.convert(hf_model("llama", layers=2), scheme, blocks=2)
+    conv = dr.convert(hf_model(name, layers=2), scheme)
     conv.eval()
     before = conv(IDS).logits
     lora = peft.get_peft_model(conv, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
