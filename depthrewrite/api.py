@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import inspect as _inspect
+import types as _types
 import logging
 from typing import Any, Callable, TypeVar
 
@@ -14,7 +15,7 @@ import torch.nn as nn
 
 from .capture import _is_cache, capture, example_inputs_for
 from .converted import as_converted, drop_dead_code
-from .errors import ConfigError, DepthRewriteError
+from .errors import CaptureError, ConfigError, DepthRewriteError
 from .passes.analyse.chain import detect_chain
 from .passes.rewrite import SchemeConfig, get_handler, scheme_config
 from .passes.rewrite import scheme as scheme_record
@@ -144,14 +145,25 @@ def convert(
         args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs or ())
         kwargs = dict(example_kwargs or {})
     st = ConversionState(original, config, (args, kwargs), signature)
+    own_forward = model.__dict__.get("forward")
+    if own_forward is not None and "_old_forward" not in model.__dict__:
+        raise ConfigError(
+            f"{original.__name__}.forward is replaced on this instance (model.forward = ...): the converted forward "
+            "would never run. Remove the instance attribute (del model.forward) before converting."
+        )
     model.__dict__["_depthrewrite"] = st
     model.__class__ = converted_class(original)
+    if own_forward is not None:  # accelerate's hook (dispatch_model, device_map): it calls _old_forward, made here
+        old_forward = model.__dict__["_old_forward"]
+        model.__dict__["_old_forward"] = _types.MethodType(type(model).forward, model)
     try:
         # the first capture, in the model's mode: detects the chain, creates model.depthrewrite, makes the report
         entry, _, _ = st.select(model, args, kwargs)
     except BaseException:
         model.__class__ = original
         model.__dict__.pop("_depthrewrite", None)
+        if own_forward is not None:
+            model.__dict__["_old_forward"] = old_forward
         model._modules.pop(PARAM_PREFIX, None)
         raise
     if pipeline_stages is not None:
@@ -173,7 +185,11 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) ->
     handler = get_handler(config)
     name = st.original.__name__
     where = f"{'training' if model.training else 'eval'} graph of {name}"
-    keep_cache = any(_is_cache(v) for v in kwargs.values()) or kwargs.get("use_cache") is True
+    explicit = any(_is_cache(v) for v in kwargs.values()) or kwargs.get("use_cache") is True
+    # an HF model whose config turns the cache on returns one when the call does not say (the original does)
+    implied = not explicit and "use_cache" not in kwargs and getattr(getattr(model, "config", None), "use_cache", False) is True \
+        and hasattr(model, "main_input_name")
+    keep_cache = explicit or implied
     why = scheme_record(config).no_cached_decoding
     filled = [v for v in kwargs.values() if _is_cache(v) and v.get_seq_length() > 0]
     if why and filled:
@@ -182,7 +198,15 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) ->
             "cache (use_cache=False; generate(..., use_cache=False) recomputes the sequence at every step)."
         )
     with as_original(model):
-        gm = capture(model, args, kwargs, keep_cache=keep_cache)
+        try:
+            gm = capture(model, args, kwargs, keep_cache=keep_cache)
+        except CaptureError:
+            if not implied:
+                raise
+            log.warning("depthrewrite: %s could not be captured with the cache its config turns on; this call "
+                        "structure returns no cache (pass use_cache=True to see why)", name)
+            keep_cache = False
+            gm = capture(model, args, kwargs, keep_cache=False)
     if keep_cache:  # a scheme with decoding state of its own (MSAR) reads it from extra cache layers
         gm.meta[DECODE_META] = history_inputs(gm, args, kwargs)
     chain = _run_pass("detect_chain", where, detect_chain, gm)

@@ -81,6 +81,12 @@ _GLOBAL_HOOKS = (
 _KNOWN_HOOK_OWNERS = ("transformers.", "torch.", "peft.", "accelerate.", "depthrewrite.")
 
 
+def _config_state(root: nn.Module) -> dict | None:
+    """A shallow copy of the model's ``config`` attributes (HF configs, nanoGPT's dataclass): export bakes them in."""
+    cfg = getattr(root, "config", None)
+    return dict(vars(cfg)) if cfg is not None and hasattr(cfg, "__dict__") else None
+
+
 def _tensor_ids(owners: list[nn.Module]) -> list[int]:
     return list(map(id, itertools.chain.from_iterable(
         itertools.chain(map(dict.values, map(_params_of, owners)), map(dict.values, map(_buffers_of, owners)))
@@ -92,7 +98,7 @@ class ModuleTree:
     ``children[j]`` a copy of the ``_modules`` dict of ``owners[j]`` (the root, then every submodule), and the
     identities of every parameter and buffer."""
 
-    __slots__ = ("names", "mods", "types", "owners", "children", "hooks", "hook_snapshot", "tensors")
+    __slots__ = ("names", "mods", "types", "owners", "children", "hooks", "hook_snapshot", "tensors", "config")
 
     def __init__(self, root: nn.Module):
         named = [(n, m) for n, m in root.named_modules() if m is not root]
@@ -105,6 +111,7 @@ class ModuleTree:
         self.hooks = [d for m in self.mods for d in _hooks_of(m)]
         self.hook_snapshot = [dict(d) for d in self.hooks]
         self.tensors = _tensor_ids(self.owners)
+        self.config = _config_state(root)
 
     def changed(self, root: nn.Module) -> bool:
         """Whether a submodule was replaced, added or removed, a hook added or removed on one, or a parameter or
@@ -114,6 +121,7 @@ class ModuleTree:
             or list(map(_children_of, self.owners)) != self.children  # dict ==: same names, same objects
             or self.hooks != self.hook_snapshot  # the live hook dicts against copies: same keys, same functions
             or _tensor_ids(self.owners) != self.tensors
+            or _config_state(root) != self.config  # output_hidden_states, attention implementation, ... are baked in
         )
 
     def user_hooks(self) -> list[tuple[str, Any]]:
@@ -129,6 +137,10 @@ class ModuleTree:
         return out
 
     def change(self, root: nn.Module) -> tuple[str, str]:
+        now = _config_state(root)
+        if now != self.config:
+            keys = sorted(k for k in set(now or {}) | set(self.config or {}) if (now or {}).get(k) != (self.config or {}).get(k))
+            return "config", f"changed ({', '.join(keys[:4])})"
         if self.hooks != self.hook_snapshot:
             i = next(i for i, (a, b) in enumerate(zip(self.hooks, self.hook_snapshot)) if a != b)
             return self.names[i // len(_HOOKS)], f"{_HOOK_WORDS[_HOOKS[i % len(_HOOKS)]]} added or removed"
@@ -193,7 +205,7 @@ class GraphEntry:
 
     module: fx.GraphModule  # a ConvertedGraphModule (see depthrewrite.converted)
     structure: str  # readable: "train, input_ids: int64[2d], labels: int64[2d]"
-    guards: tuple  # per tensor input: {dim: fixed size or symbol name}
+    guards: tuple  # per tensor input: {dim: fixed size, or (symbol, lowest, highest or None)}
     seconds: float
     calls: int = 0
 
@@ -209,8 +221,10 @@ class GraphEntry:
                 if isinstance(g, int):
                     if s != g:
                         return False
-                elif s < 2 or symbols.setdefault(g, s) != s:  # export assumes dynamic sizes are >= 2 and equal per symbol
-                    return False
+                else:  # export assumes dynamic sizes are >= 2, within the range the trace allowed, equal per symbol
+                    name, lo, hi = g
+                    if s < max(2, lo) or (hi is not None and s > hi) or symbols.setdefault(name, s) != s:
+                        return False
         return True
 
 
@@ -229,13 +243,28 @@ def _guards_of(gm: fx.GraphModule) -> tuple:
                 if expr.is_number:
                     dims[d] = int(expr)
                 elif expr.is_Symbol:
-                    dims[d] = str(expr)
+                    dims[d] = (str(expr), *_range(s.node.shape_env, expr))
                 else:  # a derived size (2*s0): fixed by the symbols it is made of
                     continue
             else:
                 dims[d] = int(s)
         out.append(dims)
     return tuple(out)
+
+
+def _range(shape_env: Any, expr: Any) -> tuple[int, int | None]:
+    """The value range the trace allowed a size symbol (a model's ``if T > 8`` makes T <= 8 a condition of its graph)."""
+    r = getattr(shape_env, "var_to_range", {}).get(expr) if shape_env is not None else None
+    if r is None:
+        return 2, None
+    def finite(x: Any) -> int | None:
+        try:
+            return int(x) if x.is_number and x.is_finite else None
+        except Exception:  # noqa: BLE001 - sympy / torch infinities of several kinds
+            return None
+
+    lo, hi = finite(r.lower), finite(r.upper)
+    return lo if lo is not None else 2, hi if hi is not None and hi < 2**62 else None
 
 
 def _readable(training: bool, bound: Mapping[str, Any]) -> str:
@@ -378,7 +407,8 @@ class ConversionState:
             if entry.matches(tensors):
                 return entry, pos, kw
         if not capture:
-            entry = self.last.get(bool(model.training)) or next(iter(self.entries()), None)
+            mode = bool(model.training)
+            entry = self.last.get(mode) or next((e for k, es in self.graphs.items() if k[0] == mode for e in es), None)
             if entry is None:
                 raise DepthRewriteError(
                     f"the converted {self.original.__name__} has no graph for this call yet and cannot capture one "
@@ -415,6 +445,13 @@ class ConversionState:
         self.last[bool(model.training)] = entry
         entry.calls += 1
         caches = [v for v in kw.values() if _has_cache(v)]
+        if caches and caches[0].__dict__.get(_EXTRA) and caches[0].get_seq_length() != caches[0].__dict__.get(_SEEN):
+            raise ConfigError(
+                f"the KV cache passed to the converted {self.original.__name__} holds {caches[0].get_seq_length()} "
+                f"tokens, but its decoding state (MSAR's conv history) was written after "
+                f"{caches[0].__dict__.get(_SEEN)}: the cache was cropped or edited (assisted decoding's crop()), and the "
+                "state cannot be rolled back. Decode without cropping, or with use_cache=False."
+            )
         out = entry.module(*pos, **kw)
         history = None
         if entry.module.meta.get(HISTORY_META):
@@ -422,7 +459,9 @@ class ConversionState:
         if caches:
             out = _write_back(caches[0], out)
         if history is not None:
-            store_history(caches[0] if caches else getattr(out, "past_key_values", None), history)
+            target = caches[0] if caches else _output_cache(out)[0]
+            store_history(target, history)
+            target.__dict__[_SEEN] = target.get_seq_length()
         return out
 
 
@@ -460,26 +499,60 @@ def _ref_param(model: nn.Module) -> torch.Tensor | None:
     return next((p for p in model.parameters() if p.is_floating_point()), None)
 
 
+def _output_cache(out: Any) -> tuple[Any, Any]:
+    """``(cache, where)``: the KV cache object in a model output (a ``ModelOutput`` field, or an element of the tuple
+    ``return_dict=False`` gives) and its key or index; ``(None, None)`` when there is none."""
+    if hasattr(out, "items") and hasattr(out, "keys"):  # ModelOutput (an OrderedDict)
+        for k, v in out.items():
+            if _has_cache(v):
+                return v, k
+        return None, None
+    if isinstance(out, (tuple, list)):
+        for i, v in enumerate(out):
+            if _has_cache(v):
+                return v, i
+    return None, None
+
+
 def _write_back(cache: Any, out: Any) -> Any:
     """Put the graph's new cache tensors into the caller's cache object (HF updates caches in place) and return the
-    output with that object in place of the graph's copy."""
-    new = getattr(out, "past_key_values", None)
+    output with that object in place of the graph's copy. Layers the caller's cache lacks (a ``DynamicCache()`` made
+    without a config grows as it is updated) are added first."""
+    new, where = _output_cache(out)
     if new is None or new is cache:
         return out
     layers_in, layers_out = getattr(cache, "layers", None), getattr(new, "layers", None)
     if layers_in is None or layers_out is None:
-        return out
-    for li, lo in zip(layers_in, layers_out):
+        raise DepthRewriteError(
+            f"depthrewrite: cannot write the new KV cache back into the caller's {type(cache).__name__} (no layers)"
+        )
+    extra = cache.__dict__.get(_EXTRA, 0)  # decoding state after the model's layers: passed through, stored apart
+    own = len(layers_in) - extra
+    layers_out = list(layers_out)[: len(layers_out) - extra]
+    if own < len(layers_out):
+        if extra:
+            raise DepthRewriteError(
+                f"depthrewrite: the caller's cache has {own} model layers and decoding state after them; the model "
+                f"returned {len(layers_out)} layers"
+            )
+        for lo in layers_out[own:]:
+            layers_in.insert(own, type(lo)())
+            own += 1
+    for li, lo in zip(layers_in[:own], layers_out):
         if getattr(lo, "keys", None) is None:
             continue
         if not getattr(li, "is_initialized", True):
             li.lazy_initialization(lo.keys, lo.values)
         li.keys, li.values = lo.keys, lo.values
-    out.past_key_values = cache
+    if isinstance(where, int):
+        out = type(out)(cache if i == where else v for i, v in enumerate(out))
+    else:
+        out[where] = cache
     return out
 
 
 _EXTRA = "_depthrewrite_extra_layers"
+_SEEN = "_depthrewrite_cached_tokens"  # the cache's length when the decoding state was last written
 
 
 def history_of(cache: Any) -> list[torch.Tensor]:
@@ -536,6 +609,7 @@ def as_original(model: nn.Module) -> Iterator[nn.Module]:
         "_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
         "_forward_hooks_always_called",
     ) if hasattr(model, a)}
+    own_forward = model.__dict__.pop("forward", None)  # accelerate's hook wraps forward on the instance
     model.__class__ = st.original
     for a in hooks:
         setattr(model, a, OrderedDict())
@@ -545,6 +619,8 @@ def as_original(model: nn.Module) -> Iterator[nn.Module]:
         model.__class__ = cls
         for a, v in hooks.items():
             setattr(model, a, v)
+        if own_forward is not None:
+            model.__dict__["forward"] = own_forward
 
 
 # ---- the class ----------------------------------------------------------------------------------------------------

@@ -39,10 +39,25 @@ def _class_path(cls: type) -> str:
 
 def _import_class(path: str) -> type:
     module, _, qualname = path.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(
+            f"the saved model's class {path} cannot be imported here ({type(e).__name__}: {e}); build the model and "
+            "pass it: depthrewrite.from_pretrained(dir, model=...)"
+        ) from e
     return obj
+
+
+def _untied(model: nn.Module, missing: list[str], loaded: set[str]) -> list[str]:
+    """The keys of ``missing`` that no loaded key shares a tensor with (HF saves one name of tied weights)."""
+    names: dict[int, list[str]] = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(t), []).append(name)
+    by_name = {n: i for i, ns in names.items() for n in ns}
+    return [k for k in missing if not any(n in loaded for n in names.get(by_name.get(k, -1), []) if n != k)]
 
 
 def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
@@ -174,9 +189,9 @@ def from_pretrained(
                 hf_logging.set_verbosity(level)
         model.eval()
     else:
-        missing, unexpected = model.load_state_dict(
-            {k: v for k, v in saved.items() if not k.startswith(PARAM_PREFIX + ".")}, strict=False
-        )
+        theirs = {k: v for k, v in saved.items() if not k.startswith(PARAM_PREFIX + ".")}
+        missing, unexpected = model.load_state_dict(theirs, strict=False)
+        missing = _untied(model, missing, set(theirs))
         if unexpected or missing:
             raise ConfigError(
                 f"the saved weights do not fit the {type(model).__name__} passed to from_pretrained: missing "

@@ -344,3 +344,83 @@ def test_a_global_module_hook_is_a_typed_error():
             conv(IDS)
     finally:
         h.remove()
+
+
+# ---- direct calls as HF code makes them ---------------------------------------------------------------------------
+
+
+def test_direct_cached_calls_fill_the_callers_cache():
+    """A DynamicCache() made without a config (it grows on update), return_dict=False, and MSAR's state beside it."""
+    from transformers import DynamicCache
+
+    _, conv = _pair("llama", "msar")
+    ids = IDS[:, :7]
+    full = conv(ids).logits
+    for cache, flag in ((DynamicCache(), True), (DynamicCache(config=conv.config), False)):
+        out = conv(ids[:, :6], cache=cache, use_cache=True, return_dict=flag)
+        assert cache.get_seq_length() == 6 and (out.cache if flag else out[1]) is cache
+        out = conv(ids[:, 6:], cache=cache, use_cache=True, return_dict=flag)
+        logits = out.logits if flag else out[0]
+        torch.testing.assert_close(logits[:, -1], full[:, 6], atol=1e-4, rtol=1e-4)
+        assert cache.get_seq_length() == 7
+    cache.crop(-2)  # assisted decoding rolls the cache back: MSAR's conv history cannot follow
+    with pytest.raises(ConfigError, match="cropped"):
+        conv(ids[:, 5:6], cache=cache, use_cache=True)
+
+
+def test_the_config_is_followed():
+    """config.use_cache=True returns a cache as the original does; a config change (output_hidden_states) recaptures."""
+    model = hf_model("llama", layers=2, use_cache=True).eval()
+    conv = dr.convert(model, "attnres", inplace=False)
+    assert type(conv(IDS).cache) is type(model(IDS).cache)
+    conv.config.output_hidden_states = True
+    assert conv(IDS).hidden_states is not None
+    conv.config.output_hidden_states = False
+    assert conv(IDS).hidden_states is None
+
+
+def test_a_size_range_the_trace_assumed_gets_its_own_graph():
+    class Branchy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(50, 16)
+            self.blocks = torch.nn.ModuleList(
+                torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 16)) for _ in range(2))
+            self.norm = torch.nn.LayerNorm(16)
+
+        def forward(self, ids):
+            h = self.emb(ids)
+            if ids.shape[1] > 8:  # the graph captured at 4 tokens holds for 2..8 only
+                h = h * 2
+            for b in self.blocks:
+                h = h + b(h)
+            return self.norm(h)
+
+    torch.manual_seed(0)
+    model = Branchy().eval()
+    ids = torch.randint(0, 50, (2, 12))
+    conv = dr.convert(model, "attnres", example_inputs=(ids[:, :4],), inplace=False)
+    torch.testing.assert_close(conv(ids), model(ids))
+    assert len(conv.report().graphs) == 2
+
+
+def test_tied_weights_load_into_a_given_model(tmp_path):
+    conv = dr.convert(hf_model("llama", layers=2, tie_word_embeddings=True).eval(), "attnres")
+    conv.save_pretrained(tmp_path)
+    back = dr.from_pretrained(tmp_path, model=hf_model("llama", layers=2, tie_word_embeddings=True).eval())
+    torch.testing.assert_close(back(IDS).logits, conv(IDS).logits)
+
+
+def test_an_accelerate_hook_on_the_root_runs_the_converted_forward():
+    hooks = pytest.importorskip("accelerate.hooks")
+    model = hf_model("llama", layers=2).eval()
+    hooks.add_hook_to_module(model, hooks.AlignDevicesHook(io_same_device=True))
+    ref = model(IDS).logits
+    conv = dr.convert(model, "attnres")
+    _randomise(conv)
+    assert (conv(IDS).logits - ref).abs().max() > 1e-4  # the converted graph ran, not the original forward
+    assert sum(e.calls for e in conv.__dict__["_depthrewrite"].entries()) == 1
+    plain = hf_model("llama", layers=2)
+    plain.forward = lambda *a, **k: None
+    with pytest.raises(ConfigError, match="del model.forward"):
+        dr.convert(plain, "attnres")
