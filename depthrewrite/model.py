@@ -431,7 +431,13 @@ class ConversionState:
 
             split(gm, self.pipeline_stages, **self.pipeline_kw)
         self.tree = ModuleTree(model)  # the first capture adds model.depthrewrite
-        entry = GraphEntry(module=gm, structure=structure, guards=_guards_of(gm), seconds=time.perf_counter() - t0)
+        guards = _guards_of(gm)
+        names = [n.name for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]
+        fixed = [f"{name}.shape[{d}]={g}" for name, dims in zip(names, guards) for d, g in dims.items()
+                 if isinstance(g, int) and d < 2 and "cache" not in name]
+        if fixed:  # dimensions export specialised: this graph runs those sizes only
+            structure += f" ({', '.join(fixed)})"
+        entry = GraphEntry(module=gm, structure=structure, guards=guards, seconds=time.perf_counter() - t0)
         log.info("depthrewrite: captured a graph for %s (%s) in %.2f s", self.original.__name__, structure, entry.seconds)
         return entry
 
