@@ -141,18 +141,38 @@ def _cache_support(args: tuple, kwargs: dict) -> None:
     :class:`CaptureError`."""
     caches = [x for x in (*args, *kwargs.values()) if _is_cache(x)]
     register_cache_support()
-    try:
-        from transformers.cache_utils import DynamicCache, DynamicLayer
-    except ImportError:  # pragma: no cover
-        return
     for c in caches:
-        if type(c) is not DynamicCache or any(type(layer) is not DynamicLayer for layer in getattr(c, "layers", ())):
-            kinds = sorted({type(layer).__name__ for layer in getattr(c, "layers", ())})
-            raise CaptureError(
-                f"depthrewrite runs cached calls with a transformers DynamicCache of full-attention layers; this call "
-                f"passes a {type(c).__name__} ({', '.join(kinds) or 'no layers'}). Call with use_cache=False (or "
-                "generate(..., use_cache=False)), or pass a DynamicCache."
+        problem = cache_problem(c)
+        if problem is not None:
+            raise CaptureError(problem)
+
+
+def cache_problem(cache: Any) -> str | None:
+    """Why a call with ``cache`` cannot run a captured graph, or None. A ``DynamicCache`` of full-attention layers
+    works; so do sliding-window layers until the window is full (their token count is a Python int the trace reads
+    from the cached length; once the window drops tokens the two differ)."""
+    try:
+        from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+    except ImportError:  # pragma: no cover
+        return None
+    layers = list(getattr(cache, "layers", ()))
+    if type(cache) is not DynamicCache or any(type(la) not in (DynamicLayer, DynamicSlidingWindowLayer) for la in layers):
+        kinds = sorted({type(la).__name__ for la in layers})
+        return (
+            f"depthrewrite runs cached calls with a transformers DynamicCache of full-attention or sliding-window layers; "
+            f"this call passes a {type(cache).__name__} ({', '.join(kinds) or 'no layers'}). Call with use_cache=False "
+            "(or generate(..., use_cache=False)), or pass a DynamicCache."
+        )
+    for i, la in enumerate(layers):
+        if type(la) is DynamicSlidingWindowLayer and la.is_initialized and (
+            la.record_past or la.cumulative_length != la.keys.shape[-2]
+        ):
+            return (
+                f"layer {i} of the KV cache is a sliding window of {la.sliding_window} tokens that is full "
+                f"({la.cumulative_length} tokens seen): a captured graph reads the token count from the cached length, "
+                "which no longer holds. Decode this far with use_cache=False."
             )
+    return None
 
 
 def _cache_configs(model: nn.Module) -> list[Any]:

@@ -442,6 +442,9 @@ class ConversionState:
         return entry
 
     def call(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
+        caches = [v for v in (*args, *kwargs.values()) if _has_cache(v)]
+        if caches:
+            _check_cache(caches[0], self.original.__name__)
         if torch.compiler.is_exporting():  # inside torch.export (pipelining's tracer): use a graph we have
             entry, pos, kw = self.select(model, args, kwargs, capture=False)
         elif torch.compiler.is_compiling():  # Dynamo: choose (and capture) eagerly, trace the chosen graph
@@ -450,20 +453,13 @@ class ConversionState:
             entry, pos, kw = self.select(model, args, kwargs)
         self.last[bool(model.training)] = entry
         entry.calls += 1
-        caches = [v for v in kw.values() if _has_cache(v)]
-        if caches and caches[0].__dict__.get(_EXTRA) and caches[0].get_seq_length() != caches[0].__dict__.get(_SEEN):
-            raise ConfigError(
-                f"the KV cache passed to the converted {self.original.__name__} holds {caches[0].get_seq_length()} "
-                f"tokens, but its decoding state (MSAR's conv history) was written after "
-                f"{caches[0].__dict__.get(_SEEN)}: the cache was cropped or edited (assisted decoding's crop()), and the "
-                "state cannot be rolled back. Decode without cropping, or with use_cache=False."
-            )
         out = entry.module(*pos, **kw)
         history = None
         if entry.module.meta.get(HISTORY_META):
             out, history = out
         if caches:
-            out = _write_back(caches[0], out)
+            tokens = next((kw[k] for k in ("input_ids", "inputs_embeds") if isinstance(kw.get(k), torch.Tensor)), None)
+            out = _write_back(caches[0], out, tokens.shape[1] if tokens is not None and tokens.dim() >= 2 else None)
         if history is not None:
             target = caches[0] if caches else _output_cache(out)[0]
             store_history(target, history)
@@ -505,6 +501,22 @@ def _ref_param(model: nn.Module) -> torch.Tensor | None:
     return next((p for p in model.parameters() if p.is_floating_point()), None)
 
 
+def _check_cache(cache: Any, name: str) -> None:
+    """A cache a captured graph cannot continue (a full sliding window; MSAR state of a cropped cache): ConfigError."""
+    from .capture import cache_problem
+
+    problem = cache_problem(cache)
+    if problem is not None:
+        raise ConfigError(problem)
+    if cache.__dict__.get(_EXTRA) and cache.get_seq_length() != cache.__dict__.get(_SEEN):
+        raise ConfigError(
+            f"the KV cache passed to the converted {name} holds {cache.get_seq_length()} tokens, but its decoding state "
+            f"(MSAR's conv history) was written after {cache.__dict__.get(_SEEN)}: the cache was cropped or edited "
+            "(assisted decoding's crop()), and the state cannot be rolled back. Decode without cropping, or with "
+            "use_cache=False."
+        )
+
+
 def _output_cache(out: Any) -> tuple[Any, Any]:
     """``(cache, where)``: the KV cache object in a model output (a ``ModelOutput`` field, or an element of the tuple
     ``return_dict=False`` gives) and its key or index; ``(None, None)`` when there is none."""
@@ -520,7 +532,7 @@ def _output_cache(out: Any) -> tuple[Any, Any]:
     return None, None
 
 
-def _write_back(cache: Any, out: Any) -> Any:
+def _write_back(cache: Any, out: Any, new_tokens: int | None = None) -> Any:
     """Put the graph's new cache tensors into the caller's cache object (HF updates caches in place) and return the
     output with that object in place of the graph's copy. Layers the caller's cache lacks (a ``DynamicCache()`` made
     without a config grows as it is updated) are added first."""
@@ -528,6 +540,8 @@ def _write_back(cache: Any, out: Any) -> Any:
     if new is None or new is cache:
         return out
     layers_in, layers_out = getattr(cache, "layers", None), getattr(new, "layers", None)
+    seen = {id(la): la.cumulative_length for la in (layers_in or ()) if getattr(la, "is_initialized", False)
+            and hasattr(la, "cumulative_length")}
     if layers_in is None or layers_out is None:
         raise DepthRewriteError(
             f"depthrewrite: cannot write the new KV cache back into the caller's {type(cache).__name__} (no layers)"
@@ -547,9 +561,15 @@ def _write_back(cache: Any, out: Any) -> Any:
     for li, lo in zip(layers_in[:own], layers_out):
         if getattr(lo, "keys", None) is None:
             continue
+        if type(li) is not type(lo):
+            raise DepthRewriteError(
+                f"depthrewrite: layer of type {type(lo).__name__} returned for the caller's {type(li).__name__}"
+            )
         if not getattr(li, "is_initialized", True):
             li.lazy_initialization(lo.keys, lo.values)
         li.keys, li.values = lo.keys, lo.values
+        if hasattr(lo, "cumulative_length"):  # a sliding window counts every token, also those it no longer keeps
+            li.cumulative_length = seen.get(id(li), 0) + new_tokens if new_tokens is not None else lo.cumulative_length
     if isinstance(where, int):
         out = type(out)(cache if i == where else v for i, v in enumerate(out))
     else:

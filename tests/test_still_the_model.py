@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import depthrewrite as dr
-from depthrewrite.demo.zoo import hf_model
+from depthrewrite.demo.zoo import HF_TYPES, hf_model
 from depthrewrite.errors import ConfigError
 from depthrewrite.passes.rewrite import scheme as scheme_record
 from depthrewrite.testing import nanogpt
@@ -172,6 +172,30 @@ def test_cached_decoding_equals_recomputing(name, scheme):
     assert max((x - y).abs().max().item() for x, y in zip(a.scores, b.scores)) < 1e-4
     structures = [s for s, _, _ in conv.report().graphs]
     assert any("cached)" in s and "(0 cached)" not in s for s in structures)  # a decoding graph ran
+
+
+@pytest.mark.parametrize("name", HF_TYPES)
+def test_generate_on_the_whole_zoo(name):
+    """Every decoder of the zoo generates the original's greedy tokens at init with the cache (the scheme rotates over
+    the zoo so each runs on several architectures; sliding-window caches included)."""
+    scheme = SCHEMES[HF_TYPES.index(name) % len(SCHEMES)]
+    torch.manual_seed(0)
+    model = hf_model(name, layers=2).eval()
+    kw = dict(max_new_tokens=4, do_sample=False, use_cache=True, pad_token_id=0)
+    ref = model.generate(IDS[:, :6], **kw)
+    conv = dr.convert(model, scheme, **_exact(scheme))
+    assert torch.equal(conv.generate(IDS[:, :6], **kw), ref)
+
+
+def test_a_full_sliding_window_is_a_typed_error():
+    torch.manual_seed(0)
+    model = hf_model("mistral", layers=2, sliding_window=4).eval()
+    kw = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    ref = model.generate(IDS[:, :6], use_cache=False, **kw)
+    conv = dr.convert(model, "attnres")
+    with pytest.raises(ConfigError, match="sliding window of 4 tokens that is full"):
+        conv.generate(IDS[:, :6], use_cache=True, **kw)
+    assert torch.equal(conv.generate(IDS[:, :6], use_cache=False, **kw), ref)
 
 
 def test_beam_search_reorders_the_cache():
