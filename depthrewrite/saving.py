@@ -5,7 +5,8 @@ generation config, ``model.safetensors`` with every state-dict key including the
 model: ``pytorch_model.bin``, its state dict) plus ``depthrewrite.json``, the conversion's recipe::
 
     {"format": 1, "depthrewrite": "0.1.0", "scheme": {"scheme": "msar", "version": 1, ...options},
-     "original_class": "transformers.models.llama.modeling_llama:LlamaForCausalLM", "pipeline_stages": null}
+     "original_class": "transformers.models.llama.modeling_llama:LlamaForCausalLM", "pipeline_stages": null,
+     "pipeline_options": {}}
 
 :func:`from_pretrained` builds the original model (``from_pretrained`` of its class for HF; a model you pass for any
 other), converts it with the recorded scheme and options, and loads the new parameters. The graphs are not saved: they
@@ -86,6 +87,7 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *args: 
         "scheme": st.config.to_dict(),
         "original_class": _class_path(st.original),
         "pipeline_stages": st.pipeline_stages,
+        "pipeline_options": dict(st.pipeline_kw),
     }
     (out / RECIPE).write_text(json.dumps(recipe, indent=2, default=list) + "\n")
     return result
@@ -197,8 +199,11 @@ def from_pretrained(
                 f"the saved weights do not fit the {type(model).__name__} passed to from_pretrained: missing "
                 f"{missing[:5]}, unexpected {unexpected[:5]}; build it with the configuration it was saved with"
             )
-    model = convert(model, config, example_inputs=example_inputs, example_kwargs=example_kwargs,
-                    pipeline_stages=recipe.get("pipeline_stages"))
+    model = convert(model, config, example_inputs=example_inputs, example_kwargs=example_kwargs)
+    if recipe.get("pipeline_stages") is not None:
+        from .pipeline import split
+
+        split(model, recipe["pipeline_stages"], **recipe.get("pipeline_options", {}))
     ours = {k: v for k, v in saved.items() if k.startswith(PARAM_PREFIX + ".")}
     expected = {k for k in model.state_dict() if k.startswith(PARAM_PREFIX + ".")}
     if set(ours) != expected:

@@ -136,6 +136,31 @@ def test_another_dtype_recaptures():
     assert (out.float() - ref).abs().max() < 0.1
 
 
+def test_a_call_with_another_chain_is_a_typed_error():
+    """The new parameters are matched to sites by position in the chain: a call that runs fewer layers cannot share."""
+    from depthrewrite.errors import DepthRewriteError
+
+    class Truncatable(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(50, 16)
+            self.blocks = torch.nn.ModuleList(
+                torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 16)) for _ in range(3))
+            self.norm = torch.nn.LayerNorm(16)
+
+        def forward(self, ids, depth: int = 3):
+            h = self.emb(ids)
+            for b in self.blocks[:depth]:
+                h = h + b(h)
+            return self.norm(h)
+
+    ids = torch.randint(0, 50, (2, 8))
+    conv = dr.convert(Truncatable(), "attnres", example_inputs=(ids,))
+    with pytest.raises(DepthRewriteError, match="matched by position in the chain"):
+        conv(ids, depth=2)
+    conv(ids)
+
+
 def test_a_failing_shape_guard_gets_its_own_graph():
     torch.manual_seed(0)
     model = hf_model("cpmant", layers=2).eval()  # export fixes the sequence length of CPM-Ant's graph
@@ -238,6 +263,14 @@ def test_save_pretrained_from_pretrained(scheme, tmp_path):
     assert dr.is_converted(back) and type(back).__name__ == "Qwen2ForCausalLM"
     assert back.report().config == conv.report().config
     torch.testing.assert_close(back(IDS).logits, ref)
+
+
+def test_a_pipeline_split_is_saved_with_the_recipe(tmp_path):
+    conv = dr.convert(hf_model("llama", layers=2).eval(), "attnres", blocks=2, pipeline_stages=2)
+    conv.save_pretrained(tmp_path)
+    back = dr.from_pretrained(tmp_path)
+    assert back.pipeline_cuts == conv.pipeline_cuts and back.report().pipeline.cuts == conv.pipeline_cuts
+    torch.testing.assert_close(back(IDS).logits, conv(IDS).logits)
 
 
 def test_save_and_load_a_hand_written_model(tmp_path):
