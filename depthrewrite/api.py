@@ -185,6 +185,16 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) ->
     handler = get_handler(config)
     name = st.original.__name__
     where = f"{'training' if model.training else 'eval'} graph of {name}"
+    if model.training:
+        ckpt = next((n for n, m in model.named_modules() if m.__dict__.get("gradient_checkpointing") is True), None)
+        if ckpt is not None:
+            raise ConfigError(
+                f"activation checkpointing is on in {name} ({ckpt or 'the model'}.gradient_checkpointing, set by "
+                "gradient_checkpointing_enable()): a captured graph would run without it (torch.export inlines the "
+                "recomputation away), so it is refused rather than silently dropped. Call "
+                "gradient_checkpointing_disable() to train the converted model without it; checkpointing per block "
+                "is planned."
+            )
     explicit = any(_is_cache(v) for v in kwargs.values()) or kwargs.get("use_cache") is True
     # an HF model whose config turns the cache on returns one when the call does not say (the original does)
     implied = not explicit and "use_cache" not in kwargs and getattr(getattr(model, "config", None), "use_cache", False) is True \

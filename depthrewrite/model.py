@@ -98,7 +98,8 @@ class ModuleTree:
     ``children[j]`` a copy of the ``_modules`` dict of ``owners[j]`` (the root, then every submodule), and the
     identities of every parameter and buffer."""
 
-    __slots__ = ("names", "mods", "types", "owners", "children", "hooks", "hook_snapshot", "tensors", "config")
+    __slots__ = ("names", "mods", "types", "owners", "children", "hooks", "hook_snapshot", "tensors", "config",
+                 "ckpt_owners", "ckpt")
 
     def __init__(self, root: nn.Module):
         named = [(n, m) for n, m in root.named_modules() if m is not root]
@@ -112,6 +113,9 @@ class ModuleTree:
         self.hook_snapshot = [dict(d) for d in self.hooks]
         self.tensors = _tensor_ids(self.owners)
         self.config = _config_state(root)
+        # activation checkpointing flags (HF's gradient_checkpointing_enable() sets them): export cannot follow them
+        self.ckpt_owners = [m for m in self.owners if "gradient_checkpointing" in m.__dict__]
+        self.ckpt = [m.__dict__["gradient_checkpointing"] for m in self.ckpt_owners]
 
     def changed(self, root: nn.Module) -> bool:
         """Whether a submodule was replaced, added or removed, a hook added or removed on one, or a parameter or
@@ -122,6 +126,7 @@ class ModuleTree:
             or self.hooks != self.hook_snapshot  # the live hook dicts against copies: same keys, same functions
             or _tensor_ids(self.owners) != self.tensors
             or _config_state(root) != self.config  # output_hidden_states, attention implementation, ... are baked in
+            or [m.__dict__.get("gradient_checkpointing") for m in self.ckpt_owners] != self.ckpt
         )
 
     def user_hooks(self) -> list[tuple[str, Any]]:

@@ -425,6 +425,17 @@ def test_direct_cached_calls_fill_the_callers_cache():
         conv(ids[:, 5:6], cache=cache, use_cache=True)
 
 
+def test_activation_checkpointing_is_refused_not_dropped():
+    conv = dr.convert(hf_model("llama", layers=2).eval(), "attnres")
+    conv.gradient_checkpointing_enable()
+    conv(IDS)  # eval: HF does not checkpoint outside training
+    conv.train()
+    with pytest.raises(ConfigError, match="gradient_checkpointing_disable"):
+        conv(IDS, labels=IDS)
+    conv.gradient_checkpointing_disable()
+    conv(IDS, labels=IDS).loss.backward()
+
+
 def test_the_config_is_followed():
     """config.use_cache=True returns a cache as the original does; a config change (output_hidden_states) recaptures."""
     model = hf_model("llama", layers=2, use_cache=True).eval()
