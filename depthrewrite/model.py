@@ -84,7 +84,9 @@ _KNOWN_HOOK_OWNERS = ("transformers.", "torch.", "peft.", "accelerate.", "depthr
 def _config_state(root: nn.Module) -> dict | None:
     """A shallow copy of the model's ``config`` attributes (HF configs, nanoGPT's dataclass): export bakes them in."""
     cfg = getattr(root, "config", None)
-    return dict(vars(cfg)) if cfg is not None and hasattr(cfg, "__dict__") else None
+    if cfg is None or not hasattr(cfg, "__dict__"):
+        return None
+    return {k: dict(vars(v)) if hasattr(v, "to_dict") and hasattr(v, "__dict__") else v for k, v in vars(cfg).items()}
 
 
 def _tensor_ids(owners: list[nn.Module]) -> list[int]:
@@ -394,7 +396,8 @@ class ConversionState:
         if CHECK_MODULE_TREE:
             tree.check_hooks()
 
-    def select(self, model: nn.Module, args: tuple, kwargs: dict, *, capture: bool = True) -> tuple[GraphEntry, tuple, dict]:
+    def select(self, model: nn.Module, args: tuple, kwargs: dict, *, capture: bool = True,
+               fresh: bool = False) -> tuple[GraphEntry, tuple, dict]:
         """The graph for this call (captured if there is none yet) and the call's ``(args, kwargs)`` for it. While
         traced (``capture=False``) the module tree is not checked: the tracer (pipelining's export, Dynamo) may wrap
         the model, and no graph can be captured inside a trace anyway."""
@@ -408,7 +411,7 @@ class ConversionState:
             register_cache_support()  # before the key: the cache's layout is part of the call structure
         key = self.key(model, bound)
         tensors = [x for x in pytree.tree_leaves((pos, kw)) if isinstance(x, torch.Tensor)]
-        for entry in self.graphs.get(key, ()):
+        for entry in self.graphs.get(key, ()) if not fresh else ():
             if entry.matches(tensors):
                 return entry, pos, kw
         if not capture:
@@ -422,7 +425,8 @@ class ConversionState:
                 )
             return entry, pos, kw
         entry = self.capture(model, pos, kw, _readable(bool(model.training), bound))
-        self.graphs.setdefault(key, []).append(entry)
+        entries = self.graphs.setdefault(key, [])
+        entries.insert(0, entry) if fresh else entries.append(entry)  # fresh: tried before the one that did not fit
         return entry, pos, kw
 
     def capture(self, model: nn.Module, args: tuple, kwargs: dict, structure: str) -> GraphEntry:
@@ -456,9 +460,25 @@ class ConversionState:
             entry, pos, kw = _select_eagerly(self, model, args, kwargs)
         else:
             entry, pos, kw = self.select(model, args, kwargs)
+        if caches and entry.module.meta.get(HISTORY_META) and caches[0].get_seq_length() > 0 \
+                and not caches[0].__dict__.get(_EXTRA):
+            raise ConfigError(
+                f"the KV cache passed to the converted {self.original.__name__} holds {caches[0].get_seq_length()} "
+                "tokens but no decoding state of this conversion (MSAR's conv history): it was filled by another model "
+                "(the unconverted one?) or rebuilt from tensors. Fill it with the converted model (prefill with it), or "
+                "call with use_cache=False."
+            )
+        try:
+            out = entry.module(*pos, **kw)
+        except RuntimeError as e:
+            # export's own input check (a relation between sizes our guards do not model, e.g. a cache length derived
+            # from the new tokens at a sliding window's edge) fails before anything runs: this call gets its own graph
+            if "Expected input at" not in str(e) or torch.compiler.is_compiling() or torch.compiler.is_exporting():
+                raise
+            entry, pos, kw = self.select(model, args, kwargs, fresh=True)
+            out = entry.module(*pos, **kw)
         self.last[bool(model.training)] = entry
         entry.calls += 1
-        out = entry.module(*pos, **kw)
         history = None
         if entry.module.meta.get(HISTORY_META):
             out, history = out
@@ -561,7 +581,8 @@ def _write_back(cache: Any, out: Any, new_tokens: int | None = None) -> Any:
                 f"returned {len(layers_out)} layers"
             )
         for lo in layers_out[own:]:
-            layers_in.insert(own, type(lo)())
+            window = getattr(lo, "sliding_window", None)
+            layers_in.insert(own, type(lo)(sliding_window=window) if window is not None else type(lo)())
             own += 1
     for li, lo in zip(layers_in[:own], layers_out):
         if getattr(lo, "keys", None) is None:

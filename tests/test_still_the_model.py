@@ -212,6 +212,38 @@ def test_generate_on_the_whole_zoo(name):
     assert torch.equal(conv.generate(IDS[:, :6], **kw), ref)
 
 
+def test_a_cache_filled_by_another_model_is_refused_for_msar():
+    """MSAR's conv history lives in the cache: a cache the unconverted model filled has none, so decoding with it would
+    read zeros; it is a ConfigError instead."""
+    from transformers import DynamicCache
+
+    model, conv = _pair("llama", "msar")
+    cache = DynamicCache(config=model.config)
+    model(IDS[:, :7], cache=cache, use_cache=True)
+    with pytest.raises(ConfigError, match="no decoding state"):
+        conv(IDS[:, 7:8], cache=cache, use_cache=True)
+
+
+def test_chunked_calls_across_a_sliding_window_edge():
+    """A cache length export derives from the new tokens at the window's edge gets a graph of its own when a later
+    call breaks that relation (export's own input check), not a bare RuntimeError."""
+    from transformers import DynamicCache
+
+    torch.manual_seed(0)
+    model = hf_model("mistral", layers=2, sliding_window=6).eval()
+    conv = dr.convert(model, "attnres", inplace=False)
+    ours, theirs = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    for a, b in ((0, 3), (3, 5)):
+        torch.testing.assert_close(conv(IDS[:, a:b], cache=ours, use_cache=True).logits,
+                                   model(IDS[:, a:b], cache=theirs, use_cache=True).logits, atol=1e-4, rtol=1e-4)
+    try:
+        got = conv(IDS[:, 5:8], cache=ours, use_cache=True).logits
+    except ConfigError as e:  # the window filled up: refused, typed
+        assert "sliding window" in str(e)
+    else:
+        torch.testing.assert_close(got, model(IDS[:, 5:8], cache=theirs, use_cache=True).logits, atol=1e-4, rtol=1e-4)
+
+
 def test_a_full_sliding_window_is_a_typed_error():
     torch.manual_seed(0)
     model = hf_model("mistral", layers=2, sliding_window=4).eval()
