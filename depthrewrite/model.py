@@ -690,7 +690,12 @@ class ConvertedModel(nn.Module):
     def report(self):
         """The :class:`~depthrewrite.views.report.ConvertReport` of this conversion, with the graphs captured so far."""
         st = state_of(self)
-        return dataclasses.replace(st.report, graphs=tuple(
+        notes = st.report.notes
+        if st.recaptures:
+            notes += (f"the module tree changed {st.recaptures} time(s) since conversion (a replaced submodule, a hook, "
+                      f"peft, .to(), a config attribute): every graph was dropped and recaptured; {st.captures} "
+                      "captured in all",)
+        return dataclasses.replace(st.report, notes=notes, graphs=tuple(
             (e.structure, e.seconds, e.calls) for e in st.entries()
         ))
 
