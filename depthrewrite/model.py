@@ -416,16 +416,15 @@ class ConversionState:
         for entry in self.graphs.get(key, ()) if not fresh else ():
             if entry.matches(tensors):
                 return entry, pos, kw
-        if not capture:
-            mode = bool(model.training)
-            entry = self.last.get(mode) or next((e for k, es in self.graphs.items() if k[0] == mode for e in es), None)
-            if entry is None:
+        if not capture:  # inside a trace: the fake shapes are the tracer's; the call structure must be one we have
+            entries = self.graphs.get(key)
+            if not entries:
                 raise DepthRewriteError(
-                    f"the converted {self.original.__name__} has no graph for this call yet and cannot capture one "
-                    "while it is being traced (torch.compile / torch.export): call it once eagerly with the same kind "
-                    "of inputs first."
+                    f"the converted {self.original.__name__} has no graph for this call structure "
+                    f"({_readable(bool(model.training), bound)}) and cannot capture one while it is being traced "
+                    "(torch.export, pipelining's pipeline()): call it once eagerly with the same kind of inputs first."
                 )
-            return entry, pos, kw
+            return entries[0], pos, kw
         entry = self.capture(model, pos, kw, _readable(bool(model.training), bound))
         entries = self.graphs.setdefault(key, [])
         entries.insert(0, entry) if fresh else entries.append(entry)  # fresh: tried before the one that did not fit

@@ -161,6 +161,17 @@ def test_a_call_with_another_chain_is_a_typed_error():
     conv(ids)
 
 
+def test_a_structure_never_called_eagerly_is_refused_inside_export():
+    """Inside torch.export (pipelining's tracer) no graph can be captured: a call structure the model has a graph for
+    is traced through it; another one is an error naming it, never the graph of another structure."""
+    _, conv = _pair("llama", "attnres")
+    conv(input_ids=IDS)
+    ep = torch.export.export(conv, (), {"input_ids": IDS}, strict=False)
+    torch.testing.assert_close(ep.module()(input_ids=IDS).logits, conv(input_ids=IDS).logits)
+    with pytest.raises(Exception, match="cannot capture one while it is being traced"):
+        torch.export.export(conv, (), {"input_ids": IDS, "token_type_ids": IDS}, strict=False)
+
+
 def test_a_failing_shape_guard_gets_its_own_graph():
     torch.manual_seed(0)
     model = hf_model("cpmant", layers=2).eval()  # export fixes the sequence length of CPM-Ant's graph
