@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import copy
 import inspect as _inspect
-import types as _types
 import logging
+import types as _types
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .capture import _is_cache, capture, example_inputs_for
+from .capture import is_cache, capture, example_inputs_for
 from .converted import as_converted, drop_dead_code
 from .errors import CaptureError, ConfigError, DepthRewriteError
 from .passes.analyse.chain import detect_chain
@@ -158,7 +158,7 @@ def convert(
         model.__dict__["_old_forward"] = _types.MethodType(type(model).forward, model)
     try:
         # the first capture, in the model's mode: detects the chain, creates model.depthrewrite, makes the report
-        entry, _, _ = st.select(model, args, kwargs)
+        st.select(model, args, kwargs)
     except BaseException:
         model.__class__ = original
         model.__dict__.pop("_depthrewrite", None)
@@ -195,13 +195,20 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) ->
                 "gradient_checkpointing_disable() to train the converted model without it; checkpointing per block "
                 "is planned."
             )
-    explicit = any(_is_cache(v) for v in kwargs.values()) or kwargs.get("use_cache") is True
+    sharded = next((n for n, m in model.named_modules() if n and _is_fsdp(m)), None)
+    if sharded is not None:
+        raise ConfigError(
+            f"{name}.{sharded} is sharded with FSDP (fully_shard on a submodule): a converted model runs one captured "
+            "graph, which does not call its blocks, so per-block FSDP's gathers cannot run. Shard the whole converted "
+            "model (fully_shard(model)) instead; FSDP per block is planned."
+        )
+    explicit = any(is_cache(v) for v in kwargs.values()) or kwargs.get("use_cache") is True
     # an HF model whose config turns the cache on returns one when the call does not say (the original does)
     implied = not explicit and "use_cache" not in kwargs and getattr(getattr(model, "config", None), "use_cache", False) is True \
         and hasattr(model, "main_input_name")
     keep_cache = explicit or implied
     why = scheme_record(config).no_cached_decoding
-    filled = [v for v in kwargs.values() if _is_cache(v) and v.get_seq_length() > 0]
+    filled = [v for v in kwargs.values() if is_cache(v) and v.get_seq_length() > 0]
     if why and filled:
         raise ConfigError(
             f"the converted {name} ({config.name}) cannot decode with a filled KV cache: {why}. Call it without a "
@@ -244,12 +251,21 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) ->
     return as_converted(gm, model, st.signature, bound_args, bound_kwargs, st.report), result
 
 
+def _is_fsdp(module: nn.Module) -> bool:
+    """Whether ``module`` is wrapped by FSDP (``fully_shard``'s FSDPModule, or the older FullyShardedDataParallel)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(module, (FSDPModule, FullyShardedDataParallel))
+
+
 def history_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict) -> list[str]:
     """The placeholders of ``gm`` that carry decoding state: the tensors of the extra layers a converted model
     appended to the call's KV cache (:func:`depthrewrite.model.store_history`), keys then values per layer."""
     from .model import history_of
 
-    cache = next((v for v in (*args, *kwargs.values()) if _is_cache(v)), None)
+    cache = next((v for v in (*args, *kwargs.values()) if is_cache(v)), None)
     wanted = history_of(cache) if cache is not None else []
     if not wanted:
         return []
@@ -281,7 +297,7 @@ def _report(model: nn.Module, gm: fx.GraphModule, chain: Any, result: Any, confi
         chain=chain,
         sites=tuple(sites),
         new_params=new_params,
-        model_params=sum(p.numel() for p in model.parameters()) - (new_params if PARAM_PREFIX in model._modules else 0),
+        model_params=sum(p.numel() for p in model.parameters()) - new_params,  # model.depthrewrite is attached by now
         stored_sources=len(sites[-1].sources),
         bytes_per_element=ref.element_size() if ref is not None else 4,
         block_size=block_size_for(config, len(chain)),

@@ -18,7 +18,7 @@ from torch.export import Dim
 
 from .errors import CaptureError
 
-__all__ = ["capture", "example_inputs_for", "unalias_inputs", "ExampleInputs"]
+__all__ = ["capture", "example_inputs_for", "unalias_inputs", "ExampleInputs", "is_cache", "cache_problem"]
 
 log = logging.getLogger(__name__)
 
@@ -108,14 +108,15 @@ def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, An
         node = torch.utils._pytree.SUPPORTED_NODES.get(type(x))
         if node is not None:  # a registered container (a KV cache): export takes its children's shapes as a list
             children, _ = node.flatten_fn(x)
-            return [walk(c, cached or _is_cache(x)) for c in children]
+            return [walk(c, cached or is_cache(x)) for c in children]
         return None
 
     bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
     return {k: walk(v) for k, v in bound.items()}
 
 
-def _is_cache(x: Any) -> bool:
+def is_cache(x: Any) -> bool:
+    """Whether ``x`` is a KV cache object (a transformers ``Cache``: ``DynamicCache`` and friends)."""
     return type(x).__name__.endswith("Cache") and hasattr(x, "get_seq_length")
 
 
@@ -137,9 +138,8 @@ def register_cache_support() -> None:
 
 
 def _cache_support(args: tuple, kwargs: dict) -> None:
-    """Register cache support; a cache of another kind than a ``DynamicCache`` of full-attention layers is a
-    :class:`CaptureError`."""
-    caches = [x for x in (*args, *kwargs.values()) if _is_cache(x)]
+    """Register cache support; a cache :func:`cache_problem` refuses is a :class:`CaptureError`."""
+    caches = [x for x in (*args, *kwargs.values()) if is_cache(x)]
     register_cache_support()
     for c in caches:
         problem = cache_problem(c)
@@ -311,7 +311,7 @@ def capture(
         else:
             args = tuple(example_inputs) if example_inputs is not None else ()
         kwargs = dict(example_kwargs or {})
-    passes_cache = any(_is_cache(x) for x in (*args, *kwargs.values()))
+    passes_cache = any(is_cache(x) for x in (*args, *kwargs.values()))
     if keep_cache or passes_cache:
         _cache_support(args, kwargs)
     args, kwargs, copied = unalias_inputs(args, kwargs)

@@ -50,7 +50,7 @@ class ConvertedGraphModule(fx.GraphModule):
         """This module's graph by the training mode it was captured in (``{mode: self.graph}``: one graph per module;
         a converted model's ``graphs`` has both modes). A read-only view; a pass that edits the graph in place calls
         :meth:`recompile` afterwards."""
-        return MappingProxyType(self.__dict__.get("_dr_graphs") or {self.training: self.graph})
+        return MappingProxyType({self.training: self.graph})
 
     @property
     def pipeline_cuts(self) -> tuple[int, ...] | None:
@@ -78,7 +78,9 @@ class ConvertedGraphModule(fx.GraphModule):
         Raises:
             ConfigError: the call lacks an input the model was converted with, or passes one it was not.
         """
-        return _bind_inputs(self, tuple(args), dict(kwargs or {}))
+        args, kwargs = tuple(args), dict(kwargs or {})
+        bound = _bind_inputs(self, args, kwargs)
+        return (args, kwargs) if bound is None else bound  # None: already in the captured layout
 
     def __repr__(self) -> str:
         r = self._dr_report
@@ -110,11 +112,14 @@ def drop_dead_code(gm: fx.GraphModule) -> int:
 
 
 def _bind_inputs(module: nn.Module, args: tuple, kwargs: dict):
-    """Forward pre-hook: map a call onto the layout the graph was captured with."""
+    """Forward pre-hook: map a call onto the layout the graph was captured with (None: it is in that layout)."""
     sig = module._dr_signature
     n_pos, kw_names = module._dr_layout
     if sig is None:
         return args, kwargs
+    if not args and not n_pos and len(kwargs) == len(kw_names) and all(k in kwargs for k in kw_names):
+        return None  # already in the captured layout: how a converted model calls its graphs
+
     try:
         bound = sig.bind(*args, **kwargs)
     except TypeError as e:
@@ -133,7 +138,7 @@ def _bind_inputs(module: nn.Module, args: tuple, kwargs: dict):
     kw = {k: values.pop(k) for k in kw_names if k in values}
     for k, v in values.items():
         default = sig.parameters[k].default if k in sig.parameters else None
-        if k == "use_cache" or v is None or v is default:
+        if v is None or v is default:
             continue
         raise ConfigError(
             f"the model was converted with inputs {list(names[:n_pos]) + list(kw_names)}; it cannot take {k}= now. "
@@ -175,7 +180,6 @@ def as_converted(gm: fx.GraphModule, model: nn.Module, signature: _inspect.Signa
     gm._dr_signature = signature
     gm._dr_layout = (len(args), tuple(kwargs))
     gm._dr_report = report
-    gm._dr_graphs = {bool(model.training): gm.graph}
     gm.training = bool(model.training)
     _drop_export_guards(gm)
     gm.register_forward_pre_hook(_bind_inputs, with_kwargs=True, prepend=True)

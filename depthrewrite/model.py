@@ -7,12 +7,13 @@ identity, its attributes and its methods, and its class becomes a subclass of th
 
 How a call runs (:meth:`ConversionState.call`):
 
-1. **Module tree.** A fingerprint of the submodule tree (every submodule object, its type, its parameters' and
-   buffers' identities) is compared with the one recorded at the last capture. A replaced, added or removed submodule
-   (peft's LoRA), a reassigned parameter or buffer (``.to()`` replaces buffers, ``tie_weights()`` parameters) drops
-   every captured graph, and the call recaptures: the module tools are followed, never bypassed. A hook on a submodule
-   cannot be followed (a captured graph would run its side effects once, at capture): it is a
-   :class:`~depthrewrite.errors.ModuleTreeChangedError`, as is a global module hook.
+1. **Module tree.** A fingerprint of the submodule tree (every submodule object and type, its parameters' and
+   buffers' identities, its hook dicts, the config's attributes, activation-checkpointing flags) is compared with the
+   one recorded at the last capture. A replaced, added or removed submodule (peft's LoRA), a hook added or removed, a
+   reassigned parameter or buffer (``.to()`` replaces buffers, ``tie_weights()`` parameters) or a config change drops
+   every captured graph, and the call recaptures: the module tools are followed, never bypassed. Hooks on submodules
+   are traced into the new graph (a warning says their side effects happen at capture only); a global module hook
+   cannot be followed and is a :class:`~depthrewrite.errors.ModuleTreeChangedError`.
 2. **Call structure.** The call is bound to the original signature; its structure is the training mode, the model's
    dtype and device, and per argument: ``None``, a tensor's dtype/device/rank, a Python value, or a container's
    layout (a KV cache). Each structure gets its own graphs on first use: captured with ``torch.export`` from the
@@ -39,21 +40,20 @@ import logging
 import operator
 import time
 from collections import OrderedDict
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from .capture import is_cache
 from .errors import ConfigError, DepthRewriteError, ModuleTreeChangedError
 from .passes.rewrite.msar_decode import HISTORY_META
 
 __all__ = ["ConvertedModel", "ConversionState", "GraphEntry", "is_converted", "state_of", "converted_class"]
 
 log = logging.getLogger(__name__)
-
-PARAM_PREFIX = "depthrewrite"
 
 # Set to False to skip the module-tree check (for measuring its cost only: changes then go unnoticed).
 CHECK_MODULE_TREE = True
@@ -146,6 +146,7 @@ class ModuleTree:
         return out
 
     def change(self, root: nn.Module) -> tuple[str, str]:
+        """The first difference between this record and ``root``'s tree: ``(path, what happened)``."""
         now = _config_state(root)
         if now != self.config:
             keys = sorted(k for k in set(now or {}) | set(self.config or {}) if (now or {}).get(k) != (self.config or {}).get(k))
@@ -153,7 +154,6 @@ class ModuleTree:
         if self.hooks != self.hook_snapshot:
             i = next(i for i, (a, b) in enumerate(zip(self.hooks, self.hook_snapshot)) if a != b)
             return self.names[i // len(_HOOKS)], f"{_HOOK_WORDS[_HOOKS[i % len(_HOOKS)]]} added or removed"
-        """The first difference between this record and ``root``'s tree: ``(path, what happened)``."""
         now = dict(root.named_modules())
         for name, mod, typ in zip(self.names, self.mods, self.types):
             cur = now.get(name)
@@ -202,10 +202,6 @@ def _describe(value: Any) -> Any:
     if spec.is_leaf():
         return _describe_leaf(value)
     return (str(spec), tuple(map(_describe_leaf, leaves)))
-
-
-def _has_cache(value: Any) -> bool:
-    return type(value).__name__.endswith("Cache") and hasattr(value, "get_seq_length")
 
 
 @dataclasses.dataclass
@@ -280,7 +276,7 @@ def _readable(training: bool, bound: Mapping[str, Any]) -> str:
     def one(x):
         if isinstance(x, torch.Tensor):
             return f"{str(x.dtype).replace('torch.', '')}[{x.dim()}d]"
-        if _has_cache(x):
+        if is_cache(x):
             return f"{type(x).__name__}({x.get_seq_length()} cached)"
         if isinstance(x, (bool, int, float, str)):
             return repr(x)
@@ -407,7 +403,7 @@ class ConversionState:
             self.check_tree(model)
         bound = self.bind(args, kwargs)
         pos, kw = self.split_call(bound)
-        if any(map(_has_cache, bound.values())):
+        if any(map(is_cache, bound.values())):
             from .capture import register_cache_support
 
             register_cache_support()  # before the key: the cache's layout is part of the call structure
@@ -452,7 +448,7 @@ class ConversionState:
         return entry
 
     def call(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
-        caches = [v for v in (*args, *kwargs.values()) if _has_cache(v)]
+        caches = [v for v in (*args, *kwargs.values()) if is_cache(v)]
         if caches:
             _check_cache(caches[0], self.original.__name__)
         if torch.compiler.is_exporting():  # inside torch.export (pipelining's tracer): use a graph we have
@@ -548,12 +544,12 @@ def _output_cache(out: Any) -> tuple[Any, Any]:
     ``return_dict=False`` gives) and its key or index; ``(None, None)`` when there is none."""
     if hasattr(out, "items") and hasattr(out, "keys"):  # ModelOutput (an OrderedDict)
         for k, v in out.items():
-            if _has_cache(v):
+            if is_cache(v):
                 return v, k
         return None, None
     if isinstance(out, (tuple, list)):
         for i, v in enumerate(out):
-            if _has_cache(v):
+            if is_cache(v):
                 return v, i
     return None, None
 
@@ -681,10 +677,8 @@ def as_original(model: nn.Module) -> Iterator[nn.Module]:
 
 class ConvertedModel(nn.Module):
     """What a converted model's class adds to the original class (``type(model).__mro__`` is ``(Converted,
-    ConvertedModel, Original, ...)``; the class keeps the original's name)."""
-
-    def forward(self, *args, **kwargs):
-        return state_of(self).call(self, args, kwargs)
+    ConvertedModel, Original, ...)``; the class keeps the original's name and gets its ``forward`` from
+    :func:`converted_class`)."""
 
     # -- inspection
 
@@ -746,13 +740,8 @@ class ConvertedModel(nn.Module):
     # -- copies
 
     def __reduce_ex__(self, protocol):
-        return _new_converted, (state_of(self).original,), self.__getstate__()
-
-    def __getstate__(self):
-        return nn.Module.__getstate__(self) if hasattr(nn.Module, "__getstate__") else dict(self.__dict__)
-
-    def __setstate__(self, state):
-        nn.Module.__setstate__(self, state)
+        # the converted class is made per original class at run time: rebuild it, then nn.Module.__setstate__
+        return _new_converted, (state_of(self).original,), dict(self.__dict__)
 
     def __deepcopy__(self, memo):
         out = _new_converted(state_of(self).original)

@@ -125,21 +125,23 @@ def _config_from(recipe: dict[str, Any]) -> Any:
     return scheme_config(name, **options)
 
 
-def _saved_state(directory: Path) -> dict[str, torch.Tensor]:
-    """Every tensor saved in ``directory`` (safetensors shards or a torch state-dict file)."""
+def _saved_state(directory: Path, prefix: str | None = None) -> dict[str, torch.Tensor]:
+    """The tensors saved in ``directory`` (safetensors shards or a torch state-dict file); with ``prefix``, only the
+    keys that start with it (read alone from safetensors files, without loading the rest)."""
     files = sorted(directory.glob("*.safetensors"))
-    state: dict[str, torch.Tensor] = {}
     if files:
-        from safetensors.torch import load_file
+        from safetensors import safe_open
 
+        state: dict[str, torch.Tensor] = {}
         for f in files:
-            state.update(load_file(str(f)))
+            with safe_open(str(f), framework="pt") as shard:
+                state.update((k, shard.get_tensor(k)) for k in shard.keys() if prefix is None or k.startswith(prefix))
         return state
-    for name in (_PLAIN_WEIGHTS, "pytorch_model.bin"):
-        f = directory / name
-        if f.is_file():
-            return torch.load(f, map_location="cpu", weights_only=True)
-    raise ConfigError(f"{directory} has no weights (*.safetensors or {_PLAIN_WEIGHTS})")
+    f = directory / _PLAIN_WEIGHTS
+    if not f.is_file():
+        raise ConfigError(f"{directory} has no weights (*.safetensors or {_PLAIN_WEIGHTS})")
+    state = torch.load(f, map_location="cpu", weights_only=True)
+    return state if prefix is None else {k: v for k, v in state.items() if k.startswith(prefix)}
 
 
 def from_pretrained(
@@ -164,12 +166,12 @@ def from_pretrained(
         The converted model, with every saved parameter (original and ``depthrewrite.*``) loaded.
     """
     from .api import convert
-    from .model import PARAM_PREFIX
+    from .passes.rewrite.editor import PARAM_PREFIX
 
     directory = Path(directory)
     recipe = read_recipe(directory)
     config = _config_from(recipe)
-    saved = _saved_state(directory)
+    ours_prefix = PARAM_PREFIX + "."
     if model is None:
         cls = _import_class(recipe["original_class"])
         if not hasattr(cls, "from_pretrained"):
@@ -190,8 +192,11 @@ def from_pretrained(
             if hf_logging is not None:
                 hf_logging.set_verbosity(level)
         model.eval()
+        ours = _saved_state(directory, ours_prefix)  # the rest was loaded by the class's own from_pretrained
     else:
-        theirs = {k: v for k, v in saved.items() if not k.startswith(PARAM_PREFIX + ".")}
+        saved = _saved_state(directory)
+        ours = {k: v for k, v in saved.items() if k.startswith(ours_prefix)}
+        theirs = {k: v for k, v in saved.items() if not k.startswith(ours_prefix)}
         missing, unexpected = model.load_state_dict(theirs, strict=False)
         missing = _untied(model, missing, set(theirs))
         if unexpected or missing:
@@ -204,8 +209,7 @@ def from_pretrained(
         from .pipeline import split
 
         split(model, recipe["pipeline_stages"], **recipe.get("pipeline_options", {}))
-    ours = {k: v for k, v in saved.items() if k.startswith(PARAM_PREFIX + ".")}
-    expected = {k for k in model.state_dict() if k.startswith(PARAM_PREFIX + ".")}
+    expected = {k for k in model.state_dict() if k.startswith(ours_prefix)}
     if set(ours) != expected:
         raise ConfigError(
             f"{directory}: the saved depthrewrite parameters {sorted(set(ours) ^ expected)[:6]} do not match the "

@@ -136,26 +136,32 @@ def test_another_dtype_recaptures():
     assert (out.float() - ref).abs().max() < 0.1
 
 
+class _ToyLM(torch.nn.Module):
+    """A hand-written PreNorm model whose forward depends on its call: ``depth`` runs fewer blocks (another chain),
+    and more than 8 tokens take another branch (a size range the trace assumes)."""
+
+    def __init__(self, layers: int):
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 16)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 16)) for _ in range(layers))
+        self.norm = torch.nn.LayerNorm(16)
+
+    def forward(self, ids, depth: int | None = None):
+        h = self.emb(ids)
+        if ids.shape[1] > 8:
+            h = h * 2
+        for b in self.blocks[:depth]:
+            h = h + b(h)
+        return self.norm(h)
+
+
 def test_a_call_with_another_chain_is_a_typed_error():
     """The new parameters are matched to sites by position in the chain: a call that runs fewer layers cannot share."""
     from depthrewrite.errors import DepthRewriteError
 
-    class Truncatable(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = torch.nn.Embedding(50, 16)
-            self.blocks = torch.nn.ModuleList(
-                torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 16)) for _ in range(3))
-            self.norm = torch.nn.LayerNorm(16)
-
-        def forward(self, ids, depth: int = 3):
-            h = self.emb(ids)
-            for b in self.blocks[:depth]:
-                h = h + b(h)
-            return self.norm(h)
-
     ids = torch.randint(0, 50, (2, 8))
-    conv = dr.convert(Truncatable(), "attnres", example_inputs=(ids,))
+    conv = dr.convert(_ToyLM(layers=3), "attnres", example_inputs=(ids,))
     with pytest.raises(DepthRewriteError, match="matched by position in the chain"):
         conv(ids, depth=2)
     conv(ids)
@@ -479,6 +485,20 @@ def test_activation_checkpointing_is_refused_not_dropped():
     conv(IDS, labels=IDS).loss.backward()
 
 
+def test_fsdp_on_a_block_is_refused_not_bypassed():
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        conv = dr.convert(hf_model("llama", layers=2).eval(), "attnres")
+        fully_shard(conv.model.layers[0])
+        with pytest.raises(ConfigError, match="model.layers.0 is sharded with FSDP"):
+            conv(IDS)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_the_config_is_followed():
     """config.use_cache=True returns a cache as the original does; a config change (output_hidden_states) recaptures."""
     model = hf_model("llama", layers=2, use_cache=True).eval()
@@ -491,24 +511,8 @@ def test_the_config_is_followed():
 
 
 def test_a_size_range_the_trace_assumed_gets_its_own_graph():
-    class Branchy(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = torch.nn.Embedding(50, 16)
-            self.blocks = torch.nn.ModuleList(
-                torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 16)) for _ in range(2))
-            self.norm = torch.nn.LayerNorm(16)
-
-        def forward(self, ids):
-            h = self.emb(ids)
-            if ids.shape[1] > 8:  # the graph captured at 4 tokens holds for 2..8 only
-                h = h * 2
-            for b in self.blocks:
-                h = h + b(h)
-            return self.norm(h)
-
     torch.manual_seed(0)
-    model = Branchy().eval()
+    model = _ToyLM(layers=2).eval()  # its `if T > 8` branch: a graph captured at 4 tokens holds for 2..8 only
     ids = torch.randint(0, 50, (2, 12))
     conv = dr.convert(model, "attnres", example_inputs=(ids[:, :4],), inplace=False)
     torch.testing.assert_close(conv(ids), model(ids))

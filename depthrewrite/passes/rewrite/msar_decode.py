@@ -25,7 +25,7 @@ import torch.utils._pytree as pytree
 
 from ..meta import NodeRole, inherit_meta
 
-__all__ = ["DECODE_META", "HISTORY_META", "add_decode_state"]
+__all__ = ["DECODE_META", "HISTORY_META", "add_decode_state", "cut_mask_to_new_tokens"]
 
 #: gm.meta key set by the converted model before the rewrite: the history placeholders' names (``[]`` on prefill)
 DECODE_META = "depthrewrite_decode"

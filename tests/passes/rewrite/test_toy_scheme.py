@@ -182,3 +182,24 @@ def test_every_registered_scheme_has_its_doc_page_in_the_docs_nav():
     for s in dr.schemes().values():
         assert s.doc.startswith("docs/") and (root / s.doc).is_file(), s.name
         assert f": {s.doc.removeprefix('docs/')}" in nav, f"{s.doc} is not in mkdocs.yml's nav"
+
+
+def test_a_scheme_without_cached_decoding_refuses_a_filled_cache():
+    """A record's ``no_cached_decoding`` reason: a call with a filled KV cache is a ConfigError naming it; prefill and
+    uncached generation work."""
+    from depthrewrite.demo.zoo import hf_model
+
+    @dataclasses.dataclass(frozen=True)
+    class NoCacheConfig(DepthAvgConfig):
+        name = "nocache"
+
+    register(_record("nocache", NoCacheConfig, no_cached_decoding="its mix reads earlier tokens", **HOOKS))
+    try:
+        conv = dr.convert(hf_model("llama", layers=2).eval(), "nocache")
+        ids = IDX % 100
+        kw = dict(max_new_tokens=2, do_sample=False, pad_token_id=0)
+        with pytest.raises(dr.ConfigError, match="its mix reads earlier tokens"):
+            conv.generate(ids, use_cache=True, **kw)
+        assert conv.generate(ids, use_cache=False, **kw).shape == (2, ids.shape[1] + 2)
+    finally:
+        unregister("nocache")
