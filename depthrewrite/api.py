@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from .blocks import block_paths, blocks_for_capture
 from .capture import is_cache, capture, example_inputs_for
 from .converted import as_converted, drop_dead_code
 from .errors import CaptureError, ConfigError, DepthRewriteError
@@ -87,6 +88,7 @@ def convert(
     example_kwargs: dict | None = None,
     pipeline_stages: int | None = None,
     inplace: bool = True,
+    checkpoint: bool = False,
     **options: Any,
 ) -> nn.Module:
     """Rewrite the PreNorm residual chain of ``model`` into ``scheme``, in place.
@@ -109,6 +111,10 @@ def convert(
             lists what crosses each boundary. See :mod:`depthrewrite.pipeline` and docs/pipelines.md.
         inplace (bool): convert ``model`` itself (default). ``False`` converts a deep copy and leaves ``model`` as it
             was (nothing is shared between the two).
+        checkpoint (bool): recompute every transformer block in backward (activation checkpointing) in training
+            calls, for models that have no switch of their own. HF models' ``activation_checkpointing_enable()`` and
+            torch's ``checkpoint_wrapper`` / ``apply_activation_checkpointing`` on the block modules work too: the
+            converted model calls its blocks as modules (docs/training.md).
 
     Returns:
         The converted model: the original state-dict keys plus new parameters under ``depthrewrite.``; any call the
@@ -145,6 +151,7 @@ def convert(
         args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs or ())
         kwargs = dict(example_kwargs or {})
     st = ConversionState(original, config, (args, kwargs), signature)
+    st.checkpoint = bool(checkpoint)
     own_forward = model.__dict__.get("forward")
     if own_forward is not None and "_old_forward" not in model.__dict__:
         raise ConfigError(
@@ -159,6 +166,11 @@ def convert(
     try:
         # the first capture, in the model's mode: detects the chain, creates model.depthrewrite, makes the report
         st.select(model, args, kwargs)
+        if checkpoint and st.blocks is None:
+            raise ConfigError(
+                f"convert(..., checkpoint=True) recomputes each transformer block in backward, but the converted "
+                f"{original.__name__} runs as one graph: {st.blocks_note}. Convert without checkpoint=True."
+            )
     except BaseException:
         model.__class__ = original
         model.__dict__.pop("_depthrewrite", None)
@@ -185,22 +197,14 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) ->
     handler = get_handler(config)
     name = st.original.__name__
     where = f"{'training' if model.training else 'eval'} graph of {name}"
-    if model.training:
-        ckpt = next((n for n, m in model.named_modules() if m.__dict__.get("gradient_checkpointing") is True), None)
-        if ckpt is not None:
-            raise ConfigError(
-                f"activation checkpointing is on in {name} ({ckpt or 'the model'}.gradient_checkpointing, set by "
-                "gradient_checkpointing_enable()): a captured graph would run without it (torch.export inlines the "
-                "recomputation away), so it is refused rather than silently dropped. Call "
-                "gradient_checkpointing_disable() to train the converted model without it; checkpointing per block "
-                "is planned."
-            )
-    sharded = next((n for n, m in model.named_modules() if n and _is_fsdp(m)), None)
+    blocks = getattr(st, "blocks", None)
+    sharded = next((n for n, m in model.named_modules() if n and _is_fsdp(m) and n not in (blocks or ())), None)
     if sharded is not None:
         raise ConfigError(
-            f"{name}.{sharded} is sharded with FSDP (fully_shard on a submodule): a converted model runs one captured "
-            "graph, which does not call its blocks, so per-block FSDP's gathers cannot run. Shard the whole converted "
-            "model (fully_shard(model)) instead; FSDP per block is planned."
+            f"{name}.{sharded} is sharded with FSDP (fully_shard on a submodule that is not a transformer block): a "
+            f"converted model calls its blocks ({', '.join((blocks or ())[:2]) or 'none were found'}, ...) as modules, "
+            "and runs everything inside a block as one program. Shard the blocks and the whole model "
+            "(fully_shard(block) for each, then fully_shard(model)), as torchtitan does."
         )
     explicit = any(is_cache(v) for v in kwargs.values()) or kwargs.get("use_cache") is True
     # an HF model whose config turns the cache on returns one when the call does not say (the original does)
@@ -214,7 +218,7 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) ->
             f"the converted {name} ({config.name}) cannot decode with a filled KV cache: {why}. Call it without a "
             "cache (use_cache=False; generate(..., use_cache=False) recomputes the sequence at every step)."
         )
-    with as_original(model):
+    with as_original(model), blocks_for_capture(model, blocks):
         try:
             gm = capture(model, args, kwargs, keep_cache=keep_cache)
         except CaptureError:
@@ -227,6 +231,9 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) ->
     if keep_cache:  # a scheme with decoding state of its own (MSAR) reads it from extra cache layers
         gm.meta[DECODE_META] = history_inputs(gm, args, kwargs)
     chain = _run_pass("detect_chain", where, detect_chain, gm)
+    found = block_paths(model, chain)
+    gm.meta["depthrewrite_blocks"] = found[0] if isinstance(found, tuple) else found
+    gm.meta["depthrewrite_block_of_site"] = found[1] if isinstance(found, tuple) else None
     box = model._modules.get(PARAM_PREFIX)
     if box is not None:  # share the new parameters (export made a shell module holding the same tensors)
         gm._modules[PARAM_PREFIX] = box

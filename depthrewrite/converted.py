@@ -41,6 +41,22 @@ class ConvertedGraphModule(fx.GraphModule):
     # set by depthrewrite.pipeline.split (through record_pipeline)
     _dr_pipeline_cuts: tuple[int, ...]
 
+    def __getattr__(self, name: str) -> Any:
+        # A block runner (depthrewrite.blocks.build_runner) keeps no submodules or parameters of its own: what its
+        # code reads (self.model.layers[3], self.lm_head.weight, self.depthrewrite) is the live model's, at call time.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            live = self.__dict__.get("_dr_live")
+            if live is None:
+                raise
+            return getattr(live, name)
+
+    @property
+    def programs(self) -> Mapping[str, Any]:
+        """The block programs of a block runner (``{attribute: BlockProgram}``; empty for a flat graph)."""
+        return MappingProxyType(self.__dict__.get("_dr_programs", {}))
+
     def report(self):
         """The :class:`~depthrewrite.views.report.ConvertReport` of this conversion."""
         return self._dr_report

@@ -133,11 +133,38 @@ class ModuleTree:
             or [m.__dict__.get("gradient_checkpointing") for m in self.ckpt_owners] != self.ckpt
         )
 
+    def logical(self) -> tuple:
+        """The tree as a block runner reads it (:mod:`depthrewrite.blocks`): wrappers around a module (checkpoint
+        wrappers, ``torch.compile``'s) left out, a converted block's class as its original class, no hooks on blocks
+        (they fire at run time, around the block call), parameters and buffers by name, shape and dtype (a runner
+        reads them from the live modules at call time, so FSDP2's sharding or a reassigned tensor needs no
+        recapture). Two trees with equal ``logical()`` run the same captured graphs."""
+        from .blocks import _WRAPPED, ConvertedBlock, original_block_class
+
+        items = []
+        for i, (name, mod, typ) in enumerate(zip(self.names, self.mods, self.types)):
+            if any(a in mod._modules for a in _WRAPPED):
+                continue
+            block = isinstance(mod, ConvertedBlock)
+            hooks = () if block else tuple(tuple(d.values()) for d in self.hook_snapshot[4 * i:4 * i + 4])
+            items.append((
+                ".".join(p for p in name.split(".") if p not in _WRAPPED),
+                original_block_class(typ) if block else typ,
+                hooks,
+                tuple((k, tuple(v.shape), v.dtype) for k, v in mod._parameters.items() if v is not None),
+                tuple((k, tuple(v.shape), v.dtype) for k, v in mod._buffers.items() if v is not None),
+            ))
+        return tuple(items), self.config
+
     def user_hooks(self) -> list[tuple[str, Any]]:
         """``(module path, hook)`` for hooks on submodules that no library we know installed (transformers records
         hidden states and attentions with hooks of its own; peft and accelerate install some too)."""
+        from .blocks import ConvertedBlock
+
         out = []
         for name, m in zip(self.names, self.mods):
+            if isinstance(m, ConvertedBlock):  # hooks on a block fire at run time, around the block call
+                continue
             for d in _hooks_of(m):
                 for h in d.values():
                     owner = getattr(h, "__module__", None) or getattr(type(h), "__module__", "") or ""
@@ -213,6 +240,11 @@ class GraphEntry:
     guards: tuple  # per tensor input: {dim: fixed size, or (symbol, lowest, highest or None)}
     seconds: float
     calls: int = 0
+    runner: Any = None  # the module a call runs: glue plus one call per block module (depthrewrite.blocks); None: module
+
+    @property
+    def run(self) -> fx.GraphModule:
+        return self.module if self.runner is None else self.runner
 
     def matches(self, tensors: list[torch.Tensor]) -> bool:
         if len(tensors) != len(self.guards):
@@ -307,6 +339,10 @@ class ConversionState:
         self.captures = 0  # graphs captured so far (including dropped ones)
         self.recaptures = 0  # times the module tree changed and every graph was dropped
         self.last: dict[bool, GraphEntry] = {}  # the graph the last call in each mode ran
+        self.blocks: tuple[str, ...] | None = None  # the block modules' paths, once the graphs call them
+        self.blocks_note: str | None = None  # why the flat graph runs instead (no block modules, pipeline stages)
+        self.checkpoint = False  # convert(..., checkpoint=True): recompute every block in backward
+        self.ckpt_parents: list[nn.Module] = []  # ancestors of the blocks with an HF-style gradient_checkpointing flag
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -383,7 +419,7 @@ class ConversionState:
             self.tree = ModuleTree(model)
             tree = self.tree
             _warn_user_hooks(tree)
-        elif CHECK_MODULE_TREE and tree.changed(model):
+        elif CHECK_MODULE_TREE and tree.changed(model) and not self._same_logic(model):
             path, change = tree.change(model)
             log.info("depthrewrite: %s: module tree changed (%s %s); recapturing", self.original.__name__, path, change)
             self.drop_graphs()
@@ -393,6 +429,18 @@ class ConversionState:
             _warn_user_hooks(tree)
         if CHECK_MODULE_TREE:
             tree.check_hooks()
+
+    def _same_logic(self, model: nn.Module) -> bool:
+        """After a change to the module tree: whether the block runners read the new tree as the old one (a block
+        wrapped for checkpointing or compile, sharded with FSDP2, hooked; a parameter reassigned). Then the new tree
+        is recorded and the graphs are kept."""
+        if self.blocks is None or self.pipeline_stages is not None:
+            return False
+        new = ModuleTree(model)
+        if new.logical() != self.tree.logical():
+            return False
+        self.tree = new
+        return True
 
     def select(self, model: nn.Module, args: tuple, kwargs: dict, *, capture: bool = True,
                fresh: bool = False) -> tuple[GraphEntry, tuple, dict]:
@@ -436,6 +484,7 @@ class ConversionState:
             from .pipeline import split
 
             split(gm, self.pipeline_stages, **self.pipeline_kw)
+        runner = self.keep_blocks(model, gm)
         self.tree = ModuleTree(model)  # the first capture adds model.depthrewrite
         guards = _guards_of(gm)
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]
@@ -443,9 +492,58 @@ class ConversionState:
                  if isinstance(g, int) and d < 2 and "cache" not in name]
         if fixed:  # dimensions export specialised: this graph runs those sizes only
             structure += f" ({', '.join(fixed)})"
-        entry = GraphEntry(module=gm, structure=structure, guards=guards, seconds=time.perf_counter() - t0)
+        entry = GraphEntry(module=gm, structure=structure, guards=guards, seconds=time.perf_counter() - t0,
+                           runner=runner)
         log.info("depthrewrite: captured a graph for %s (%s) in %.2f s", self.original.__name__, structure, entry.seconds)
         return entry
+
+    def keep_blocks(self, model: nn.Module, gm: fx.GraphModule) -> fx.GraphModule | None:
+        """The block runner of ``gm`` (:mod:`depthrewrite.blocks`): the graph as glue plus one call per block module;
+        None when the flat graph runs (no block modules, or pipeline stages, which are built from the flat graph)."""
+        from .blocks import build_runner, convert_blocks
+
+        paths = gm.meta.get("depthrewrite_blocks")
+        if self.pipeline_stages is not None:
+            self.blocks_note = "pipeline stages are placed in the flat graph, which runs as one graph"
+            return None
+        if isinstance(paths, str) or not paths:
+            if self.blocks is not None:
+                raise DepthRewriteError(
+                    f"the converted {self.original.__name__} calls its blocks as modules, but in this call structure "
+                    f"they cannot be: {paths}. Please report it with the model and the call."
+                )
+            self.blocks_note = paths or "no blocks"
+            return None
+        convert_blocks(model, paths)
+        runner, why = build_runner(gm, model, paths, self.checkpointing)
+        if runner is None:
+            if self.blocks is not None:
+                raise DepthRewriteError(
+                    f"the converted {self.original.__name__} calls its blocks as modules, but this call structure's "
+                    f"graph cannot be split into block calls: {why}. Please report it with the model and the call."
+                )
+            self.blocks_note = why
+            return None
+        from .converted import as_converted
+
+        args, kwargs = gm.meta["depthrewrite_inputs"]
+        as_converted(runner, model, self.signature, args, kwargs, self.report)
+        if self.blocks is None:
+            self.blocks = tuple(paths)
+            self.ckpt_parents = _checkpoint_parents(model, paths)
+        return runner
+
+    def checkpointing(self, block: nn.Module) -> bool:
+        """Whether depthrewrite checkpoints ``block`` itself in a training call (HF's own layers checkpoint
+        themselves when their ``gradient_checkpointing`` flag is on)."""
+        flag = getattr(block, "gradient_checkpointing", None)
+        if flag is True:
+            return False
+        if self.checkpoint:
+            return True
+        if flag is not None:
+            return False
+        return any(m.__dict__.get("gradient_checkpointing") is True for m in self.ckpt_parents)
 
     def call(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
         caches = [v for v in (*args, *kwargs.values()) if is_cache(v)]
@@ -466,14 +564,14 @@ class ConversionState:
                 "call with use_cache=False."
             )
         try:
-            out = entry.module(*pos, **kw)
+            out = (entry.module if torch.compiler.is_exporting() else entry.run)(*pos, **kw)
         except RuntimeError as e:
             # export's own input check (a relation between sizes our guards do not model, e.g. a cache length derived
             # from the new tokens at a sliding window's edge) fails before anything runs: this call gets its own graph
             if "Expected input at" not in str(e) or torch.compiler.is_compiling() or torch.compiler.is_exporting():
                 raise
             entry, pos, kw = self.select(model, args, kwargs, fresh=True)
-            out = entry.module(*pos, **kw)
+            out = entry.run(*pos, **kw)
         self.last[bool(model.training)] = entry
         entry.calls += 1
         history = None
@@ -517,6 +615,21 @@ def _select_eagerly(st: ConversionState, model: nn.Module, args: tuple, kwargs: 
     """:meth:`ConversionState.select` outside Dynamo's trace (a graph break): the module-tree check and a capture run
     as in eager mode, and Dynamo guards on the graph module returned."""
     return st.select(model, args, kwargs)
+
+
+def _checkpoint_parents(model: nn.Module, paths: tuple[str, ...]) -> list[nn.Module]:
+    """The model and the modules above its blocks that have a ``gradient_checkpointing`` attribute (models whose own
+    loop checkpoints its layers when it is on)."""
+    from .blocks import _get
+
+    out: list[nn.Module] = []
+    for p in paths:
+        parts = p.split(".")
+        for i in range(len(parts)):
+            m = _get(model, ".".join(parts[:i]))
+            if m is not None and hasattr(m, "gradient_checkpointing") and all(m is not o for o in out):
+                out.append(m)
+    return out
 
 
 def _ref_param(model: nn.Module) -> torch.Tensor | None:

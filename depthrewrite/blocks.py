@@ -1,0 +1,502 @@
+"""Blocks stay modules: a converted model's forward calls one module per transformer block.
+
+A captured and rewritten graph (:mod:`depthrewrite.converted`) is flat: every block's operations inlined. To let the
+tools people apply per block keep working — ``fully_shard(model.layers[i])``, activation checkpointing
+(``activation_checkpointing_enable()``, ``checkpoint_wrapper``), ``torch.compile`` per block — the flat graph is
+split (:func:`split_blocks`) into
+
+* one **block program** per transformer block: the block's part of the graph, whose inputs are the values it reads
+  from outside (the depth state: block summaries and partial sum, earlier sources, mHC's streams, MoDA's depth K/V,
+  plus RoPE tables, the mask and the new parameters of its sites) and whose outputs are what later code reads;
+* a **runner**: the rest of the graph (embedding, masks, final norm, head, loss) with one ``call_module`` per block
+  at the block's original path (``model.layers.3``), passing the program first and then its inputs.
+
+The block module is the user's own object, of a subclass of its class (:func:`converted_block_class`) whose
+``forward(program, *inputs)`` runs the program with the block itself as ``self``: parameters are read from the block
+at call time under their original names, so FSDP2's gathered parameters, a checkpoint wrapper around the block or a
+compiled block are what runs. The runner reads every other parameter from the live model too (see
+:meth:`depthrewrite.converted.ConvertedGraphModule.__getattr__`).
+
+Blocks are found from dataflow: the module whose ``forward`` holds a sublayer's residual add, or its nearest
+ancestor, that is an element of a ``ModuleList``/``ModuleDict``/``Sequential``. Where a model has none (its parent
+adds the residuals itself) or the split would not be a sequence of block calls, the flat graph runs and the report
+says why (:func:`split_blocks` returns the reason).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect as _inspect
+import operator
+from collections import OrderedDict
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .errors import DepthRewriteError
+
+__all__ = [
+    "BlockProgram",
+    "BlockSplit",
+    "block_paths",
+    "converted_block_class",
+    "is_converted_block",
+    "split_blocks",
+    "unwrap",
+]
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+#: attributes under which module wrappers keep the module they wrap: torch's checkpoint_wrapper, torch.compile's
+#: OptimizedModule
+_WRAPPED = ("_checkpoint_wrapped_module", "_orig_mod")
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The module inside wrappers that call it (``checkpoint_wrapper``'s CheckpointWrapper, ``torch.compile``'s
+    OptimizedModule), or ``module`` itself."""
+    seen = 0
+    while seen < 8:
+        inner = next((module.__dict__["_modules"].get(a) for a in _WRAPPED if a in module.__dict__["_modules"]), None)
+        if inner is None:
+            return module
+        module, seen = inner, seen + 1
+    return module
+
+
+def _get(root: nn.Module, path: str) -> nn.Module | None:
+    mod = root
+    for part in path.split(".") if path else ():
+        mod = unwrap(mod)._modules.get(part)
+        if mod is None:
+            return None
+    return unwrap(mod)
+
+
+def block_paths(model: nn.Module, chain: Any) -> tuple[tuple[str, ...], tuple[int, ...]] | str:
+    """``(block paths in order, block index per sublayer)`` for ``chain`` (of a graph of ``model``), or the reason
+    there are no block modules to keep."""
+    per_site: list[str] = []
+    for s in chain.sublayers:
+        path = s.module
+        found = None
+        while path:
+            parent = path.rpartition(".")[0]
+            if isinstance(_get(model, parent), _CONTAINERS):
+                found = path
+                break
+            path = parent
+        if found is None:
+            return (f"sublayer {s.index}'s residual add is in {s.module or 'the model itself'!r}, which is not an "
+                    "element of a ModuleList / ModuleDict / Sequential: no block module holds it")
+        per_site.append(found)
+    paths: list[str] = []
+    for p in per_site:
+        if not paths or paths[-1] != p:
+            if p in paths:
+                return f"the sublayers of block {p!r} are not consecutive in the chain"
+            paths.append(p)
+    return tuple(paths), tuple(paths.index(p) for p in per_site)
+
+
+# ---- the block program --------------------------------------------------------------------------------------------
+
+
+class BlockProgram:
+    """What one converted block runs for one captured graph: the block's part of it, with the block as ``self``
+    (parameters read from the block by their original names). Passed to the block as its first argument."""
+
+    __slots__ = ("path", "fn", "module", "inputs", "outputs", "checkpoint")
+
+    def __init__(self, path: str, module: fx.GraphModule, inputs: tuple[str, ...], outputs: tuple[str, ...],
+                 checkpoint: Callable[[nn.Module], bool]):
+        self.path = path
+        self.module = module  # the program as a GraphModule, to read (print(program.module.code))
+        self.fn = type(module).forward  # the generated code, called with the block as self
+        self.inputs = inputs
+        self.outputs = outputs
+        self.checkpoint = checkpoint  # checkpoint(block): whether depthrewrite itself checkpoints it in this call
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.module.graph
+
+    def __repr__(self) -> str:
+        return f"BlockProgram({self.path}: {len(self.inputs)} inputs -> {len(self.outputs)} outputs)"
+
+    def __reduce__(self):
+        raise TypeError("a block program belongs to a captured graph and is not pickled: the converted model "
+                        "recaptures on first use after a copy")
+
+
+def _block_forward(self, program: BlockProgram, *inputs: Any) -> tuple:
+    if not isinstance(program, BlockProgram):
+        raise DepthRewriteError(
+            f"{type(self).__name__} is a block of a model converted by depthrewrite: it runs inside the converted "
+            "model's forward (which passes the depth state between blocks) and cannot be called on its own. Call the "
+            "converted model, or keep an unconverted copy (convert(..., inplace=False)) to run blocks directly."
+        )
+    if self.training and torch.is_grad_enabled() and program.checkpoint(self):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(program.fn, self, *inputs, use_reentrant=False)
+    return program.fn(self, *inputs)
+
+
+_BLOCK_CLASSES: dict[type, type] = {}
+
+
+class ConvertedBlock(nn.Module):
+    """Base of converted block classes (``isinstance(m, ConvertedBlock)``)."""
+
+    def __reduce_ex__(self, protocol):
+        # the class is made per original class at run time: rebuild it, then nn.Module.__setstate__
+        return _new_block, (original_block_class(type(self)),), dict(self.__dict__)
+
+
+def _new_block(original: type) -> nn.Module:
+    return object.__new__(converted_block_class(original))
+
+
+def converted_block_class(original: type) -> type:
+    """A subclass of ``original`` (same name and module) whose ``forward(program, *inputs)`` runs a block program.
+    Subclassing keeps ``isinstance`` checks (``apply_activation_checkpointing``'s check_fn, FSDP policies) and HF's
+    per-layer activation checkpointing, which wraps ``forward`` in every subclass of its checkpointing layer."""
+    cls = _BLOCK_CLASSES.get(original)
+    if cls is None:
+        def forward(self, program, *inputs):
+            return _block_forward(self, program, *inputs)
+
+        forward.__qualname__ = f"{original.__qualname__}.forward"
+        cls = type(original.__name__, (ConvertedBlock, original), {
+            "forward": forward, "__module__": original.__module__, "__qualname__": original.__qualname__,
+            "__doc__": original.__doc__, "_dr_original": original,
+        })
+        _BLOCK_CLASSES[original] = cls
+    return cls
+
+
+def is_converted_block(module: nn.Module) -> bool:
+    return isinstance(module, ConvertedBlock)
+
+
+def original_block_class(cls: type) -> type:
+    """The original class of a converted block class or of a subclass of one (FSDP2's ``FSDP<Block>``)."""
+    for c in cls.__mro__:
+        if "_dr_original" in c.__dict__:
+            return c.__dict__["_dr_original"]
+    return cls
+
+
+def convert_blocks(model: nn.Module, paths: tuple[str, ...]) -> list[nn.Module]:
+    """Give each block at ``paths`` its converted class (in place; idempotent); returns the block objects."""
+    out = []
+    for p in paths:
+        blk = _get(model, p)
+        if blk is None:
+            raise DepthRewriteError(f"depthrewrite: block {p!r} not found in {type(model).__name__}")
+        if not isinstance(blk, ConvertedBlock):
+            blk.__class__ = converted_block_class(type(blk))
+        out.append(blk)
+    return out
+
+
+# ---- splitting a flat graph ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class BlockSplit:
+    """The result of :func:`split_blocks`: the runner graph and one program per block."""
+
+    graph: fx.Graph  # the runner: glue nodes plus a call_module per block
+    programs: dict[str, BlockProgram]  # runner attribute name -> program
+    attrs: dict[str, Any]  # everything the runner's get_attr nodes read that is not the live model's
+
+
+def _stack_paths(n: fx.Node) -> set[str]:
+    stack = n.meta.get("nn_module_stack") or {}
+    return {v[0] for v in stack.values() if isinstance(v, tuple) and v and isinstance(v[0], str)}
+
+
+def split_blocks(gm: fx.GraphModule, paths: tuple[str, ...], checkpoint: Callable[[nn.Module], bool],
+                 live: Callable[[str], bool] = lambda target: True) -> BlockSplit | str:
+    """Split the flat rewritten graph ``gm`` into a runner and one :class:`BlockProgram` per block at ``paths``; or
+    the reason it cannot be (then the flat graph runs). ``live(target)``: whether a ``get_attr`` target is the live
+    model's (a block reads those itself; others, such as export's lifted constants, are passed in)."""
+    graph = gm.graph
+    index = {p: i for i, p in enumerate(paths)}
+    prefixes = [(p + ".", i) for i, p in enumerate(paths)]
+    nodes = list(graph.nodes)
+    block: dict[fx.Node, int] = {}
+    for n in nodes:
+        if n.op == "get_attr":
+            b = next((i for pre, i in prefixes if n.target.startswith(pre)), None) if live(n.target) else None
+        elif n.op in ("call_function", "call_method"):
+            hits = [index[p] for p in _stack_paths(n) if p in index]
+            b = max(hits) if hits else None
+        else:
+            b = None
+        if b is not None:
+            block[n] = b
+    if not block:
+        return "no operation of the graph runs inside a block module"
+    missing = [p for i, p in enumerate(paths) if i not in block.values()]
+    if missing:
+        return f"no operation of the graph runs inside block {missing[0]!r}"
+
+    # glue nodes between one block's operations (no module stack) join the block; a glue node that needs a later
+    # block and feeds an earlier one cannot be placed
+    for _ in range(4):
+        after = _after(nodes, block)
+        before = _before(nodes, block)
+        moved = False
+        for n in nodes:
+            if n in block or n.op in ("placeholder", "output", "get_attr"):
+                continue
+            a, b = after[n], before[n]
+            if b is None or a < b:
+                continue
+            if a == b:
+                block[n] = a
+                moved = True
+            else:
+                return f"`{n.name}` reads block {paths[a]!r} and is read by the earlier block {paths[b]!r}"
+        if not moved:
+            break
+    after = _after(nodes, block)
+    for n, b in block.items():
+        for x in n.all_input_nodes:
+            if x in block and block[x] > b:
+                return f"block {paths[b]!r} reads `{x.name}` of the later block {paths[block[x]]!r}"
+
+    members: list[list[fx.Node]] = [[] for _ in paths]
+    for n in nodes:
+        if n in block:
+            members[block[n]].append(n)
+    out = fx.Graph()
+    out._codegen = graph._codegen
+    env: dict[fx.Node, fx.Node] = {}
+    programs: dict[str, BlockProgram] = {}
+    attrs: dict[str, Any] = {}
+
+    def glue(level: int) -> None:
+        for n in nodes:
+            if n not in block and n.op != "output" and after[n] == level:
+                env[n] = out.node_copy(n, env.__getitem__)
+
+    glue(-1)
+    for b, path in enumerate(paths):
+        mine = set(members[b])
+        ins: list[fx.Node] = []
+        seen: set[fx.Node] = set()
+        for n in members[b]:
+            for x in n.all_input_nodes:
+                if x not in mine and x not in seen:
+                    seen.add(x)
+                    ins.append(x)
+        outs = [n for n in members[b] if any(u not in mine for u in n.users)]
+        prog_gm = _program(gm, path, members[b], ins, outs)
+        name = f"_dr_block_{b}"
+        prog = BlockProgram(path, prog_gm, tuple(x.name for x in ins), tuple(o.name for o in outs), checkpoint)
+        programs[name] = prog
+        attrs[name] = prog
+        p_node = out.get_attr(name)
+        call = out.call_module(path, (p_node, *(env[x] for x in ins)))
+        call.meta["depthrewrite_block"] = path
+        for j, o in enumerate(outs):
+            g = out.call_function(operator.getitem, (call, j))
+            g.meta.update({k: v for k, v in o.meta.items() if k in ("val", "tensor_meta", "nn_module_stack")})
+            env[o] = g
+        glue(b)
+    for n in nodes:
+        if n.op == "output":
+            env[n] = out.node_copy(n, env.__getitem__)
+    out.lint()
+    return BlockSplit(out, programs, attrs)
+
+
+def _after(nodes: list[fx.Node], block: dict[fx.Node, int]) -> dict[fx.Node, int]:
+    """Per node: the latest block it depends on (-1: none); for a block's node, that block."""
+    out: dict[fx.Node, int] = {}
+    for n in nodes:
+        if n in block:
+            out[n] = block[n]
+        else:
+            out[n] = max((out[x] for x in n.all_input_nodes), default=-1)
+    return out
+
+
+def _before(nodes: list[fx.Node], block: dict[fx.Node, int]) -> dict[fx.Node, int | None]:
+    """Per node: the earliest block that depends on it (None: none); for a block's node, that block."""
+    out: dict[fx.Node, int | None] = {}
+    for n in reversed(nodes):
+        if n in block:
+            out[n] = block[n]
+            continue
+        vals = [out[u] for u in n.users if out.get(u) is not None]
+        out[n] = min(vals) if vals else None
+    return out
+
+
+def _program(gm: fx.GraphModule, path: str, members: list[fx.Node], ins: list[fx.Node],
+             outs: list[fx.Node]) -> fx.GraphModule:
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for x in ins:
+        p = g.placeholder(x.name)
+        p.meta.update({k: v for k, v in x.meta.items() if k in ("val", "tensor_meta")})
+        env[x] = p
+    cut = len(path) + 1
+    root: dict[str, Any] = {}
+    for n in members:
+        if n.op == "get_attr":
+            rel = n.target[cut:]
+            new = g.get_attr(rel)
+            new.meta = dict(n.meta)
+            root[rel] = _attr(gm, n.target)
+        else:
+            new = g.node_copy(n, env.__getitem__)
+        env[n] = new
+    g.output(tuple(env[o] for o in outs))
+    g.lint()
+    return fx.GraphModule(root, g, class_name="BlockProgram")
+
+
+def _attr(gm: nn.Module, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def block_signature() -> _inspect.Signature:
+    return _inspect.signature(_block_forward)
+
+
+def iter_blocks(model: nn.Module, paths: tuple[str, ...]) -> Iterator[tuple[str, nn.Module]]:
+    for p in paths:
+        blk = _get(model, p)
+        if blk is not None:
+            yield p, blk
+
+
+def build_runner(gm: fx.GraphModule, model: nn.Module, paths: tuple[str, ...],
+                 checkpoint: Callable[[nn.Module], bool]) -> tuple[fx.GraphModule | None, str | None]:
+    """``(runner, None)``: a module running ``gm``'s graph (a converted model's flat graph) as glue plus one call per
+    block module of ``model`` at ``paths``; or ``(None, reason)`` when it cannot be split. The runner keeps only what
+    the live model lacks (export's lifted constants, the programs); every other attribute it reads is the live
+    model's (:meth:`~depthrewrite.converted.ConvertedGraphModule.__getattr__`), read at call time."""
+    def live(target: str) -> bool:
+        obj: Any = model
+        for part in target.split("."):
+            obj = getattr(unwrap(obj) if isinstance(obj, nn.Module) else obj, part, None)
+            if obj is None:
+                return False
+        return True
+
+    split = split_blocks(gm, paths, checkpoint, live)
+    if isinstance(split, str):
+        return None, split
+    root: dict[str, Any] = {}
+    consts = 0
+    for n in split.graph.nodes:
+        if n.op == "get_attr" and n.target not in split.attrs and not live(n.target):
+            value = _attr(gm, n.target)  # export's lifted constants: kept by the runner under a name of its own
+            n.target = f"_dr_const_{consts}"
+            consts += 1
+            split.attrs[n.target] = value
+        if n.op == "get_attr":
+            root[n.target] = split.attrs[n.target] if n.target in split.attrs else _attr(gm, n.target)
+        elif n.op == "call_module":
+            root[n.target] = _get(model, n.target)
+    runner = fx.GraphModule(root, split.graph, class_name=type(gm).__name__)
+    runner._modules.clear()  # the blocks and every submodule: read from the live model
+    for k, v in split.attrs.items():  # but export's own submodules (higher-order ops' bodies) are the runner's
+        if isinstance(v, nn.Module) and not isinstance(v, BlockProgram):
+            runner._modules[k] = v
+    own = (model._modules, model._parameters, model._buffers)
+    for d in (runner._parameters, runner._buffers):
+        for k in [k for k in d if any(k in x for x in own)]:
+            del d[k]
+    for a in ("_in_spec", "_out_spec", "range_constraints", "validate_inputs"):  # export's code and checks read them
+        if a in gm.__dict__:
+            runner.__dict__[a] = gm.__dict__[a]
+    runner.meta.update(gm.meta)
+    from .converted import _bind_inputs
+
+    for k, h in gm._forward_pre_hooks.items():  # export's input checks (the runner's placeholders are gm's)
+        if h is not _bind_inputs:
+            runner.register_forward_pre_hook(h, with_kwargs=k in gm._forward_pre_hooks_with_kwargs)
+    runner.__dict__["_dr_live"] = model
+    runner.__dict__["_dr_programs"] = split.programs
+    return runner, None
+
+
+_HOOK_ATTRS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def _own_hooks(fn: Any) -> bool:
+    """Hooks transformers installs to record outputs: inactive outside the original forward, traced at capture."""
+    owner = getattr(fn, "__module__", None) or getattr(type(fn), "__module__", "") or ""
+    return owner.startswith("transformers.")
+
+
+@contextlib.contextmanager
+def blocks_for_capture(model: nn.Module, paths: tuple[str, ...] | None) -> Iterator[None]:
+    """While capturing: every block at ``paths`` is its original class in its container slot (wrappers such as
+    ``checkpoint_wrapper`` or ``torch.compile``'s taken out), without the hooks that fire at run time around the
+    block call (FSDP2's, a user's; transformers' output-recording hooks stay: they are traced), not compiled; every
+    activation-checkpointing flag is off (the captured graph is plain; blocks are checkpointed at run time); and
+    FSDP2-sharded parameters are stood in for by zeros of their full shape (a capture reads shapes only; the check
+    capture runs compares like with like). Everything is put back after."""
+    undo: list[Callable[[], None]] = []
+    try:
+        for p in paths or ():
+            parent_path, _, name = p.rpartition(".")
+            parent = _get(model, parent_path)
+            if parent is None or name not in parent._modules:
+                continue
+            slot = parent._modules[name]
+            blk = unwrap(slot)
+            if slot is not blk:
+                parent._modules[name] = blk
+                undo.append(lambda d=parent._modules, k=name, v=slot: d.__setitem__(k, v))
+            if isinstance(blk, ConvertedBlock):
+                cls = type(blk)
+                blk.__class__ = original_block_class(cls)
+                undo.append(lambda m=blk, c=cls: setattr(m, "__class__", c))
+            for attr in _HOOK_ATTRS:
+                hooks = getattr(blk, attr)
+                drop = [k for k, h in hooks.items() if not _own_hooks(h)]
+                if drop:
+                    saved = OrderedDict(hooks)
+                    for k in drop:
+                        del hooks[k]
+                    undo.append(lambda d=hooks, s=saved: (d.clear(), d.update(s)))
+            if blk.__dict__.get("_compiled_call_impl") is not None:
+                impl = blk.__dict__["_compiled_call_impl"]
+                blk.__dict__["_compiled_call_impl"] = None
+                undo.append(lambda m=blk, f=impl: m.__dict__.__setitem__("_compiled_call_impl", f))
+        for m in model.modules():
+            if m.__dict__.get("gradient_checkpointing") is True:
+                m.__dict__["gradient_checkpointing"] = False
+                undo.append(lambda m=m: m.__dict__.__setitem__("gradient_checkpointing", True))
+            for k, v in list(m._parameters.items()):
+                if v is not None and _is_dtensor(v):
+                    m._parameters[k] = nn.Parameter(torch.zeros(v.shape, dtype=v.dtype, device=v.device),
+                                                    requires_grad=v.requires_grad)
+                    undo.append(lambda d=m._parameters, k=k, v=v: d.__setitem__(k, v))
+        yield
+    finally:
+        for u in reversed(undo):
+            u()
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(t, DTensor)
