@@ -500,3 +500,92 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     except ImportError:  # pragma: no cover - torch without distributed
         return False
     return isinstance(t, DTensor)
+
+
+# ---- what the report shows ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockInfo:
+    """One block module as the runner calls it: its sublayers and what crosses into and out of it (per token: the
+    product of the dimensions other than batch and sequence, at the capture's shapes)."""
+
+    path: str
+    sublayers: tuple[int, ...]
+    state_in: tuple[tuple[str, int], ...]  # (node, values per token): depth state from earlier blocks / the embedding
+    side_in: tuple[str, ...]  # other inputs computed once at the top (RoPE tables, masks, sizes)
+    params_in: int  # new parameters of its sites, passed in from model.depthrewrite
+    state_out: tuple[tuple[str, int], ...]
+
+    @property
+    def state_in_per_token(self) -> int:
+        return sum(v for _, v in self.state_in)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _numels(gm: fx.GraphModule, wanted: set[str]) -> dict[str, int]:
+    """Element counts of the ``wanted`` nodes of ``gm`` on the inputs it was captured with (one forward without
+    gradients: the rewrite's own nodes carry no shapes in their metadata)."""
+    import torch.fx._pytree as fx_pytree
+
+    out: dict[str, int] = {}
+
+    class _Record(fx.Interpreter):
+        def run_node(self, n):
+            r = super().run_node(n)
+            if n.name in wanted and isinstance(r, torch.Tensor):
+                out[n.name] = r.numel()
+            return r
+
+    args, kwargs = gm.meta["depthrewrite_inputs"]
+    flat = fx_pytree.tree_flatten_spec((tuple(args), dict(kwargs)), gm._in_spec)
+    with torch.no_grad():
+        _Record(gm).run(*flat)
+    return out
+
+
+def block_infos(gm: fx.GraphModule, programs: dict[str, BlockProgram], site_blocks: tuple[int, ...] | None,
+                source: str) -> tuple[BlockInfo, ...]:
+    """The report's block table for a runner made from ``gm`` (the flat graph; run once on its capture inputs)."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    derived: set[fx.Node] = set()  # computed from the stream source: the depth state and what is made of it
+    for n in gm.graph.nodes:
+        if n.name == source or any(x in derived for x in n.all_input_nodes):
+            derived.add(n)
+    wanted = {source} | {x for p in programs.values() for x in (*p.inputs, *p.outputs)}
+    try:
+        numel = _numels(gm, wanted)
+    except Exception:  # noqa: BLE001 - the table is informative; a failure leaves its sizes at 0
+        numel = {}
+    v0 = by_name[source].meta.get("val")
+    d = int(v0.shape[-1]) if isinstance(v0, torch.Tensor) and isinstance(v0.shape[-1], int) else 1
+    tokens = max(1, numel.get(source, 0) // d)
+    out = []
+    for b, prog in enumerate(programs.values()):
+        state, side, params = [], [], 0
+        for name in prog.inputs:
+            n = by_name[name]
+            if n.op == "get_attr":
+                params += 1
+            elif n in derived and name in numel:
+                state.append((name, numel[name] // tokens))
+            else:
+                side.append(name)
+        outs = tuple((name, numel.get(name, 0) // tokens) for name in prog.outputs)
+        sites = tuple(k for k, blk in enumerate(site_blocks or ()) if blk == b)
+        out.append(BlockInfo(prog.path, sites, tuple(state), tuple(side), params, outs))
+    return tuple(out)
+
+
+def block_table(infos: tuple[BlockInfo, ...], hidden: int) -> str:
+    from tabulate import tabulate
+
+    rows = [[i.path, ",".join(map(str, i.sublayers)), len(i.state_in),
+             f"{i.state_in_per_token:,} ({i.state_in_per_token / hidden:.1f}·d)", len(i.side_in), i.params_in,
+             len(i.state_out)] for i in infos]
+    return ("blocks (one module call each; what crosses into it: depth state from earlier blocks, side inputs "
+            "computed once, new parameters):\n" + tabulate(
+                rows, headers=["block", "sublayers", "state in", "values/token", "side in", "params in", "out"],
+                tablefmt="simple"))

@@ -343,6 +343,7 @@ class ConversionState:
         self.blocks_note: str | None = None  # why the flat graph runs instead (no block modules, pipeline stages)
         self.checkpoint = False  # convert(..., checkpoint=True): recompute every block in backward
         self.ckpt_parents: list[nn.Module] = []  # ancestors of the blocks with an HF-style gradient_checkpointing flag
+        self.block_infos: tuple = ()  # the report's block table (depthrewrite.blocks.BlockInfo), from the first runner
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -529,8 +530,12 @@ class ConversionState:
         args, kwargs = gm.meta["depthrewrite_inputs"]
         as_converted(runner, model, self.signature, args, kwargs, self.report)
         if self.blocks is None:
+            from .blocks import block_infos
+
             self.blocks = tuple(paths)
             self.ckpt_parents = _checkpoint_parents(model, paths)
+            self.block_infos = block_infos(gm, runner.__dict__["_dr_programs"],
+                                           gm.meta.get("depthrewrite_block_of_site"), self.report.chain.source)
         return runner
 
     def checkpointing(self, block: nn.Module) -> bool:
@@ -799,11 +804,14 @@ class ConvertedModel(nn.Module):
         """The :class:`~depthrewrite.views.report.ConvertReport` of this conversion, with the graphs captured so far."""
         st = state_of(self)
         notes = st.report.notes
+        if st.blocks is None and st.blocks_note:
+            notes += (f"blocks are not called as modules (FSDP2 per block, checkpointing and compile per block do not "
+                      f"apply): {st.blocks_note}",)
         if st.recaptures:
             notes += (f"the module tree changed {st.recaptures} time(s) since conversion (a replaced submodule, a hook, "
                       f"peft, .to(), a config attribute): every graph was dropped and recaptured; {st.captures} "
                       "captured in all",)
-        return dataclasses.replace(st.report, notes=notes, graphs=tuple(
+        return dataclasses.replace(st.report, notes=notes, blocks=st.block_infos, graphs=tuple(
             (e.structure, e.seconds, e.calls) for e in st.entries()
         ))
 

@@ -273,6 +273,7 @@ class ConvertReport(ChainReport):
     state_label: str = "stored depth state"
     pipeline: Any = None  # depthrewrite.pipeline.PipelineInfo once the model is split into stages
     graphs: tuple[tuple[str, float, int], ...] = ()  # (call structure, capture seconds, calls) per captured graph
+    blocks: tuple = ()  # depthrewrite.blocks.BlockInfo per block module the converted model calls
 
     @property
     def param_ratio(self) -> float:
@@ -295,6 +296,7 @@ class ConvertReport(ChainReport):
             memory_per_token=self.memory_per_token,
             **({"pipeline": self.pipeline.to_dict()} if self.pipeline is not None else {}),
             graphs=[dict(structure=s, capture_seconds=t, calls=n) for s, t, n in self.graphs],
+            blocks=[b.to_dict() for b in self.blocks],
         )
 
     def __str__(self) -> str:
@@ -321,6 +323,10 @@ class ConvertReport(ChainReport):
                 [[i, s, f"{t:.2f} s", n] for i, (s, t, n) in enumerate(self.graphs)],
                 headers=["#", "call structure", "capture", "calls"], tablefmt="simple",
             )
+        if self.blocks:
+            from ..blocks import block_table
+
+            text += "\n" + block_table(self.blocks, self.chain.hidden_size)
         if self.pipeline is not None:
             text += "\n" + self.pipeline.table()
         return text

@@ -1,0 +1,290 @@
+"""Blocks stay modules: a converted model calls one module per transformer block (depthrewrite.blocks), so FSDP2 per
+block, activation checkpointing and torch.compile per block apply to it as to the original blocks."""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+import depthrewrite as dr
+from depthrewrite.blocks import BlockProgram, ConvertedBlock
+from depthrewrite.demo.zoo import hf_model, timm_model
+from depthrewrite.errors import ConfigError, DepthRewriteError
+from depthrewrite.testing import nanogpt
+
+SCHEMES = ["attnres", "block-attnres", "msar", "block-msar", "mhc", "moda"]
+IDS = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+def _randomise(conv: nn.Module) -> None:
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in conv.depthrewrite.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+
+def _grads(model: nn.Module, loss: torch.Tensor) -> list[torch.Tensor]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [g if g is not None else torch.zeros_like(p)
+            for g, p in zip(torch.autograd.grad(loss, params, allow_unused=True), params)]
+
+
+def _saved_bytes(fn) -> tuple[torch.Tensor, int]:
+    """``fn()`` and the bytes autograd saved for backward while it ran."""
+    total = [0]
+
+    def pack(t):
+        total[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, total[0]
+
+
+def _llama(layers: int = 3) -> nn.Module:
+    torch.manual_seed(0)
+    return hf_model("llama", layers=layers, attention_dropout=0.0).train()
+
+
+# ---- the blocks are the model's own modules -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["llama", "nanogpt", "vit"])
+def test_blocks_are_the_models_own_modules(name):
+    torch.manual_seed(0)
+    if name == "llama":
+        model, container, x = hf_model("llama", layers=2).eval(), "model.layers", IDS
+    elif name == "nanogpt":
+        model, container, x = nanogpt(n_layer=2).eval(), "transformer.h", IDS % 64
+    else:
+        model, container, x = timm_model("vit_tiny_patch16_224", layers=2).eval(), "blocks", torch.randn(1, 3, 224, 224)
+    blocks = list(model.get_submodule(container))
+    classes = [type(b) for b in blocks]
+    keys = set(model.state_dict())
+    conv = dr.convert(model, "block-attnres", example_inputs=(x,))
+    st = conv.__dict__["_depthrewrite"]
+    assert st.blocks == tuple(f"{container}.{i}" for i in range(2))
+    for i, (b, cls) in enumerate(zip(blocks, classes)):
+        assert conv.get_submodule(f"{container}.{i}") is b and isinstance(b, cls) and isinstance(b, ConvertedBlock)
+        assert type(b).__name__ == cls.__name__
+    assert {k for k in conv.state_dict() if not k.startswith("depthrewrite.")} == keys
+    # hooks on a block fire once per call, around the block call
+    calls = []
+    h1 = blocks[1].register_forward_pre_hook(lambda m, args: calls.append(("pre", type(args[0]))))
+    h2 = blocks[1].register_forward_hook(lambda m, args, out: calls.append(("post", len(out))))
+    conv(x)
+    conv(x)
+    assert [c[0] for c in calls] == ["pre", "post"] * 2 and calls[0][1] is BlockProgram
+    h1.remove()
+    h2.remove()
+    assert st.recaptures == 0  # hooks on blocks are not traced: nothing to recapture
+    with pytest.raises(DepthRewriteError, match="cannot be called on its own"):
+        blocks[0](torch.randn(1, 4, 8))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_block_calls_equal_the_flat_graph(scheme):
+    """Outputs and gradients of the block runner are the flat rewritten graph's, with the new parameters random."""
+    conv = dr.convert(_llama(), scheme)
+    _randomise(conv)
+    conv.train()
+    out = conv(IDS, labels=IDS).loss
+    entry = conv.__dict__["_depthrewrite"].last[True]
+    assert entry.runner is not None and len(entry.runner.programs) == 3
+    flat = entry.module(input_ids=IDS, labels=IDS).loss
+    torch.testing.assert_close(out, flat, rtol=0, atol=0)
+    for a, b in zip(_grads(conv, out), _grads(conv, flat)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_the_report_lists_the_blocks_and_what_crosses():
+    conv = dr.convert(_llama().eval(), "block-attnres")
+    text = str(conv.report())
+    assert "model.layers.2" in text and "crosses" in text
+
+
+# ---- activation checkpointing --------------------------------------------------------------------------------------
+
+
+def test_hf_and_torch_activation_checkpointing_recompute_blocks():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    conv = dr.convert(_llama(), "block-attnres")
+    _randomise(conv)
+    conv.train()
+    st = conv.__dict__["_depthrewrite"]
+
+    def step():
+        return conv(IDS, labels=IDS).loss
+
+    step()
+    loss, plain = _saved_bytes(step)
+    want = _grads(conv, loss)
+    conv.activation_checkpointing_enable()
+    step()
+    loss, hf = _saved_bytes(step)
+    for a, b in zip(_grads(conv, loss), want):
+        torch.testing.assert_close(a, b)
+    conv.activation_checkpointing_disable()
+    recaptures = st.recaptures
+    apply_activation_checkpointing(conv, check_fn=lambda m: type(m).__name__ == "LlamaDecoderLayer")
+    assert type(conv.model.layers[0]).__name__ == "CheckpointWrapper"
+    loss, wrapped = _saved_bytes(step)
+    for a, b in zip(_grads(conv, loss), want):
+        torch.testing.assert_close(a, b)
+    assert st.recaptures == recaptures  # a wrapper around a block calls the same block: no recapture
+    assert hf < plain / 2 and wrapped < plain / 2, (plain, hf, wrapped)
+
+
+def test_convert_checkpoint_true_for_a_model_without_a_switch():
+    torch.manual_seed(0)
+    model = nanogpt(n_layer=3).train()
+    plain = dr.convert(model, "block-msar", inplace=False)
+    ckpt = dr.convert(model, "block-msar", inplace=False, checkpoint=True)
+    for c in (plain, ckpt):
+        _randomise(c)
+        c.train()
+    x = IDS % 64
+    a, bytes_plain = _saved_bytes(lambda: plain(x).square().mean())
+    b, bytes_ckpt = _saved_bytes(lambda: ckpt(x).square().mean())
+    torch.testing.assert_close(a, b)
+    for ga, gb in zip(_grads(plain, a), _grads(ckpt, b)):
+        torch.testing.assert_close(ga, gb)
+    assert bytes_ckpt < bytes_plain / 2, (bytes_plain, bytes_ckpt)
+
+
+class _LoopLM(nn.Module):
+    """A model whose own loop adds the residuals (no block module holds a residual add)."""
+
+    def __init__(self, d: int = 32, layers: int = 2):
+        super().__init__()
+        self.emb = nn.Embedding(64, d)
+        self.norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(layers))
+        self.mlps = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        for n, f in zip(self.norms, self.mlps):
+            h = h + f(n(h))
+        return self.norm(h)
+
+
+def test_checkpoint_true_without_block_modules_is_a_config_error():
+    model = _LoopLM().eval()
+    with pytest.raises(ConfigError, match="runs as one graph"):
+        dr.convert(model, "attnres", example_inputs=(IDS % 64,), checkpoint=True)
+    assert type(model) is _LoopLM and "depthrewrite" not in model._modules
+    conv = dr.convert(model, "attnres", example_inputs=(IDS % 64,))  # without checkpointing: the flat graph runs
+    assert conv.__dict__["_depthrewrite"].blocks is None
+    assert "no block module" in " ".join(conv.report().notes)
+
+
+# ---- torch.compile per block ---------------------------------------------------------------------------------------
+
+
+def test_compile_per_block_with_the_depthrewrite_backend():
+    torch.manual_seed(0)
+    conv = dr.convert(nanogpt(n_layer=2), "block-attnres", example_inputs=(IDS % 64,))
+    _randomise(conv)
+    conv.train()
+    x = IDS % 64
+    want = conv(x)
+    want_g = _grads(conv, want.square().mean())
+    for blk in conv.transformer.h:
+        blk.compile(backend="depthrewrite")
+    got = conv(x)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(_grads(conv, got.square().mean()), want_g):
+        torch.testing.assert_close(a, b)
+    assert conv.__dict__["_depthrewrite"].recaptures == 0
+
+
+# ---- FSDP2 per block and DDP, two processes on gloo ---------------------------------------------------------------
+
+
+def _fsdp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    results = {}
+    try:
+        for scheme in [*SCHEMES, "ddp"]:
+            conv = dr.convert(_llama(2), "block-msar" if scheme == "ddp" else scheme)
+            _randomise(conv)
+            ref = copy.deepcopy(conv)
+            if scheme == "ddp":
+                run = DDP(conv)
+            else:
+                for blk in conv.model.layers:
+                    fully_shard(blk)
+                fully_shard(conv)
+                run = conv
+            ref.train()
+            run.train()
+            opt = torch.optim.AdamW(conv.parameters(), lr=1e-2)
+            ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+            g = torch.Generator().manual_seed(1)
+            losses, ref_losses = [], []
+            for _ in range(3):
+                x = torch.randint(0, 100, (4, 16), generator=g)
+                mine = x.chunk(world)[rank]
+                loss = run(mine, labels=mine).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                total = loss.detach().clone()
+                dist.all_reduce(total)
+                losses.append(total.item() / world)
+                r = ref(x, labels=x).loss
+                r.backward()
+                ref_opt.step()
+                ref_opt.zero_grad()
+                ref_losses.append(r.item())
+            sharded = any(type(p).__name__ == "DTensor" for p in conv.model.layers[0].parameters())
+            results[scheme] = dict(losses=losses, ref=ref_losses, sharded=sharded,
+                                   captures=conv.__dict__["_depthrewrite"].captures)
+            dist.barrier()
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def fsdp_results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fsdp")
+    ctx = mp.start_processes(_fsdp_worker, args=(2, str(tmp / "rdzv"), str(tmp)), nprocs=2, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + 240
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise TimeoutError("FSDP workers did not finish within 240 s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    return torch.load(tmp / "rank0.pt")
+
+
+@pytest.mark.parametrize("scheme", [*SCHEMES, "ddp"])
+def test_fsdp2_per_block_and_ddp_train_as_one_process(fsdp_results, scheme):
+    """fully_shard on every block then the root (torchtitan's recipe), or DDP: three AdamW steps on half the batch
+    per rank give the losses of one process on the whole batch. The training graph is captured after sharding."""
+    r = fsdp_results[scheme]
+    torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref"]), rtol=1e-4, atol=1e-4)
+    assert r["sharded"] == (scheme != "ddp")
+    assert r["captures"] == 2  # the eval graph at convert(), the training graph on the first sharded step
