@@ -265,6 +265,7 @@ def split_blocks(gm: fx.GraphModule, paths: tuple[str, ...], checkpoint: Callabl
                 return f"`{n.name}` reads block {paths[a]!r} and is read by the earlier block {paths[b]!r}"
         if not moved:
             break
+    _move_to_readers(nodes, block)
     after = _after(nodes, block)
     for n, b in block.items():
         for x in n.all_input_nodes:
@@ -280,6 +281,7 @@ def split_blocks(gm: fx.GraphModule, paths: tuple[str, ...], checkpoint: Callabl
     env: dict[fx.Node, fx.Node] = {}
     programs: dict[str, BlockProgram] = {}
     attrs: dict[str, Any] = {}
+    code: dict[str, Callable] = {}
 
     def glue(level: int) -> None:
         for n in nodes:
@@ -300,6 +302,7 @@ def split_blocks(gm: fx.GraphModule, paths: tuple[str, ...], checkpoint: Callabl
         prog_gm = _program(gm, path, members[b], ins, outs)
         name = f"_dr_block_{b}"
         prog = BlockProgram(path, prog_gm, tuple(x.name for x in ins), tuple(o.name for o in outs), checkpoint)
+        prog.fn = code.setdefault(prog_gm.code, prog.fn)  # one function per distinct code: compiled once per block kind
         programs[name] = prog
         attrs[name] = prog
         p_node = out.get_attr(name)
@@ -315,6 +318,32 @@ def split_blocks(gm: fx.GraphModule, paths: tuple[str, ...], checkpoint: Callabl
             env[n] = out.node_copy(n, env.__getitem__)
     out.lint()
     return BlockSplit(out, programs, attrs)
+
+
+def _move_to_readers(nodes: list[fx.Node], block: dict[fx.Node, int]) -> None:
+    """Move an operation whose results only a later block reads into that block, when every value it reads from its
+    own block crosses to the later block anyway: the crossing shrinks by its result. This is where the mix that
+    feeds a block's first sublayer goes (it reads the block summaries and partial sum, which cross anyway): a block
+    then receives the depth state, not the state plus the mixed input, and activation checkpointing keeps one
+    tensor per block less (the depth state in place of the original's hidden states)."""
+    for _ in range(4):
+        moved = False
+        for n in reversed(nodes):
+            b = block.get(n)
+            if b is None or n.op not in ("call_function", "call_method") or not n.users:
+                continue
+            readers = {block.get(u) for u in n.users}
+            if len(readers) != 1:
+                continue
+            c = readers.pop()
+            if c is None or c <= b:
+                continue
+            if all(block.get(x) != b or any(block.get(u) == c for u in x.users if u is not n)
+                   for x in n.all_input_nodes):
+                block[n] = c
+                moved = True
+        if not moved:
+            return
 
 
 def _after(nodes: list[fx.Node], block: dict[fx.Node, int]) -> dict[fx.Node, int]:
@@ -344,8 +373,8 @@ def _program(gm: fx.GraphModule, path: str, members: list[fx.Node], ins: list[fx
              outs: list[fx.Node]) -> fx.GraphModule:
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    for x in ins:
-        p = g.placeholder(x.name)
+    for i, x in enumerate(ins):
+        p = g.placeholder(f"in_{i}")
         p.meta.update({k: v for k, v in x.meta.items() if k in ("val", "tensor_meta")})
         env[x] = p
     cut = len(path) + 1
@@ -360,6 +389,10 @@ def _program(gm: fx.GraphModule, path: str, members: list[fx.Node], ins: list[fx
             new = g.node_copy(n, env.__getitem__)
         env[n] = new
     g.output(tuple(env[o] for o in outs))
+    # names by position, so blocks of the same structure get the same code (torch.compile per block reuses it)
+    for i, n in enumerate(g.nodes):
+        if n.op in ("call_function", "call_method"):
+            n._rename(f"v{i}")
     g.lint()
     return fx.GraphModule(root, g, class_name="BlockProgram")
 
