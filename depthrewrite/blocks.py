@@ -285,7 +285,7 @@ def split_blocks(gm: fx.GraphModule, paths: tuple[str, ...], checkpoint: Callabl
 
     def glue(level: int) -> None:
         for n in nodes:
-            if n not in block and n.op != "output" and after[n] == level:
+            if n not in block and n.op != "output" and after[n] == level and not _is_pipe_split(n):
                 env[n] = out.node_copy(n, env.__getitem__)
 
     glue(-1)
@@ -344,6 +344,12 @@ def _move_to_readers(nodes: list[fx.Node], block: dict[fx.Node, int]) -> None:
                 moved = True
         if not moved:
             return
+
+
+def _is_pipe_split(n: fx.Node) -> bool:
+    """A pipeline stage marker (``torch.ops.pippy._pipe_split``): a no-op when the graph runs; left out of a runner
+    (the flat graph keeps it for pipelining's tracer and for :func:`depthrewrite.pipeline.stages`)."""
+    return n.op == "call_function" and str(n.target) == "pippy._pipe_split.default"
 
 
 def _after(nodes: list[fx.Node], block: dict[fx.Node, int]) -> dict[fx.Node, int]:
@@ -415,12 +421,9 @@ def iter_blocks(model: nn.Module, paths: tuple[str, ...]) -> Iterator[tuple[str,
             yield p, blk
 
 
-def build_runner(gm: fx.GraphModule, model: nn.Module, paths: tuple[str, ...],
-                 checkpoint: Callable[[nn.Module], bool]) -> tuple[fx.GraphModule | None, str | None]:
-    """``(runner, None)``: a module running ``gm``'s graph (a converted model's flat graph) as glue plus one call per
-    block module of ``model`` at ``paths``; or ``(None, reason)`` when it cannot be split. The runner keeps only what
-    the live model lacks (export's lifted constants, the programs); every other attribute it reads is the live
-    model's (:meth:`~depthrewrite.converted.ConvertedGraphModule.__getattr__`), read at call time."""
+def _live(model: nn.Module) -> Callable[[str], bool]:
+    """Whether a ``get_attr`` target names an attribute of the live ``model`` (through wrappers)."""
+
     def live(target: str) -> bool:
         obj: Any = model
         for part in target.split("."):
@@ -429,6 +432,37 @@ def build_runner(gm: fx.GraphModule, model: nn.Module, paths: tuple[str, ...],
                 return False
         return True
 
+    return live
+
+
+def stage_with_blocks(stage: fx.GraphModule, model: nn.Module, paths: tuple[str, ...],
+                      checkpoint: Callable[[nn.Module], bool]) -> fx.GraphModule:
+    """A pipeline stage module (:func:`depthrewrite.pipeline.stages`) that calls the block modules at ``paths``
+    (blocks wholly inside the stage) instead of inlining them: the stage holds the same block objects, under their
+    original names, as the converted model, and runs their programs. The stage itself when it cannot be split."""
+    if not paths:
+        return stage
+    split = split_blocks(stage, paths, checkpoint, _live(model))
+    if isinstance(split, str):
+        return stage
+    root: dict[str, Any] = {}
+    for n in split.graph.nodes:
+        if n.op == "get_attr":
+            root[n.target] = split.attrs[n.target] if n.target in split.attrs else _attr(stage, n.target)
+        elif n.op == "call_module":
+            root[n.target] = _get(model, n.target)
+    out = fx.GraphModule(root, split.graph, class_name=type(stage).__name__)
+    out.__dict__["_dr_programs"] = split.programs
+    return out
+
+
+def build_runner(gm: fx.GraphModule, model: nn.Module, paths: tuple[str, ...],
+                 checkpoint: Callable[[nn.Module], bool]) -> tuple[fx.GraphModule | None, str | None]:
+    """``(runner, None)``: a module running ``gm``'s graph (a converted model's flat graph) as glue plus one call per
+    block module of ``model`` at ``paths``; or ``(None, reason)`` when it cannot be split. The runner keeps only what
+    the live model lacks (export's lifted constants, the programs); every other attribute it reads is the live
+    model's (:meth:`~depthrewrite.converted.ConvertedGraphModule.__getattr__`), read at call time."""
+    live = _live(model)
     split = split_blocks(gm, paths, checkpoint, live)
     if isinstance(split, str):
         return None, split

@@ -500,13 +500,28 @@ class ConversionState:
 
     def keep_blocks(self, model: nn.Module, gm: fx.GraphModule) -> fx.GraphModule | None:
         """The block runner of ``gm`` (:mod:`depthrewrite.blocks`): the graph as glue plus one call per block module;
-        None when the flat graph runs (no block modules, or pipeline stages, which are built from the flat graph)."""
+        None when the flat graph runs (no block modules). Pipeline stage markers are left out of the runner (they are
+        no-ops when it runs; pipelining traces and :func:`depthrewrite.pipeline.stages` cut the flat graph).
+
+        Raises:
+            ConfigError: the flat graph runs while activation checkpointing is on in a training call.
+        """
+        runner = self._block_runner(model, gm)
+        if runner is None and model.training:
+            ckpt = next((n for n, m in model.named_modules() if m.__dict__.get("gradient_checkpointing") is True), None)
+            if ckpt is not None:
+                raise ConfigError(
+                    f"activation checkpointing is on in {self.original.__name__} ({ckpt or 'the model'}"
+                    f".gradient_checkpointing), but the converted model runs one flat graph ({self.blocks_note}), in "
+                    "which nothing can be recomputed per block: it is refused rather than silently dropped. Call "
+                    "gradient_checkpointing_disable() to train without it."
+                )
+        return runner
+
+    def _block_runner(self, model: nn.Module, gm: fx.GraphModule) -> fx.GraphModule | None:
         from .blocks import build_runner, convert_blocks
 
         paths = gm.meta.get("depthrewrite_blocks")
-        if self.pipeline_stages is not None:
-            self.blocks_note = "pipeline stages are placed in the flat graph, which runs as one graph"
-            return None
         if isinstance(paths, str) or not paths:
             if self.blocks is not None:
                 raise DepthRewriteError(

@@ -288,3 +288,28 @@ def test_fsdp2_per_block_and_ddp_train_as_one_process(fsdp_results, scheme):
     torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref"]), rtol=1e-4, atol=1e-4)
     assert r["sharded"] == (scheme != "ddp")
     assert r["captures"] == 2  # the eval graph at convert(), the training graph on the first sharded step
+
+
+def test_checkpointing_flag_without_block_modules_is_refused_not_dropped():
+    conv = dr.convert(_LoopLM().eval(), "attnres", example_inputs=(IDS % 64,))
+    conv.gradient_checkpointing = True  # an HF-style flag on a model whose graph runs flat
+    conv.train()
+    with pytest.raises(ConfigError, match="refused rather than silently dropped"):
+        conv(IDS % 64)
+
+
+def test_pipeline_stages_are_groups_of_the_same_block_modules():
+    from depthrewrite import pipeline as pp
+
+    conv = dr.convert(_llama(4).eval(), "block-attnres", pipeline_stages=2)
+    assert conv.__dict__["_depthrewrite"].entries()[0].runner is not None  # eager calls run the blocks too
+    mods = pp.stages(conv, 2, (IDS,))
+    called = [[n.target for n in m.graph.nodes if n.op == "call_module"] for m in mods]
+    assert called == [["model.layers.0", "model.layers.1"], ["model.layers.2", "model.layers.3"]]
+    for m, paths in zip(mods, called):
+        for p in paths:
+            assert m.get_submodule(p) is conv.get_submodule(p)
+    with torch.no_grad():
+        out = mods[1](*mods[0](IDS))
+        want = conv(IDS).logits
+    torch.testing.assert_close(out if isinstance(out, torch.Tensor) else out[0], want)

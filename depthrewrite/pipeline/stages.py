@@ -79,6 +79,25 @@ def _build(converted, g: fx.Graph, st: dict[fx.Node, int], live: list[list[fx.No
     return fx.GraphModule(root, sg, class_name=f"Stage{s}")
 
 
+def _with_blocks(model, g: fx.Graph, st: dict[fx.Node, int], mods: list[fx.GraphModule]) -> list[fx.GraphModule]:
+    """Each stage calls the block modules wholly inside it (the converted model's own blocks and programs,
+    :mod:`depthrewrite.blocks`), so FSDP2 and checkpointing per block apply inside a stage as in the whole model."""
+    from ..blocks import stage_with_blocks
+    from ..model import is_converted, state_of
+
+    if not is_converted(model) or state_of(model).blocks is None:
+        return mods
+    state = state_of(model)
+    where: dict[str, set[int]] = {p: set() for p in state.blocks}  # the stages reading a block's parameters
+    for n in g.nodes:
+        if n.op == "get_attr" and any(u.op != "output" for u in n.users):
+            for p in state.blocks:
+                if n.target.startswith(p + "."):
+                    where[p].update(st[u] for u in n.users)
+    return [stage_with_blocks(m, model, tuple(p for p in state.blocks if where[p] == {s}), state.checkpointing)
+            for s, m in enumerate(mods)]
+
+
 def stages(converted, P: int | None = None, example_inputs: tuple | None = None, example_kwargs: dict | None = None,
            *, ranks: int | None = None, align_blocks: bool = True) -> list[nn.Module]:
     """The P stage modules of ``converted`` for one micro-batch shape, in the current mode (training or eval).
@@ -110,6 +129,7 @@ def stages(converted, P: int | None = None, example_inputs: tuple | None = None,
     g, vals = specialise(converted, converted.graph, flat)
     st, live = crossings(g)
     mods = [_build(converted, g, st, live, s) for s in range(len(live) + 1)]
+    mods = _with_blocks(model, g, st, mods)
     for s, m in enumerate(mods):
         m._dr_inputs = tuple(n.name for n in live[s - 1]) if s else tuple(n.name for n in g.nodes if n.op == "placeholder")
         m._dr_outputs = tuple(n.name for n in live[s]) if s < len(live) else ()
