@@ -105,6 +105,7 @@ def _step(model: torch.nn.Module, ids: torch.Tensor) -> float:
 def compile_rows(layers: int, hidden: int, seq: int, batch: int, repeats: int = 5) -> list[list]:
     import torch._dynamo
 
+    torch._dynamo.config.recompile_limit = max(64, torch._dynamo.config.recompile_limit)  # one variant per program
     rows = []
     base: dict[str, float] = {}
     for label, key, options in _variants():

@@ -177,6 +177,9 @@ def convert(
         if own_forward is not None:
             model.__dict__["_old_forward"] = old_forward
         model._modules.pop(PARAM_PREFIX, None)
+        from .blocks import restore_blocks
+
+        restore_blocks(model)
         raise
     if pipeline_stages is not None:
         from .pipeline import split
@@ -198,7 +201,8 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) ->
     name = st.original.__name__
     where = f"{'training' if model.training else 'eval'} graph of {name}"
     blocks = getattr(st, "blocks", None)
-    sharded = next((n for n, m in model.named_modules() if n and _is_fsdp(m) and n not in (blocks or ())), None)
+    sharded = next((n for n, m in model.named_modules()
+                    if n and _is_fsdp(m) and _unwrapped_path(n) not in (blocks or ())), None)
     if sharded is not None:
         raise ConfigError(
             f"{name}.{sharded} is sharded with FSDP (fully_shard on a submodule that is not a transformer block): a "
@@ -256,6 +260,13 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) ->
         st.report = _report(model, gm, chain, result, config)
     bound_args, bound_kwargs = gm.meta["depthrewrite_inputs"]
     return as_converted(gm, model, st.signature, bound_args, bound_kwargs, st.report), result
+
+
+def _unwrapped_path(path: str) -> str:
+    """``path`` without the segments module wrappers add (``_checkpoint_wrapped_module``, ``_orig_mod``)."""
+    from .blocks import _WRAPPED
+
+    return ".".join(p for p in path.split(".") if p not in _WRAPPED)
 
 
 def _is_fsdp(module: nn.Module) -> bool:

@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import inspect as _inspect
 import operator
+import types
 from collections import OrderedDict
 from typing import Any, Callable, Iterator
 
@@ -73,6 +74,13 @@ def _get(root: nn.Module, path: str) -> nn.Module | None:
         if mod is None:
             return None
     return unwrap(mod)
+
+
+def _slot(root: nn.Module, path: str) -> nn.Module | None:
+    """The module in ``path``'s container slot: the block itself, or a wrapper around it."""
+    parent_path, _, name = path.rpartition(".")
+    parent = _get(root, parent_path)
+    return None if parent is None else parent._modules.get(name)
 
 
 def block_paths(model: nn.Module, chain: Any) -> tuple[tuple[str, ...], tuple[int, ...]] | str:
@@ -198,9 +206,22 @@ def convert_blocks(model: nn.Module, paths: tuple[str, ...]) -> list[nn.Module]:
         if blk is None:
             raise DepthRewriteError(f"depthrewrite: block {p!r} not found in {type(model).__name__}")
         if not isinstance(blk, ConvertedBlock):
-            blk.__class__ = converted_block_class(type(blk))
+            cls = converted_block_class(type(blk))
+            blk.__class__ = cls
+            if "_old_forward" in blk.__dict__:  # accelerate's hook (device_map) calls _old_forward: the new forward
+                blk.__dict__["_dr_old_forward"] = blk.__dict__["_old_forward"]
+                blk.__dict__["_old_forward"] = types.MethodType(cls.forward, blk)
         out.append(blk)
     return out
+
+
+def restore_blocks(model: nn.Module) -> None:
+    """Give every converted block in ``model`` its original class back (a conversion that failed)."""
+    for m in model.modules():
+        if isinstance(m, ConvertedBlock):
+            m.__class__ = original_block_class(type(m))
+            if "_dr_old_forward" in m.__dict__:
+                m.__dict__["_old_forward"] = m.__dict__.pop("_dr_old_forward")
 
 
 # ---- splitting a flat graph ---------------------------------------------------------------------------------------
@@ -272,6 +293,10 @@ def split_blocks(gm: fx.GraphModule, paths: tuple[str, ...], checkpoint: Callabl
             if x in block and block[x] > b:
                 return f"block {paths[b]!r} reads `{x.name}` of the later block {paths[block[x]]!r}"
 
+    level = _glue_levels(nodes, block, after)
+    if isinstance(level, str):
+        return level
+
     members: list[list[fx.Node]] = [[] for _ in paths]
     for n in nodes:
         if n in block:
@@ -283,9 +308,9 @@ def split_blocks(gm: fx.GraphModule, paths: tuple[str, ...], checkpoint: Callabl
     attrs: dict[str, Any] = {}
     code: dict[str, Callable] = {}
 
-    def glue(level: int) -> None:
+    def glue(at: int) -> None:
         for n in nodes:
-            if n not in block and n.op != "output" and after[n] == level and not _is_pipe_split(n):
+            if n not in block and n.op != "output" and level[n] == at and not _is_pipe_split(n):
                 env[n] = out.node_copy(n, env.__getitem__)
 
     glue(-1)
@@ -326,11 +351,13 @@ def _move_to_readers(nodes: list[fx.Node], block: dict[fx.Node, int]) -> None:
     feeds a block's first sublayer goes (it reads the block summaries and partial sum, which cross anyway): a block
     then receives the depth state, not the state plus the mixed input, and activation checkpointing keeps one
     tensor per block less (the depth state in place of the original's hidden states)."""
+    written = {n.args[0] for n in nodes if n.op == "call_function" and _mutates(n) and n.args}
     for _ in range(4):
         moved = False
         for n in reversed(nodes):
             b = block.get(n)
-            if b is None or n.op not in ("call_function", "call_method") or not n.users:
+            if b is None or n.op not in ("call_function", "call_method") or not n.users or n.is_impure() \
+                    or _mutates(n) or any(x in written for x in n.all_input_nodes):
                 continue
             readers = {block.get(u) for u in n.users}
             if len(readers) != 1:
@@ -344,6 +371,39 @@ def _move_to_readers(nodes: list[fx.Node], block: dict[fx.Node, int]) -> None:
                 moved = True
         if not moved:
             return
+
+
+def _glue_levels(nodes: list[fx.Node], block: dict[fx.Node, int], after: dict[fx.Node, int]) -> dict | str:
+    """Per glue node, the block call it runs after (-1: before all): the latest block it depends on, except that an
+    in-place write (``detach_``, an ``add_``) keeps its place between the block calls, and the glue that reads the
+    written tensor after it stays after it. A reason string when a write lies inside a block's span."""
+    level = {n: after[n] for n in nodes if n not in block}
+    pos = {n: i for i, n in enumerate(nodes)}
+    for n in nodes:
+        if n in block or n.op != "call_function" or not _mutates(n):
+            continue
+        written = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+        if written is not None and set(written.users) == {n}:
+            continue  # a tensor nothing else reads (export's detach_ of a fresh constant): its place does not matter
+        before = max((block[m] for m in nodes[:pos[n]] if m in block), default=-1)
+        inside = next((m for m in nodes[pos[n] + 1:] if m in block and block[m] <= before), None)
+        if inside is not None:
+            return (f"`{n.name}` ({n.target}) writes a tensor in place between operations of block {block[inside]}: "
+                    "its order relative to them would not be kept")
+        level[n] = max(level[n], before)
+        for m in nodes[pos[n] + 1:]:
+            if m not in block and (written in m.all_input_nodes or n in m.all_input_nodes):
+                level[m] = max(level[m], level[n])
+    for n in nodes:  # a glue node runs after the glue it reads
+        if n not in block:
+            level[n] = max([level[n], *(level[x] for x in n.all_input_nodes if x in level)])
+    return level
+
+
+def _mutates(n: fx.Node) -> bool:
+    """An operation that writes one of its inputs in place (its order relative to other readers matters)."""
+    schema = getattr(n.target, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)
 
 
 def _is_pipe_split(n: fx.Node) -> bool:
@@ -390,7 +450,7 @@ def _program(gm: fx.GraphModule, path: str, members: list[fx.Node], ins: list[fx
             rel = n.target[cut:]
             new = g.get_attr(rel)
             new.meta = dict(n.meta)
-            root[rel] = _attr(gm, n.target)
+            root[rel] = _shell(_attr(gm, n.target))
         else:
             new = g.node_copy(n, env.__getitem__)
         env[n] = new
@@ -400,7 +460,30 @@ def _program(gm: fx.GraphModule, path: str, members: list[fx.Node], ins: list[fx
         if n.op in ("call_function", "call_method"):
             n._rename(f"v{i}")
     g.lint()
-    return fx.GraphModule(root, g, class_name="BlockProgram")
+    return _traced_with_meta(fx.GraphModule(root, g, class_name="BlockProgram"))
+
+
+def _traced_with_meta(gm: fx.GraphModule) -> fx.GraphModule:
+    """Let Dynamo copy ``gm``'s node metadata (the scheme tags the compile backend recognises a converted graph by)
+    into the graph it traces from ``gm``'s generated code, as ``torch.compile(gm)`` arranges for a GraphModule."""
+    try:
+        import weakref
+
+        from torch._dynamo import code_context
+
+        code_context.get_context(type(gm).forward.__code__)["orig_graphmodule"] = weakref.ref(gm)
+    except Exception:  # noqa: BLE001 - a Dynamo without it: only the tags are lost
+        pass
+    return gm
+
+
+def _shell(v: Any) -> Any:
+    """What a program keeps of a tensor it reads from its block: shape and dtype only (the code reads the live block;
+    holding the capture's tensor would keep replaced or FSDP-sharded weights, or a capture's stand-ins, alive)."""
+    if isinstance(v, torch.Tensor):
+        meta = torch.empty(v.shape, dtype=v.dtype, device="meta")
+        return nn.Parameter(meta, requires_grad=False) if isinstance(v, nn.Parameter) else meta
+    return v
 
 
 def _attr(gm: nn.Module, target: str) -> Any:
@@ -450,10 +533,24 @@ def stage_with_blocks(stage: fx.GraphModule, model: nn.Module, paths: tuple[str,
         if n.op == "get_attr":
             root[n.target] = split.attrs[n.target] if n.target in split.attrs else _attr(stage, n.target)
         elif n.op == "call_module":
-            root[n.target] = _get(model, n.target)
+            root[n.target] = _slot(model, n.target)  # a checkpoint or compile wrapper around the block runs too
     out = fx.GraphModule(root, split.graph, class_name=type(stage).__name__)
     out.__dict__["_dr_programs"] = split.programs
     return out
+
+
+def read_live(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Make ``gm`` read every submodule, parameter and buffer that the live ``model`` has from the model, at call
+    time (:meth:`~depthrewrite.converted.ConvertedGraphModule.__getattr__`): its own copies of them (export's
+    unlifted module tree) are dropped, so it keeps no replaced, sharded or stand-in tensor alive; what only it has
+    (export's lifted constants, higher-order ops' bodies) stays."""
+    for k in [k for k in gm._modules if k in model._modules]:
+        del gm._modules[k]
+    own = (model._modules, model._parameters, model._buffers)
+    for d in (gm._parameters, gm._buffers):
+        for k in [k for k in d if any(k in x for x in own)]:
+            del d[k]
+    gm.__dict__["_dr_live"] = model
 
 
 def build_runner(gm: fx.GraphModule, model: nn.Module, paths: tuple[str, ...],
@@ -478,26 +575,22 @@ def build_runner(gm: fx.GraphModule, model: nn.Module, paths: tuple[str, ...],
             root[n.target] = split.attrs[n.target] if n.target in split.attrs else _attr(gm, n.target)
         elif n.op == "call_module":
             root[n.target] = _get(model, n.target)
-    runner = fx.GraphModule(root, split.graph, class_name=type(gm).__name__)
+    runner = _traced_with_meta(fx.GraphModule(root, split.graph, class_name=type(gm).__name__))
     runner._modules.clear()  # the blocks and every submodule: read from the live model
     for k, v in split.attrs.items():  # but export's own submodules (higher-order ops' bodies) are the runner's
         if isinstance(v, nn.Module) and not isinstance(v, BlockProgram):
             runner._modules[k] = v
-    own = (model._modules, model._parameters, model._buffers)
-    for d in (runner._parameters, runner._buffers):
-        for k in [k for k in d if any(k in x for x in own)]:
-            del d[k]
+    read_live(runner, model)
     for a in ("_in_spec", "_out_spec", "range_constraints", "validate_inputs"):  # export's code and checks read them
         if a in gm.__dict__:
             runner.__dict__[a] = gm.__dict__[a]
     runner.meta.update(gm.meta)
+    runner.__dict__["_dr_programs"] = split.programs
     from .converted import _bind_inputs
 
     for k, h in gm._forward_pre_hooks.items():  # export's input checks (the runner's placeholders are gm's)
         if h is not _bind_inputs:
             runner.register_forward_pre_hook(h, with_kwargs=k in gm._forward_pre_hooks_with_kwargs)
-    runner.__dict__["_dr_live"] = model
-    runner.__dict__["_dr_programs"] = split.programs
     return runner, None
 
 
@@ -534,6 +627,10 @@ def blocks_for_capture(model: nn.Module, paths: tuple[str, ...] | None) -> Itera
                 cls = type(blk)
                 blk.__class__ = original_block_class(cls)
                 undo.append(lambda m=blk, c=cls: setattr(m, "__class__", c))
+                if "_dr_old_forward" in blk.__dict__:
+                    new = blk.__dict__["_old_forward"]
+                    blk.__dict__["_old_forward"] = blk.__dict__["_dr_old_forward"]
+                    undo.append(lambda m=blk, f=new: m.__dict__.__setitem__("_old_forward", f))
             for attr in _HOOK_ATTRS:
                 hooks = getattr(blk, attr)
                 drop = [k for k, h in hooks.items() if not _own_hooks(h)]
@@ -583,6 +680,7 @@ class BlockInfo:
     side_in: tuple[str, ...]  # other inputs computed once at the top (RoPE tables, masks, sizes)
     params_in: int  # new parameters of its sites, passed in from model.depthrewrite
     state_out: tuple[tuple[str, int], ...]
+    code: int = 0  # which distinct program code it runs (blocks with the same number share one compiled function)
 
     @property
     def state_in_per_token(self) -> int:
@@ -630,6 +728,7 @@ def block_infos(gm: fx.GraphModule, programs: dict[str, BlockProgram], site_bloc
     d = int(v0.shape[-1]) if isinstance(v0, torch.Tensor) and isinstance(v0.shape[-1], int) else 1
     tokens = max(1, numel.get(source, 0) // d)
     out = []
+    codes: dict[int, int] = {}
     for b, prog in enumerate(programs.values()):
         state, side, params = [], [], 0
         for name in prog.inputs:
@@ -642,17 +741,27 @@ def block_infos(gm: fx.GraphModule, programs: dict[str, BlockProgram], site_bloc
                 side.append(name)
         outs = tuple((name, numel.get(name, 0) // tokens) for name in prog.outputs)
         sites = tuple(k for k, blk in enumerate(site_blocks or ()) if blk == b)
-        out.append(BlockInfo(prog.path, sites, tuple(state), tuple(side), params, outs))
+        out.append(BlockInfo(prog.path, sites, tuple(state), tuple(side), params, outs,
+                             codes.setdefault(id(prog.fn), len(codes))))
     return tuple(out)
 
 
-def block_table(infos: tuple[BlockInfo, ...], hidden: int) -> str:
+def block_table(infos: tuple[BlockInfo, ...], hidden: int, cuts: tuple[int, ...] | None = None) -> str:
+    """The report's block table; with pipeline ``cuts`` (sublayer indices where stages begin) a stage column, and
+    a block a cut divides is marked."""
     from tabulate import tabulate
 
-    rows = [[i.path, ",".join(map(str, i.sublayers)), len(i.state_in),
+    def stage(i: BlockInfo) -> str:
+        if not i.sublayers:
+            return "-"
+        first, last = (sum(c <= k for c in cuts) for k in (i.sublayers[0], i.sublayers[-1]))
+        return str(first) if first == last else f"{first}-{last} (cut inside)"
+
+    rows = [[i.path, ",".join(map(str, i.sublayers)), *([stage(i)] if cuts else []), len(i.state_in),
              f"{i.state_in_per_token:,} ({i.state_in_per_token / hidden:.1f}·d)", len(i.side_in), i.params_in,
-             len(i.state_out)] for i in infos]
+             len(i.state_out), i.code] for i in infos]
+    headers = ["block", "sublayers", *(["stage"] if cuts else []), "state in", "values/token", "side in", "params in",
+               "out", "code"]
     return ("blocks (one module call each; what crosses into it: depth state from earlier blocks, side inputs "
-            "computed once, new parameters):\n" + tabulate(
-                rows, headers=["block", "sublayers", "state in", "values/token", "side in", "params in", "out"],
-                tablefmt="simple"))
+            "computed once, new parameters; code: blocks with one number share one function, compiled once):\n"
+            + tabulate(rows, headers=headers, tablefmt="simple"))

@@ -99,7 +99,7 @@ class ModuleTree:
     identities of every parameter and buffer."""
 
     __slots__ = ("names", "mods", "types", "owners", "children", "hooks", "hook_snapshot", "tensors", "config",
-                 "ckpt_owners", "ckpt")
+                 "ckpt_owners", "ckpt", "logical")
 
     def __init__(self, root: nn.Module):
         named = [(n, m) for n, m in root.named_modules() if m is not root]
@@ -120,6 +120,7 @@ class ModuleTree:
         # activation checkpointing flags (HF's gradient_checkpointing_enable() sets them): export cannot follow them
         self.ckpt_owners = [m for m in self.owners if "gradient_checkpointing" in m.__dict__]
         self.ckpt = [m.__dict__["gradient_checkpointing"] for m in self.ckpt_owners]
+        self.logical = self._logical()  # taken now: the modules it reads change in place
 
     def changed(self, root: nn.Module) -> bool:
         """Whether a submodule was replaced, added or removed, a hook added or removed on one, or a parameter or
@@ -133,26 +134,35 @@ class ModuleTree:
             or [m.__dict__.get("gradient_checkpointing") for m in self.ckpt_owners] != self.ckpt
         )
 
-    def logical(self) -> tuple:
-        """The tree as a block runner reads it (:mod:`depthrewrite.blocks`): wrappers around a module (checkpoint
-        wrappers, ``torch.compile``'s) left out, a converted block's class as its original class, no hooks on blocks
-        (they fire at run time, around the block call), parameters and buffers by name, shape and dtype (a runner
-        reads them from the live modules at call time, so FSDP2's sharding or a reassigned tensor needs no
-        recapture). Two trees with equal ``logical()`` run the same captured graphs."""
-        from .blocks import _WRAPPED, ConvertedBlock, original_block_class
+    def _logical(self) -> tuple:
+        """The tree as a block runner reads it (:mod:`depthrewrite.blocks`): every submodule object (a replaced one,
+        even of the same type, may carry other settings export baked in), except that a wrapper around a converted
+        block (checkpoint wrappers, ``torch.compile``'s) is left out, a converted block's class counts as its
+        original class (FSDP2 subclasses it) and hooks on blocks are not compared (they fire at run time, around the
+        block call); parameters and buffers by name, shape, dtype and which of them are one tensor (tied), not by
+        identity (a runner reads them from the live modules at call time, so FSDP2's sharding or a reassigned tensor
+        needs no recapture). Two trees with equal ``logical()`` run the same captured graphs."""
+        from .blocks import _WRAPPED, ConvertedBlock, original_block_class, unwrap
 
         items = []
+        first: dict[int, str] = {}  # tensor identity -> the first name holding it (ties)
+
+        def tensors(prefix: str, d: dict) -> tuple:
+            out = []
+            for k, v in d.items():
+                if v is not None:
+                    out.append((k, tuple(v.shape), v.dtype, first.setdefault(id(v), f"{prefix}.{k}")))
+            return tuple(out)
+
         for i, (name, mod, typ) in enumerate(zip(self.names, self.mods, self.types)):
-            if any(a in mod._modules for a in _WRAPPED):
+            if any(a in mod._modules for a in _WRAPPED) and isinstance(unwrap(mod), ConvertedBlock):
                 continue
             block = isinstance(mod, ConvertedBlock)
             hooks = () if block else tuple(tuple(d.values()) for d in self.hook_snapshot[4 * i:4 * i + 4])
+            cname = ".".join(p for p in name.split(".") if p not in _WRAPPED)
             items.append((
-                ".".join(p for p in name.split(".") if p not in _WRAPPED),
-                original_block_class(typ) if block else typ,
-                hooks,
-                tuple((k, tuple(v.shape), v.dtype) for k, v in mod._parameters.items() if v is not None),
-                tuple((k, tuple(v.shape), v.dtype) for k, v in mod._buffers.items() if v is not None),
+                cname, id(mod), original_block_class(typ) if block else typ, hooks,
+                tensors(cname, mod._parameters), tensors(cname, mod._buffers),
             ))
         return tuple(items), self.config
 
@@ -438,7 +448,7 @@ class ConversionState:
         if self.blocks is None or self.pipeline_stages is not None:
             return False
         new = ModuleTree(model)
-        if new.logical() != self.tree.logical():
+        if new.logical != self.tree.logical:
             return False
         self.tree = new
         return True
@@ -530,7 +540,8 @@ class ConversionState:
                 )
             self.blocks_note = paths or "no blocks"
             return None
-        convert_blocks(model, paths)
+        if self.blocks is None:
+            _check_block_hooks(model, paths)
         runner, why = build_runner(gm, model, paths, self.checkpointing)
         if runner is None:
             if self.blocks is not None:
@@ -540,8 +551,10 @@ class ConversionState:
                 )
             self.blocks_note = why
             return None
+        from .blocks import read_live
         from .converted import as_converted
 
+        convert_blocks(model, paths)
         args, kwargs = gm.meta["depthrewrite_inputs"]
         as_converted(runner, model, self.signature, args, kwargs, self.report)
         if self.blocks is None:
@@ -551,6 +564,7 @@ class ConversionState:
             self.ckpt_parents = _checkpoint_parents(model, paths)
             self.block_infos = block_infos(gm, runner.__dict__["_dr_programs"],
                                            gm.meta.get("depthrewrite_block_of_site"), self.report.chain.source)
+        read_live(gm, model)  # the flat graph (inspection, export traces, pipeline stages) reads the live model too
         return runner
 
     def checkpointing(self, block: nn.Module) -> bool:
@@ -634,7 +648,33 @@ def _warn_user_hooks(tree: ModuleTree) -> None:
 def _select_eagerly(st: ConversionState, model: nn.Module, args: tuple, kwargs: dict):
     """:meth:`ConversionState.select` outside Dynamo's trace (a graph break): the module-tree check and a capture run
     as in eager mode, and Dynamo guards on the graph module returned."""
-    return st.select(model, args, kwargs)
+    entry, pos, kw = st.select(model, args, kwargs)
+    if entry.runner is not None:  # (again each time: torch._dynamo.reset() forgets it) Dynamo copies our node tags
+        from .blocks import _traced_with_meta
+
+        _traced_with_meta(entry.runner)
+        for prog in entry.runner.programs.values():
+            _traced_with_meta(prog.module)
+    return entry, pos, kw
+
+
+def _check_block_hooks(model: nn.Module, paths: tuple[str, ...]) -> None:
+    """Hooks on a block registered before conversion were written for the block's original inputs; on a converted
+    block they fire around its new call (the program, then the depth state): ConfigError."""
+    from .blocks import _HOOK_ATTRS, _get, _own_hooks
+
+    for p in paths:
+        blk = _get(model, p)
+        for attr in _HOOK_ATTRS:
+            for h in getattr(blk, attr).values():
+                if not _own_hooks(h):
+                    raise ConfigError(
+                        f"{p} has {_HOOK_WORDS[attr]} ({getattr(h, '__qualname__', type(h).__name__)}) registered "
+                        "before conversion. A converted model calls its blocks as modules with new inputs and outputs "
+                        "(the depth state), so a hook written for the original block would see other values. Remove "
+                        "it before convert() and register it afterwards (it then fires once per call, around the block "
+                        "call), or register it on a module inside the block (it is traced into the block's program)."
+                    )
 
 
 def _checkpoint_parents(model: nn.Module, paths: tuple[str, ...]) -> list[nn.Module]:

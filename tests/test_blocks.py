@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.fx as fx
 import torch.nn as nn
 
 import depthrewrite as dr
@@ -313,3 +314,137 @@ def test_pipeline_stages_are_groups_of_the_same_block_modules():
         out = mods[1](*mods[0](IDS))
         want = conv(IDS).logits
     torch.testing.assert_close(out if isinstance(out, torch.Tensor) else out[0], want)
+
+
+# ---- what the graphs read, and what they refuse (review findings) -------------------------------------------------
+
+
+def test_graphs_read_the_live_tensors_and_keep_no_replaced_one_alive():
+    import gc
+    import weakref
+
+    conv = dr.convert(_llama(2).eval(), "block-attnres")
+    with torch.no_grad():  # (an autograd graph would hold the weight)
+        before = conv(IDS).logits
+    lin = conv.model.layers[0].mlp.down_proj
+    old = weakref.ref(lin.weight)
+    lin.weight = nn.Parameter(lin.weight.detach() * 2)  # same shape and dtype: no recapture needed
+    gc.collect()
+    assert old() is None  # neither the runner, the programs nor the flat graph hold the replaced tensor
+    after = conv(IDS).logits
+    assert (after - before).abs().max() > 1e-4
+    flat = conv.graph_module(False)(input_ids=IDS).logits  # the flat graph reads the live model too
+    torch.testing.assert_close(flat, after)
+    assert conv.__dict__["_depthrewrite"].recaptures == 0
+
+
+def test_untying_weights_after_conversion_recaptures():
+    torch.manual_seed(0)
+    conv = dr.convert(nanogpt(n_layer=2).train(), "block-attnres", example_inputs=(IDS % 64,))
+    assert conv.lm_head.weight is conv.transformer.wte.weight
+    conv.lm_head.weight = nn.Parameter(conv.lm_head.weight.detach().clone())
+    conv(IDS % 64).square().mean().backward()
+    assert conv.__dict__["_depthrewrite"].recaptures == 1
+    assert conv.transformer.wte.weight.grad is not None and conv.lm_head.weight.grad is not None
+
+
+def test_hooks_on_blocks_before_conversion_are_refused_and_the_model_is_left_as_it_was():
+    model = _llama(2).eval()
+    h = model.model.layers[1].register_forward_hook(lambda m, args, out: out)
+    with pytest.raises(ConfigError, match="model.layers.1 has a forward hook"):
+        dr.convert(model, "block-attnres")
+    assert type(model).__name__ == "LlamaForCausalLM" and not dr.is_converted(model)
+    assert not any(isinstance(m, ConvertedBlock) for m in model.modules())
+    h.remove()
+    model(IDS)  # the original still runs
+
+
+class _Blk(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.ln1, self.f1, self.ln2, self.f2 = nn.LayerNorm(d), nn.Linear(d, d), nn.LayerNorm(d), nn.Linear(d, d)
+        self.other: list = []
+
+    def forward(self, h):
+        h = h + self.f1(self.ln1(h))
+        w = self.other[0].f2.weight if self.other else self.f2.weight  # reads another block's parameter
+        return h + nn.functional.linear(self.ln2(h), w)
+
+
+class _CrossLM(nn.Module):
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.emb = nn.Embedding(64, d)
+        self.blocks = nn.ModuleList([_Blk(d), _Blk(d)])
+        self.blocks[0].other.append(self.blocks[1])
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        for b in self.blocks:
+            h = b(h)
+        return self.norm(h)
+
+
+def test_blocks_that_cannot_be_split_run_flat_and_a_failed_conversion_restores_them():
+    model = _CrossLM().eval()
+    x = IDS % 64
+    with pytest.raises(ConfigError, match="runs as one graph"):
+        dr.convert(model, "attnres", example_inputs=(x,), checkpoint=True)
+    assert not any(isinstance(m, ConvertedBlock) for m in model.modules())
+    ref = model(x)
+    conv = dr.convert(model, "attnres", example_inputs=(x,), inplace=False)
+    assert conv.__dict__["_depthrewrite"].blocks is None and "later block" in " ".join(conv.report().notes)
+    torch.testing.assert_close(conv(x), ref)
+
+
+def test_accelerate_hooks_on_blocks_call_the_converted_block():
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    model = _llama(2).eval()
+    want = model(IDS).logits
+    for blk in model.model.layers:
+        add_hook_to_module(blk, ModelHook())  # what device_map / offloading install on each layer
+    conv = dr.convert(model, "block-attnres")
+    torch.testing.assert_close(conv(IDS).logits, want)
+    conv.train()
+    conv(IDS, labels=IDS).loss.backward()  # a later capture runs the original forward through the hook again
+
+
+def test_a_checkpoint_wrapper_inside_a_block_is_not_silently_dropped():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    conv = dr.convert(_llama(2), "block-attnres")
+    conv.train()
+    conv.model.layers[0].mlp = checkpoint_wrapper(conv.model.layers[0].mlp)
+    try:
+        conv(IDS, labels=IDS)
+    except DepthRewriteError:
+        return  # refused loudly: fine
+    assert conv.__dict__["_depthrewrite"].recaptures == 1  # or followed: the tree change was seen
+
+
+def test_an_in_place_write_outside_the_blocks_keeps_its_place_between_block_calls():
+    """A glue `fill_` that only reads its target would be hoisted before block 0 by data dependencies alone; it must
+    stay after block 0 (which reads the old value) and before block 1 (which reads the new one)."""
+    from depthrewrite.blocks import convert_blocks, split_blocks
+
+    model = nn.Module()
+    model.blocks = nn.ModuleList([nn.Identity(), nn.Identity()])
+    g = fx.Graph()
+    x = g.placeholder("x")
+    buf = g.call_function(torch.ops.aten.ones_like.default, (x,))
+    a = g.call_function(torch.ops.aten.mul.Tensor, (x, buf))
+    a.meta["nn_module_stack"] = {"b0": ("blocks.0", nn.Identity)}
+    g.call_function(torch.ops.aten.fill_.Scalar, (buf, 2.0))
+    b = g.call_function(torch.ops.aten.mul.Tensor, (a, buf))
+    b.meta["nn_module_stack"] = {"b1": ("blocks.1", nn.Identity)}
+    g.output(b)
+    flat = fx.GraphModule(model, g)
+    split = split_blocks(flat, ("blocks.0", "blocks.1"), lambda blk: False)
+    assert not isinstance(split, str), split
+    convert_blocks(model, ("blocks.0", "blocks.1"))
+    runner = fx.GraphModule({"blocks.0": model.blocks[0], "blocks.1": model.blocks[1], **split.attrs}, split.graph)
+    x = torch.randn(3)
+    torch.testing.assert_close(runner(x), x * 2)  # block 0 read 1s, block 1 read 2s
+    torch.testing.assert_close(flat(x), x * 2)

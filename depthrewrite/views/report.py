@@ -326,7 +326,8 @@ class ConvertReport(ChainReport):
         if self.blocks:
             from ..blocks import block_table
 
-            text += "\n" + block_table(self.blocks, self.chain.hidden_size)
+            cuts = tuple(self.pipeline.cuts) if self.pipeline is not None else None
+            text += "\n" + block_table(self.blocks, self.chain.hidden_size, cuts)
         if self.pipeline is not None:
             text += "\n" + self.pipeline.table()
         return text
