@@ -13,7 +13,8 @@ later block reads is one tensor); parameters are not counted (they are kept anyw
 
 ``compile``: ``torch.compile`` of the whole model (the converted one with ``backend="depthrewrite"``) against
 ``.compile()`` on each block module, for the original and every scheme: the first training step (compile included)
-and the best of 5 later steps, every row in the same run; Dynamo is reset between rows.
+and the best of 5 later steps, every row in the same run; Dynamo is reset between rows and inductor's caches are off
+(every compile is cold).
 """
 
 from __future__ import annotations
@@ -105,7 +106,11 @@ def _step(model: torch.nn.Module, ids: torch.Tensor) -> float:
 def compile_rows(layers: int, hidden: int, seq: int, batch: int, repeats: int = 5) -> list[list]:
     import torch._dynamo
 
+    import torch._inductor.config
+
     torch._dynamo.config.recompile_limit = max(64, torch._dynamo.config.recompile_limit)  # one variant per program
+    torch._inductor.config.force_disable_caches = True  # cold compiles: no FX graph or kernel cache from earlier runs
+    torch.compile(lambda x: (x * 2).sum())(torch.randn(4))  # inductor's one-time start-up, outside every row
     rows = []
     base: dict[str, float] = {}
     for label, key, options in _variants():
