@@ -374,30 +374,18 @@ def _move_to_readers(nodes: list[fx.Node], block: dict[fx.Node, int]) -> None:
 
 
 def _glue_levels(nodes: list[fx.Node], block: dict[fx.Node, int], after: dict[fx.Node, int]) -> dict | str:
-    """Per glue node, the block call it runs after (-1: before all): the latest block it depends on, except that an
-    in-place write (``detach_``, an ``add_``) keeps its place between the block calls, and the glue that reads the
-    written tensor after it stays after it. A reason string when a write lies inside a block's span."""
-    level = {n: after[n] for n in nodes if n not in block}
-    pos = {n: i for i, n in enumerate(nodes)}
+    """Per glue node, the block call it runs after (-1: before all): the latest block it depends on. Splitting
+    reorders operations by their data only, so a graph that writes a tensor in place that anything else reads
+    (directly or through a view) cannot be split: the reason string. A write to a tensor nothing else reads (export's
+    ``detach_`` of a fresh constant) goes anywhere."""
     for n in nodes:
-        if n in block or n.op != "call_function" or not _mutates(n):
+        if n.op != "call_function" or not _mutates(n):
             continue
         written = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
-        if written is not None and set(written.users) == {n}:
-            continue  # a tensor nothing else reads (export's detach_ of a fresh constant): its place does not matter
-        before = max((block[m] for m in nodes[:pos[n]] if m in block), default=-1)
-        inside = next((m for m in nodes[pos[n] + 1:] if m in block and block[m] <= before), None)
-        if inside is not None:
-            return (f"`{n.name}` ({n.target}) writes a tensor in place between operations of block {block[inside]}: "
-                    "its order relative to them would not be kept")
-        level[n] = max(level[n], before)
-        for m in nodes[pos[n] + 1:]:
-            if m not in block and (written in m.all_input_nodes or n in m.all_input_nodes):
-                level[m] = max(level[m], level[n])
-    for n in nodes:  # a glue node runs after the glue it reads
-        if n not in block:
-            level[n] = max([level[n], *(level[x] for x in n.all_input_nodes if x in level)])
-    return level
+        if written is None or set(written.users) != {n}:
+            return (f"`{n.name}` ({n.target}) writes a tensor in place that other operations read: splitting at the "
+                    "blocks reorders operations by their data only, which would move reads across the write")
+    return {n: after[n] for n in nodes if n not in block}
 
 
 def _mutates(n: fx.Node) -> bool:
@@ -553,6 +541,18 @@ def read_live(gm: fx.GraphModule, model: nn.Module) -> None:
     gm.__dict__["_dr_live"] = model
 
 
+def share_live(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Make the flat graph ``gm`` hold the live model's own top-level submodules, parameters and buffers in place of
+    export's copies of them: it keeps no replaced, sharded or stand-in tensor alive, reads what the model holds now,
+    and stays an ordinary module (``parameters()``, ``state_dict()``, ``torch.export`` of it see the model's
+    parameters)."""
+    for k in [k for k in gm._modules if k in model._modules]:
+        gm._modules[k] = model._modules[k]
+    for mine, theirs in ((gm._parameters, model._parameters), (gm._buffers, model._buffers)):
+        for k in [k for k in mine if k in theirs]:
+            mine[k] = theirs[k]
+
+
 def build_runner(gm: fx.GraphModule, model: nn.Module, paths: tuple[str, ...],
                  checkpoint: Callable[[nn.Module], bool]) -> tuple[fx.GraphModule | None, str | None]:
     """``(runner, None)``: a module running ``gm``'s graph (a converted model's flat graph) as glue plus one call per
@@ -627,10 +627,14 @@ def blocks_for_capture(model: nn.Module, paths: tuple[str, ...] | None) -> Itera
                 cls = type(blk)
                 blk.__class__ = original_block_class(cls)
                 undo.append(lambda m=blk, c=cls: setattr(m, "__class__", c))
-                if "_dr_old_forward" in blk.__dict__:
+                own = blk.__dict__.get("forward")
+                if "_old_forward" in blk.__dict__:  # accelerate's hook: what it calls runs the original forward now
                     new = blk.__dict__["_old_forward"]
-                    blk.__dict__["_old_forward"] = blk.__dict__["_dr_old_forward"]
+                    blk.__dict__["_old_forward"] = types.MethodType(original_block_class(cls).forward, blk)
                     undo.append(lambda m=blk, f=new: m.__dict__.__setitem__("_old_forward", f))
+                elif own is not None and getattr(own, "__func__", None) is getattr(cls, "forward", None):
+                    del blk.__dict__["forward"]  # a hook removed again left the converted forward on the instance
+                    undo.append(lambda m=blk, f=own: m.__dict__.__setitem__("forward", f))
             for attr in _HOOK_ATTRS:
                 hooks = getattr(blk, attr)
                 drop = [k for k, h in hooks.items() if not _own_hooks(h)]

@@ -151,7 +151,8 @@ class ModuleTree:
             out = []
             for k, v in d.items():
                 if v is not None:
-                    out.append((k, tuple(v.shape), v.dtype, first.setdefault(id(v), f"{prefix}.{k}")))
+                    shape = None if nn.parameter.is_lazy(v) else tuple(v.shape)
+                    out.append((k, shape, v.dtype, first.setdefault(id(v), f"{prefix}.{k}")))
             return tuple(out)
 
         for i, (name, mod, typ) in enumerate(zip(self.names, self.mods, self.types)):
@@ -551,7 +552,7 @@ class ConversionState:
                 )
             self.blocks_note = why
             return None
-        from .blocks import read_live
+        from .blocks import share_live
         from .converted import as_converted
 
         convert_blocks(model, paths)
@@ -564,7 +565,7 @@ class ConversionState:
             self.ckpt_parents = _checkpoint_parents(model, paths)
             self.block_infos = block_infos(gm, runner.__dict__["_dr_programs"],
                                            gm.meta.get("depthrewrite_block_of_site"), self.report.chain.source)
-        read_live(gm, model)  # the flat graph (inspection, export traces, pipeline stages) reads the live model too
+        share_live(gm, model)  # the flat graph (inspection, export traces, pipeline stages): the live modules too
         return runner
 
     def checkpointing(self, block: nn.Module) -> bool:
@@ -668,6 +669,12 @@ def _check_block_hooks(model: nn.Module, paths: tuple[str, ...]) -> None:
         for attr in _HOOK_ATTRS:
             for h in getattr(blk, attr).values():
                 if not _own_hooks(h):
+                    owner = getattr(h, "__module__", None) or getattr(type(h), "__module__", "") or ""
+                    if owner.startswith("torch.distributed"):
+                        raise ConfigError(
+                            f"{p} is already sharded or wrapped by torch.distributed (fully_shard before convert?). "
+                            "Convert first, then apply fully_shard / checkpointing per block (docs/training.md)."
+                        )
                     raise ConfigError(
                         f"{p} has {_HOOK_WORDS[attr]} ({getattr(h, '__qualname__', type(h).__name__)}) registered "
                         "before conversion. A converted model calls its blocks as modules with new inputs and outputs "

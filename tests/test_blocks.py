@@ -411,6 +411,21 @@ def test_accelerate_hooks_on_blocks_call_the_converted_block():
     conv(IDS, labels=IDS).loss.backward()  # a later capture runs the original forward through the hook again
 
 
+def test_accelerate_hooks_added_or_removed_after_conversion():
+    from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_submodules
+
+    conv = dr.convert(_llama(2).eval(), "block-attnres")
+    want = conv(IDS).logits
+    for blk in conv.model.layers:
+        add_hook_to_module(blk, ModelHook())  # its _old_forward is the converted forward
+    conv.train()
+    conv(IDS, labels=IDS).loss.backward()  # a capture with the hooks on
+    conv.eval()
+    torch.testing.assert_close(conv(IDS).logits, want)
+    remove_hook_from_submodules(conv)
+    conv(IDS, attention_mask=torch.ones_like(IDS))  # another capture after the hooks are gone
+
+
 def test_a_checkpoint_wrapper_inside_a_block_is_not_silently_dropped():
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -424,27 +439,25 @@ def test_a_checkpoint_wrapper_inside_a_block_is_not_silently_dropped():
     assert conv.__dict__["_depthrewrite"].recaptures == 1  # or followed: the tree change was seen
 
 
-def test_an_in_place_write_outside_the_blocks_keeps_its_place_between_block_calls():
-    """A glue `fill_` that only reads its target would be hoisted before block 0 by data dependencies alone; it must
-    stay after block 0 (which reads the old value) and before block 1 (which reads the new one)."""
-    from depthrewrite.blocks import convert_blocks, split_blocks
+def test_an_in_place_write_that_others_read_is_not_split():
+    """Splitting reorders operations by their data only; a `fill_` of a tensor that blocks read before and after it
+    would move. Such a graph is not split (the flat graph runs); a write nothing else reads is fine."""
+    from depthrewrite.blocks import split_blocks
 
-    model = nn.Module()
-    model.blocks = nn.ModuleList([nn.Identity(), nn.Identity()])
-    g = fx.Graph()
-    x = g.placeholder("x")
-    buf = g.call_function(torch.ops.aten.ones_like.default, (x,))
-    a = g.call_function(torch.ops.aten.mul.Tensor, (x, buf))
-    a.meta["nn_module_stack"] = {"b0": ("blocks.0", nn.Identity)}
-    g.call_function(torch.ops.aten.fill_.Scalar, (buf, 2.0))
-    b = g.call_function(torch.ops.aten.mul.Tensor, (a, buf))
-    b.meta["nn_module_stack"] = {"b1": ("blocks.1", nn.Identity)}
-    g.output(b)
-    flat = fx.GraphModule(model, g)
-    split = split_blocks(flat, ("blocks.0", "blocks.1"), lambda blk: False)
-    assert not isinstance(split, str), split
-    convert_blocks(model, ("blocks.0", "blocks.1"))
-    runner = fx.GraphModule({"blocks.0": model.blocks[0], "blocks.1": model.blocks[1], **split.attrs}, split.graph)
-    x = torch.randn(3)
-    torch.testing.assert_close(runner(x), x * 2)  # block 0 read 1s, block 1 read 2s
-    torch.testing.assert_close(flat(x), x * 2)
+    def graph(shared: bool) -> fx.GraphModule:
+        model = nn.Module()
+        model.blocks = nn.ModuleList([nn.Identity(), nn.Identity()])
+        g = fx.Graph()
+        x = g.placeholder("x")
+        buf = g.call_function(torch.ops.aten.ones_like.default, (x,))
+        a = g.call_function(torch.ops.aten.mul.Tensor, (x, buf if shared else x))
+        a.meta["nn_module_stack"] = {"b0": ("blocks.0", nn.Identity)}
+        g.call_function(torch.ops.aten.fill_.Scalar, (buf, 2.0))
+        b = g.call_function(torch.ops.aten.mul.Tensor, (a, x))
+        b.meta["nn_module_stack"] = {"b1": ("blocks.1", nn.Identity)}
+        g.output(b)
+        return fx.GraphModule(model, g)
+
+    why = split_blocks(graph(True), ("blocks.0", "blocks.1"), lambda blk: False)
+    assert isinstance(why, str) and "writes a tensor in place" in why
+    assert not isinstance(split_blocks(graph(False), ("blocks.0", "blocks.1"), lambda blk: False), str)
