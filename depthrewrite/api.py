@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .blocks import block_paths, blocks_for_capture
+from .blocks import block_paths, blocks_for_capture, unwrapped_path
 from .capture import is_cache, capture, example_inputs_for
 from .converted import as_converted, drop_dead_code
 from .errors import CaptureError, ConfigError, DepthRewriteError
@@ -202,7 +202,7 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) ->
     where = f"{'training' if model.training else 'eval'} graph of {name}"
     blocks = getattr(st, "blocks", None)
     sharded = next((n for n, m in model.named_modules()
-                    if n and _is_fsdp(m) and _unwrapped_path(n) not in (blocks or ())), None)
+                    if n and _is_fsdp(m) and unwrapped_path(n) not in (blocks or ())), None)
     if sharded is not None:
         raise ConfigError(
             f"{name}.{sharded} is sharded with FSDP (fully_shard on a submodule that is not a transformer block): a "
@@ -260,13 +260,6 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) ->
         st.report = _report(model, gm, chain, result, config)
     bound_args, bound_kwargs = gm.meta["depthrewrite_inputs"]
     return as_converted(gm, model, st.signature, bound_args, bound_kwargs, st.report), result
-
-
-def _unwrapped_path(path: str) -> str:
-    """``path`` without the segments module wrappers add (``_checkpoint_wrapped_module``, ``_orig_mod``)."""
-    from .blocks import _WRAPPED
-
-    return ".".join(p for p in path.split(".") if p not in _WRAPPED)
 
 
 def _is_fsdp(module: nn.Module) -> bool:

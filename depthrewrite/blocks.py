@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect as _inspect
 import operator
 import types
 from collections import OrderedDict
@@ -37,6 +36,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from .converted import _resolve
 from .errors import DepthRewriteError
 
 __all__ = [
@@ -44,7 +44,6 @@ __all__ = [
     "BlockSplit",
     "block_paths",
     "converted_block_class",
-    "is_converted_block",
     "split_blocks",
     "unwrap",
 ]
@@ -65,6 +64,11 @@ def unwrap(module: nn.Module) -> nn.Module:
             return module
         module, seen = inner, seen + 1
     return module
+
+
+def unwrapped_path(path: str) -> str:
+    """``path`` without the segments module wrappers add (``_checkpoint_wrapped_module``, ``_orig_mod``)."""
+    return ".".join(p for p in path.split(".") if p not in _WRAPPED)
 
 
 def _get(root: nn.Module, path: str) -> nn.Module | None:
@@ -184,10 +188,6 @@ def converted_block_class(original: type) -> type:
         })
         _BLOCK_CLASSES[original] = cls
     return cls
-
-
-def is_converted_block(module: nn.Module) -> bool:
-    return isinstance(module, ConvertedBlock)
 
 
 def original_block_class(cls: type) -> type:
@@ -438,7 +438,7 @@ def _program(gm: fx.GraphModule, path: str, members: list[fx.Node], ins: list[fx
             rel = n.target[cut:]
             new = g.get_attr(rel)
             new.meta = dict(n.meta)
-            root[rel] = _shell(_attr(gm, n.target))
+            root[rel] = _shell(_resolve(gm, n.target))
         else:
             new = g.node_copy(n, env.__getitem__)
         env[n] = new
@@ -465,6 +465,21 @@ def _traced_with_meta(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+def traced_with_meta(runner: fx.GraphModule) -> None:
+    """:func:`_traced_with_meta` for a runner and its programs, when Dynamo has forgotten them
+    (``torch._dynamo.reset()`` clears its code contexts); one lookup otherwise (it runs before every compiled call)."""
+    try:
+        from torch._dynamo import code_context
+
+        if "orig_graphmodule" in code_context.get_context(type(runner).forward.__code__):
+            return
+    except Exception:  # noqa: BLE001
+        return
+    _traced_with_meta(runner)
+    for prog in runner.programs.values():
+        _traced_with_meta(prog.module)
+
+
 def _shell(v: Any) -> Any:
     """What a program keeps of a tensor it reads from its block: shape and dtype only (the code reads the live block;
     holding the capture's tensor would keep replaced or FSDP-sharded weights, or a capture's stand-ins, alive)."""
@@ -472,24 +487,6 @@ def _shell(v: Any) -> Any:
         meta = torch.empty(v.shape, dtype=v.dtype, device="meta")
         return nn.Parameter(meta, requires_grad=False) if isinstance(v, nn.Parameter) else meta
     return v
-
-
-def _attr(gm: nn.Module, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def block_signature() -> _inspect.Signature:
-    return _inspect.signature(_block_forward)
-
-
-def iter_blocks(model: nn.Module, paths: tuple[str, ...]) -> Iterator[tuple[str, nn.Module]]:
-    for p in paths:
-        blk = _get(model, p)
-        if blk is not None:
-            yield p, blk
 
 
 def _live(model: nn.Module) -> Callable[[str], bool]:
@@ -519,7 +516,7 @@ def stage_with_blocks(stage: fx.GraphModule, model: nn.Module, paths: tuple[str,
     root: dict[str, Any] = {}
     for n in split.graph.nodes:
         if n.op == "get_attr":
-            root[n.target] = split.attrs[n.target] if n.target in split.attrs else _attr(stage, n.target)
+            root[n.target] = split.attrs[n.target] if n.target in split.attrs else _resolve(stage, n.target)
         elif n.op == "call_module":
             root[n.target] = _slot(model, n.target)  # a checkpoint or compile wrapper around the block runs too
     out = fx.GraphModule(root, split.graph, class_name=type(stage).__name__)
@@ -567,20 +564,16 @@ def build_runner(gm: fx.GraphModule, model: nn.Module, paths: tuple[str, ...],
     consts = 0
     for n in split.graph.nodes:
         if n.op == "get_attr" and n.target not in split.attrs and not live(n.target):
-            value = _attr(gm, n.target)  # export's lifted constants: kept by the runner under a name of its own
+            value = _resolve(gm, n.target)  # export's lifted constants: kept by the runner under a name of its own
             n.target = f"_dr_const_{consts}"
             consts += 1
             split.attrs[n.target] = value
         if n.op == "get_attr":
-            root[n.target] = split.attrs[n.target] if n.target in split.attrs else _attr(gm, n.target)
+            root[n.target] = split.attrs[n.target] if n.target in split.attrs else _resolve(gm, n.target)
         elif n.op == "call_module":
             root[n.target] = _get(model, n.target)
     runner = _traced_with_meta(fx.GraphModule(root, split.graph, class_name=type(gm).__name__))
-    runner._modules.clear()  # the blocks and every submodule: read from the live model
-    for k, v in split.attrs.items():  # but export's own submodules (higher-order ops' bodies) are the runner's
-        if isinstance(v, nn.Module) and not isinstance(v, BlockProgram):
-            runner._modules[k] = v
-    read_live(runner, model)
+    read_live(runner, model)  # the blocks and all else the model has are read from it; export's constants stay
     for a in ("_in_spec", "_out_spec", "range_constraints", "validate_inputs"):  # export's code and checks read them
         if a in gm.__dict__:
             runner.__dict__[a] = gm.__dict__[a]
@@ -594,13 +587,17 @@ def build_runner(gm: fx.GraphModule, model: nn.Module, paths: tuple[str, ...],
     return runner, None
 
 
-_HOOK_ATTRS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+HOOK_ATTRS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def hook_owner(fn: Any) -> str:
+    """The module that defined a hook (``""`` when it cannot be told)."""
+    return getattr(fn, "__module__", None) or getattr(type(fn), "__module__", "") or ""
 
 
 def _own_hooks(fn: Any) -> bool:
     """Hooks transformers installs to record outputs: inactive outside the original forward, traced at capture."""
-    owner = getattr(fn, "__module__", None) or getattr(type(fn), "__module__", "") or ""
-    return owner.startswith("transformers.")
+    return hook_owner(fn).startswith("transformers.")
 
 
 @contextlib.contextmanager
@@ -635,7 +632,7 @@ def blocks_for_capture(model: nn.Module, paths: tuple[str, ...] | None) -> Itera
                 elif own is not None and getattr(own, "__func__", None) is getattr(cls, "forward", None):
                     del blk.__dict__["forward"]  # a hook removed again left the converted forward on the instance
                     undo.append(lambda m=blk, f=own: m.__dict__.__setitem__("forward", f))
-            for attr in _HOOK_ATTRS:
+            for attr in HOOK_ATTRS:
                 hooks = getattr(blk, attr)
                 drop = [k for k, h in hooks.items() if not _own_hooks(h)]
                 if drop:

@@ -47,6 +47,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from .blocks import HOOK_ATTRS, hook_owner
 from .capture import is_cache
 from .errors import ConfigError, DepthRewriteError, ModuleTreeChangedError
 from .passes.rewrite.msar_decode import HISTORY_META
@@ -61,7 +62,7 @@ CHECK_MODULE_TREE = True
 
 # ---- the module tree fingerprint ---------------------------------------------------------------------------------
 
-_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_HOOKS = HOOK_ATTRS
 _hooks_of = operator.attrgetter(*_HOOKS)
 _children_of = operator.attrgetter("_modules")
 _params_of = operator.attrgetter("_parameters")
@@ -142,7 +143,7 @@ class ModuleTree:
         block call); parameters and buffers by name, shape, dtype and which of them are one tensor (tied), not by
         identity (a runner reads them from the live modules at call time, so FSDP2's sharding or a reassigned tensor
         needs no recapture). Two trees with equal ``logical()`` run the same captured graphs."""
-        from .blocks import _WRAPPED, ConvertedBlock, original_block_class, unwrap
+        from .blocks import _WRAPPED, ConvertedBlock, original_block_class, unwrap, unwrapped_path
 
         items = []
         first: dict[int, str] = {}  # tensor identity -> the first name holding it (ties)
@@ -160,7 +161,7 @@ class ModuleTree:
                 continue
             block = isinstance(mod, ConvertedBlock)
             hooks = () if block else tuple(tuple(d.values()) for d in self.hook_snapshot[4 * i:4 * i + 4])
-            cname = ".".join(p for p in name.split(".") if p not in _WRAPPED)
+            cname = unwrapped_path(name)
             items.append((
                 cname, id(mod), original_block_class(typ) if block else typ, hooks,
                 tensors(cname, mod._parameters), tensors(cname, mod._buffers),
@@ -178,8 +179,7 @@ class ModuleTree:
                 continue
             for d in _hooks_of(m):
                 for h in d.values():
-                    owner = getattr(h, "__module__", None) or getattr(type(h), "__module__", "") or ""
-                    if not owner.startswith(_KNOWN_HOOK_OWNERS):
+                    if not hook_owner(h).startswith(_KNOWN_HOOK_OWNERS):
                         out.append((name, h))
         return out
 
@@ -530,20 +530,16 @@ class ConversionState:
         return runner
 
     def _block_runner(self, model: nn.Module, gm: fx.GraphModule) -> fx.GraphModule | None:
-        from .blocks import build_runner, convert_blocks
+        from .blocks import block_infos, build_runner, convert_blocks, share_live
+        from .converted import as_converted
 
         paths = gm.meta.get("depthrewrite_blocks")
-        if isinstance(paths, str) or not paths:
-            if self.blocks is not None:
-                raise DepthRewriteError(
-                    f"the converted {self.original.__name__} calls its blocks as modules, but in this call structure "
-                    f"they cannot be: {paths}. Please report it with the model and the call."
-                )
-            self.blocks_note = paths or "no blocks"
-            return None
-        if self.blocks is None:
-            _check_block_hooks(model, paths)
-        runner, why = build_runner(gm, model, paths, self.checkpointing)
+        if isinstance(paths, str) or not paths:  # no block modules: the reason
+            runner, why = None, paths or "no blocks"
+        else:
+            if self.blocks is None:
+                _check_block_hooks(model, paths)
+            runner, why = build_runner(gm, model, paths, self.checkpointing)
         if runner is None:
             if self.blocks is not None:
                 raise DepthRewriteError(
@@ -552,15 +548,10 @@ class ConversionState:
                 )
             self.blocks_note = why
             return None
-        from .blocks import share_live
-        from .converted import as_converted
-
         convert_blocks(model, paths)
         args, kwargs = gm.meta["depthrewrite_inputs"]
         as_converted(runner, model, self.signature, args, kwargs, self.report)
         if self.blocks is None:
-            from .blocks import block_infos
-
             self.blocks = tuple(paths)
             self.ckpt_parents = _checkpoint_parents(model, paths)
             self.block_infos = block_infos(gm, runner.__dict__["_dr_programs"],
@@ -650,27 +641,24 @@ def _select_eagerly(st: ConversionState, model: nn.Module, args: tuple, kwargs: 
     """:meth:`ConversionState.select` outside Dynamo's trace (a graph break): the module-tree check and a capture run
     as in eager mode, and Dynamo guards on the graph module returned."""
     entry, pos, kw = st.select(model, args, kwargs)
-    if entry.runner is not None:  # (again each time: torch._dynamo.reset() forgets it) Dynamo copies our node tags
-        from .blocks import _traced_with_meta
+    if entry.runner is not None:  # Dynamo copies our node tags (again after torch._dynamo.reset(), which forgets)
+        from .blocks import traced_with_meta
 
-        _traced_with_meta(entry.runner)
-        for prog in entry.runner.programs.values():
-            _traced_with_meta(prog.module)
+        traced_with_meta(entry.runner)
     return entry, pos, kw
 
 
 def _check_block_hooks(model: nn.Module, paths: tuple[str, ...]) -> None:
     """Hooks on a block registered before conversion were written for the block's original inputs; on a converted
     block they fire around its new call (the program, then the depth state): ConfigError."""
-    from .blocks import _HOOK_ATTRS, _get, _own_hooks
+    from .blocks import _get, _own_hooks
 
     for p in paths:
         blk = _get(model, p)
-        for attr in _HOOK_ATTRS:
+        for attr in HOOK_ATTRS:
             for h in getattr(blk, attr).values():
                 if not _own_hooks(h):
-                    owner = getattr(h, "__module__", None) or getattr(type(h), "__module__", "") or ""
-                    if owner.startswith("torch.distributed"):
+                    if hook_owner(h).startswith("torch.distributed"):
                         raise ConfigError(
                             f"{p} is already sharded or wrapped by torch.distributed (fully_shard before convert?). "
                             "Convert first, then apply fully_shard / checkpointing per block (docs/training.md)."
