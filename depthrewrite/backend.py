@@ -7,10 +7,12 @@ What it does with each graph Dynamo hands it:
 
 * **a converted model's graph** (it holds ``depthrewrite::*`` ops): runs the parameter-free lowering passes — today the
   two-phase batching of Block AttnRes sites (:mod:`depthrewrite.passes.lower.two_phase`) — then compiles with
-  inductor through AOT autograd. The registered depth ops stay opaque nodes that inductor calls as extern kernels;
-  each op dispatches to its fused Triton kernel on CUDA and to its PyTorch reference elsewhere
-  (:mod:`depthrewrite.kernels.dispatch`), so inductor fuses everything around them and the kernels do the depth
-  mixing.
+  inductor through AOT autograd. Where a depth op's fused Triton kernel runs (CUDA, a call the kernel covers), the
+  op stays an opaque node that inductor calls as an extern kernel, and inductor fuses everything around it. Where
+  the op would run its PyTorch reference (CPU, the ``"reference"`` kernel backend, a GPU call the kernel does not
+  cover), AOT autograd lowers it to that reference's aten ops (:mod:`depthrewrite.kernels.decompose`), forward and
+  backward, so inductor fuses the depth mixing with its neighbours (the norm that follows, the residual add)
+  instead of calling an opaque reference. Exported graphs are not touched: they keep one node per site.
 * **an unconverted model's graph**: detects the PreNorm chain, logs the chain report (logger
   ``depthrewrite.backend``, level INFO), and compiles normally. Asking for a scheme here (``options={"scheme": ...}``)
   raises :class:`~depthrewrite.errors.ConfigError` pointing to :func:`depthrewrite.convert`: new parameters must be
@@ -22,6 +24,8 @@ Options (``torch.compile(m, backend="depthrewrite", options={...})``):
   debugging and tests) or ``"eager"`` (the Dynamo graph as is).
 * ``two_phase``: batch Block AttnRes sites where the cost model says it moves fewer bytes (``True``, default),
   ``"always"``, or ``False``.
+* ``decompose``: lower depth ops to their references where no Triton kernel would run them (``True``, default), or
+  keep every depth op opaque (``False``).
 * ``scheme``: assert the model was converted to this scheme: any registered name, any case
   (``depthrewrite.schemes()``: ``"attnres"``, ``"msar"``, ``"mhc"``, ``"moda"``, ...; not an alias such as
   ``"block-attnres"``, whose preset options this check cannot see). A graph names its scheme by the
@@ -58,6 +62,7 @@ class BackendOptions:
 
     inner: str = "inductor"
     two_phase: bool | str = True
+    decompose: bool = True
     scheme: str | None = None
     log_chain: bool = True
 
@@ -73,6 +78,8 @@ class BackendOptions:
         opts = cls(**options)
         if opts.inner not in INNER:
             raise ConfigError(f"backend option inner={opts.inner!r} is not one of {INNER}")
+        if opts.decompose not in (True, False):
+            raise ConfigError(f"backend option decompose={opts.decompose!r} is not True or False")
         if opts.two_phase not in (True, False, "always"):
             raise ConfigError(f"backend option two_phase={opts.two_phase!r} is not one of True, False, 'always'")
         if opts.scheme is not None:
@@ -109,6 +116,7 @@ class GraphRecord:
     two_phase: list = field(default_factory=list)  # TwoPhaseGroup, applied
     two_phase_declined: list = field(default_factory=list)  # TwoPhaseGroup the cost model left as single passes
     two_phase_skipped: str = ""
+    decomposed: Counter = field(default_factory=Counter)  # depth op name -> calls lowered to the reference's aten ops
     chain_report: Any = None  # ChainReport for unconverted graphs with a chain
     chain_error: str = ""
     aot: list[AotGraphRecord] = field(default_factory=list)
@@ -196,9 +204,19 @@ def _boxed_eager(gm: fx.GraphModule, example_inputs, **kwargs):
     return make_boxed_func(gm.forward)
 
 
+def _depth_decompositions(opts: BackendOptions, record: GraphRecord) -> dict:
+    """The depth ops' decomposition table for a converted graph (empty when ``decompose=False`` or nothing to lower)."""
+    if not opts.decompose or record.kind != "converted" or not record.depth_ops:
+        return {}
+    from .kernels.decompose import decompositions
+
+    return decompositions(record.decomposed)
+
+
 def _compile(gm: fx.GraphModule, example_inputs, opts: BackendOptions, record: GraphRecord, mode: str | None):
     if opts.inner == "eager":
         return gm.forward
+    ours = _depth_decompositions(opts, record)
     if opts.inner == "aot_eager":
         from torch._dynamo.backends.common import aot_autograd
 
@@ -206,6 +224,7 @@ def _compile(gm: fx.GraphModule, example_inputs, opts: BackendOptions, record: G
             fw_compiler=_recording("forward", record, _boxed_eager),
             bw_compiler=_recording("backward", record, _boxed_eager),
             inference_compiler=_recording("inference", record, _boxed_eager),
+            **({"decompositions": ours} if ours else {}),
         )(gm, example_inputs)
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
@@ -214,7 +233,15 @@ def _compile(gm: fx.GraphModule, example_inputs, opts: BackendOptions, record: G
         import torch._inductor
 
         patches = torch._inductor.list_mode_options(mode)
-    return compile_fx(gm, example_inputs, inner_compile=_recording("auto", record, compile_fx_inner), config_patches=patches)
+    decomps = None
+    if ours:
+        from torch._inductor.decomposition import select_decomp_table
+
+        decomps = {**select_decomp_table(), **ours}
+    return compile_fx(
+        gm, example_inputs, inner_compile=_recording("auto", record, compile_fx_inner), config_patches=patches,
+        decompositions=decomps,
+    )
 
 
 def depthrewrite_backend(gm: fx.GraphModule, example_inputs: list, *, options: dict | None = None, mode: str | None = None):

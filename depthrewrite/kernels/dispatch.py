@@ -59,6 +59,7 @@ __all__ = [
     "Route",
     "last_routes",
     "dtype_reason",
+    "would_fuse",
 ]
 
 BACKENDS = ("auto", "triton", "reference")
@@ -248,14 +249,43 @@ class Route:
 _ROUTES: dict[str, Route] = {}
 
 
+class _Routed(Exception):  # noqa: N818 - control flow of would_fuse(), never seen outside it
+    """Raised by :func:`route` while :func:`would_fuse` probes an op body: carries the routing decision."""
+
+    def __init__(self, fused: bool) -> None:
+        self.fused = fused
+
+
+_probing = False
+
+
 def route(op: str, tensors: tuple, covers: Callable[[], str | None]) -> bool:
     """Whether the op named ``op`` runs its fused kernel on this call: the backend decision (:func:`decide` on
     ``tensors``), then the op's gate (``covers()``, evaluated only when the backend picks Triton). The outcome and
     the fallback reason are recorded for :func:`last_routes`."""
     how = decide(op, *tensors)
     why = backend_reason(op, *tensors) if how == "reference" else covers()
+    if _probing:
+        raise _Routed(why is None)
     _ROUTES[op] = Route(how if why is None else "reference", why)
     return why is None
+
+
+def would_fuse(body: Callable[..., object], *args: object, **kwargs: object) -> bool:
+    """Whether calling the op body ``body`` (the Python function a ``torch.library.custom_op`` wraps) with these
+    arguments would run its fused kernel: the body runs only up to its :func:`route` call, which answers here instead
+    of returning (nothing is computed, nothing recorded). Works on fake tensors: routing reads devices, dtypes and
+    shapes only. A body that never routes (a reference-only op) would not fuse; it must route before computing
+    anything, as every op body here does."""
+    global _probing
+    old, _probing = _probing, True
+    try:
+        body(*args, **kwargs)
+    except _Routed as r:
+        return r.fused
+    finally:
+        _probing = old
+    return False
 
 
 def last_routes() -> dict[str, Route]:

@@ -105,6 +105,7 @@ class Explanation:
                     two_phase=[str(t) for t in g.two_phase],
                     two_phase_declined=[str(t) for t in g.two_phase_declined],
                     two_phase_skipped=g.two_phase_skipped,
+                    decomposed=dict(g.decomposed),
                     chain=g.chain_report.to_dict() if g.chain_report is not None else None,
                     chain_error=g.chain_error,
                     aot=[dict(stage=a.stage, nodes=a.n_nodes, depth_ops=dict(a.depth_ops)) for a in g.aot],
@@ -134,6 +135,11 @@ class Explanation:
                 lines.append(f"  two-phase declined (cost model; two_phase='always' forces it): {t}")
             if g.kind == "converted" and not g.two_phase and not g.two_phase_declined:
                 lines.append(f"  two-phase: not applied ({g.two_phase_skipped or 'no sites share a block prefix'})")
+            if g.decomposed:
+                lines.append(
+                    "  lowered to the reference's aten ops for inductor (no Triton kernel runs them here): "
+                    + ", ".join(f"{op} ×{n}" for op, n in sorted(g.decomposed.items()))
+                )
             if g.chain_report is not None:
                 c = g.chain_report.chain
                 lines.append(

@@ -17,7 +17,7 @@ import torch
 
 from ..dispatch import KernelInfo, register_kernel_info, route
 from .limits import MAX_HEAD_DIM, covers
-from .reference import moda_attn_ref, moda_slots_ref
+from .reference import cpu_flash_applies, cpu_flash_sequence, moda_attn_ref, moda_slots_ref
 
 __all__ = ["moda_attn", "moda_attn_backward", "moda_slots", "covers", "kernel_covers"]
 
@@ -75,6 +75,8 @@ def _reference_grads(grad, args, mask_grad: bool) -> list[torch.Tensor | None]:
     sequence part summed to its shape.
     """
     q, k, v, attn_mask, depth_k, depth_v, depth_weight, scale, is_causal, dropout_p, seed, softcap = args
+    if not mask_grad and cpu_flash_applies(q, k, v, attn_mask, dropout_p, softcap):
+        return _cpu_flash_grads(grad, args)
     acc = torch.promote_types(q.dtype, torch.float32)
     B, Hq, T, d = q.shape
     Hk, S = k.shape[1], k.shape[2]
@@ -133,6 +135,48 @@ def _reference_grads(grad, args, mask_grad: bool) -> list[torch.Tensor | None]:
     dkd = (torch.einsum("bhtn,bhtd->btnhd", ds_d, qf) * scale).view(B, T, -1, Hk, G, d).sum(4)
     dvd = torch.einsum("bhtn,bhtd->btnhd", pz_d, do).view(B, T, -1, Hk, G, d).sum(4)
     return [dq, dk, dv, dmask, dkd, dvd, dlam]
+
+
+def _cpu_flash_grads(grad, args) -> list[torch.Tensor | None]:
+    """:func:`_reference_grads` where the sequence part runs PyTorch's CPU flash kernel (fp32/fp64 CPU, no dropout,
+    no soft-cap, no mask gradient; :func:`.reference.cpu_flash_applies`).
+
+    The joint softmax's sequence-part gradients are exactly flash attention's backward called with the *joint*
+    output ``o`` and the *joint* log-sum-exp ``L`` (its probabilities ``exp(s − L)`` are the joint ones, and its
+    ``rowsum(do ⊙ o)`` is the joint ``δ``); the depth part (n slots per token) is written out as in
+    :func:`_reference_grads`."""
+    q, k, v, attn_mask, depth_k, depth_v, depth_weight, scale, is_causal, dropout_p, seed, softcap = args
+    B, Hq, T, d = q.shape
+    Hk, S = k.shape[1], k.shape[2]
+    G = Hq // Hk
+    o_s, lse_s, ke, ve, mask = cpu_flash_sequence(q, k, v, attn_mask, scale, is_causal)
+    lse_s = lse_s.unsqueeze(-1)
+    Kd, Vd = depth_k.repeat_interleave(G, dim=3), depth_v.repeat_interleave(G, dim=3)  # [B, T, n, Hq, d]
+    dlog = torch.einsum("bhtd,btnhd->bhtn", q, Kd) * scale
+    lse_d = torch.logsumexp(dlog, dim=-1, keepdim=True)
+    m = torch.maximum(lse_s, lse_d)
+    a, b = torch.exp(lse_s - m), torch.exp(lse_d - m)
+    lam = depth_weight.clamp_min(0.0).view(1, Hq, 1, 1) if depth_weight is not None else None
+    if lam is not None:
+        b = b * lam
+    L = m + torch.log(a + b)  # joint LSE, λ included
+    e_d = torch.exp(dlog - L)  # depth exp-weights without λ
+    p_d = e_d * lam if lam is not None else e_d
+    out = a / (a + b) * o_s + torch.einsum("bhtn,btnhd->bhtd", p_d, Vd)
+    do = grad.contiguous()
+    dq_s, dk_e, dv_e = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        do, q, ke, ve, out, L.squeeze(-1), 0.0, is_causal, attn_mask=mask, scale=scale
+    )
+    delta = (do * out).sum(-1, keepdim=True)
+    dp_d = torch.einsum("bhtd,btnhd->bhtn", do, Vd)
+    ds_d = p_d * (dp_d - delta)
+    dlam = (e_d * (dp_d - delta)).sum(dim=(0, 2, 3)) if depth_weight is not None else None
+    dq = dq_s + torch.einsum("bhtn,btnhd->bhtd", ds_d, Kd) * scale
+    dk = dk_e.view(B, Hk, G, S, d).sum(2) if G > 1 else dk_e
+    dv = dv_e.view(B, Hk, G, S, d).sum(2) if G > 1 else dv_e
+    dkd = (torch.einsum("bhtn,bhtd->btnhd", ds_d, q) * scale).view(B, T, -1, Hk, G, d).sum(4)
+    dvd = torch.einsum("bhtn,bhtd->btnhd", p_d, do).view(B, T, -1, Hk, G, d).sum(4)
+    return [dq, dk, dv, None, dkd, dvd, dlam]
 
 
 @torch.library.custom_op("depthrewrite::moda_attn_backward", mutates_args=())

@@ -17,12 +17,58 @@ import math
 
 import torch
 
-__all__ = ["moda_attn_ref", "moda_slots_ref"]
+__all__ = ["moda_attn_ref", "moda_slots_ref", "cpu_flash_applies", "cpu_flash_sequence"]
 
 
 def moda_slots_ref(keys: list[torch.Tensor]) -> torch.Tensor:
     """Token-major depth slots: n tensors ``[B, Hk, T, d]`` -> ``[B, T, n, Hk, d]`` (contiguous)."""
     return torch.stack(keys, dim=0).permute(1, 3, 0, 2, 4).contiguous()
+
+
+def cpu_flash_applies(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, dropout_p: float, softcap: float
+) -> bool:
+    """Whether the sequence part can run PyTorch's CPU flash-attention kernel (which also returns the log-sum-exp the
+    merge needs): CPU fp32/fp64 tensors of one dtype (the math is then fp32/fp64 throughout, as the explicit path's),
+    no dropout, no soft-cap, a mask that is absent, boolean or of q's dtype, non-empty sequences."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.float64)
+        and k.dtype == q.dtype
+        and v.dtype == q.dtype
+        and q.dim() == 4
+        and dropout_p <= 0.0
+        and softcap <= 0.0
+        and (attn_mask is None or attn_mask.dtype in (torch.bool, q.dtype))
+        and q.shape[2] > 0
+        and k.shape[2] > 0
+    )
+
+
+def _flash_mask(attn_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The mask as the CPU flash kernel takes it: additive, q's dtype, 4-D."""
+    if attn_mask is None:
+        return None
+    if attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device).masked_fill(~attn_mask, -math.inf)
+    return attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+
+
+def cpu_flash_sequence(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, scale: float, is_causal: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The sequence part by the CPU flash kernel (only where :func:`cpu_flash_applies`).
+
+    Returns ``(o_s [B, Hq, T, d], lse_s [B, Hq, T], k, v, mask)``: the normalised sequence output and its
+    log-sum-exp, and the (GQA-expanded) keys, values and mask as passed to the kernel, for its backward."""
+    G = q.shape[1] // k.shape[1]
+    if G > 1:
+        k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+    mask = _flash_mask(attn_mask, q.dtype)
+    o_s, lse_s = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale
+    )
+    return o_s, lse_s, k, v, mask
 
 
 def _dropout(p: torch.Tensor, rate: float, gen: torch.Generator | None) -> torch.Tensor:
@@ -70,20 +116,30 @@ def moda_attn_ref(
     Hk, S = k.shape[1], k.shape[2]
     G = Hq // Hk
     qf = q.to(acc)
-    kf = k.to(acc).repeat_interleave(G, dim=1)  # query head h -> KV head h // G
-    vf = v.to(acc).repeat_interleave(G, dim=1)
-    scores = (qf @ kf.transpose(-1, -2)) * scale  # [B, Hq, T, S]
-    if softcap > 0:
-        scores = softcap * torch.tanh(scores / softcap)
-    if is_causal:
-        keep = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()  # top-left aligned, as SDPA's is_causal
-        scores = scores.masked_fill(~keep, -math.inf)
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attn_mask, -math.inf)
-        else:
-            scores = scores + attn_mask.to(acc)
-    lse_s = torch.logsumexp(scores, dim=-1, keepdim=True)  # [B, Hq, T, 1]
+    # the same math by PyTorch's CPU flash kernel (no [B, Hq, T, S] logits in memory), except under autograd: its
+    # log-sum-exp output has no gradient, so a differentiated reference takes the explicit path
+    taped = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, attn_mask, depth_k, depth_v, depth_weight)
+    )
+    flash = not taped and cpu_flash_applies(q, k, v, attn_mask, dropout_p, softcap)
+    if flash:
+        o_s, lse_s = cpu_flash_sequence(q, k, v, attn_mask, scale, is_causal)[:2]
+        lse_s = lse_s.unsqueeze(-1)
+    else:
+        kf = k.to(acc).repeat_interleave(G, dim=1)  # query head h -> KV head h // G
+        vf = v.to(acc).repeat_interleave(G, dim=1)
+        scores = (qf @ kf.transpose(-1, -2)) * scale  # [B, Hq, T, S]
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
+        if is_causal:
+            keep = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()  # top-left aligned, as SDPA's is_causal
+            scores = scores.masked_fill(~keep, -math.inf)
+        if attn_mask is not None:
+            if attn_mask.dtype == torch.bool:
+                scores = scores.masked_fill(~attn_mask, -math.inf)
+            else:
+                scores = scores + attn_mask.to(acc)
+        lse_s = torch.logsumexp(scores, dim=-1, keepdim=True)  # [B, Hq, T, 1]
     Kd = depth_k.to(acc).repeat_interleave(G, dim=3)  # [B, T, n, Hq, d]
     Vd = depth_v.to(acc).repeat_interleave(G, dim=3)
     dlog = torch.einsum("bhtd,btnhd->bhtn", qf, Kd) * scale  # [B, Hq, T, n]
@@ -94,7 +150,8 @@ def moda_attn_ref(
     if dropout_p > 0.0 and seed is not None:
         gen = torch.Generator(device=q.device).manual_seed(int(seed.reshape(-1)[0]))
     # dropout commutes with the per-row merge weights below, so it can act on each part's own softmax
-    o_s = _dropout(torch.exp(scores - lse_s), dropout_p, gen) @ vf
+    if not flash:
+        o_s = _dropout(torch.exp(scores - lse_s), dropout_p, gen) @ vf
     o_d = torch.einsum("bhtn,btnhd->bhtd", _dropout(torch.exp(dlog - lse_d), dropout_p, gen), Vd)
     m = torch.maximum(lse_s, lse_d)
     a = torch.exp(lse_s - m)

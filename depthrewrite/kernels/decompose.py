@@ -1,0 +1,149 @@
+"""Depth ops as decompositions: what ``torch.compile(backend="depthrewrite")`` lowers a depth op to when no Triton
+kernel would run it, so inductor fuses the op's arithmetic with its neighbours instead of calling it as an opaque
+extern kernel.
+
+A registered depth op (``torch.ops.depthrewrite.*``) stays one node in Dynamo's graph and in exported graphs. When
+AOT autograd traces that graph (forward and backward, through the op's registered autograd formula), the backend
+hands it :func:`decompositions`: each entry asks the op's own routing (:func:`~depthrewrite.kernels.dispatch.would_fuse`
+on the fake tensors of the call: the kernel backend, the device, then the op's ``covers`` gate) and
+
+- returns ``NotImplemented`` when the fused Triton kernel would run: the op stays one extern node and the kernel
+  runs, exactly as without this table;
+- otherwise returns the PyTorch reference traced into aten ops: the forward op becomes its ``*_ref`` function, the
+  backward op (``*_backward``) its hand-written reference formulas. The registered autograd formulas are unchanged,
+  so the backward still recomputes from the op's inputs (nothing else is saved) and both directions reach inductor as
+  plain aten ops.
+
+References must therefore be functional: no in-place writes, even into their own intermediates (AOT autograd
+traces decompositions below its functionalization; ``tests/test_decompose.py`` fails on any in-place op). The
+result is the same math the op body would have run (the same reference functions), so a compiled model computes
+what the eager one does; tests check forward and backward against the registered op. Calls that cannot be traced stay
+opaque: MoDA with attention dropout (its reference draws seeded ``torch.rand`` masks from a generator).
+
+``decompositions(counts)`` counts what it decomposed, per op (the backend shows it in ``depthrewrite.explain()``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .dispatch import would_fuse
+
+__all__ = ["decompositions", "DECOMPOSABLE"]
+
+
+def _depth_attn_entries() -> dict[str, tuple[Callable, Callable]]:
+    from .depth_attn import op as m
+    from .depth_attn.reference import depth_attn_merge_ref, depth_attn_partial_ref, depth_attn_ref
+
+    def attn_bwd(grad, sources, query, gain, eps, scale):
+        gq, gg, *gs = m._partial_backward_ref(
+            grad.unsqueeze(0) * scale, None, sources, query.unsqueeze(0), gain.unsqueeze(0), eps
+        )
+        return [gq[0], gg[0], *gs]
+
+    return {
+        "depth_attn": (m.depth_attn, depth_attn_ref),
+        "depth_attn_backward": (m.depth_attn_backward, attn_bwd),
+        "depth_attn_partial": (m.depth_attn_partial, depth_attn_partial_ref),
+        "depth_attn_partial_backward": (m.depth_attn_partial_backward, m._partial_backward_ref),
+        "depth_attn_merge": (m.depth_attn_merge, depth_attn_merge_ref),
+        "depth_attn_merge_backward": (m.depth_attn_merge_backward, m._merge_backward_ref),
+    }
+
+
+def _msar_entries() -> dict[str, tuple[Callable, Callable]]:
+    from .msar import op as m
+    from .msar.reference import msar_mix_ref
+
+    return {
+        "msar_mix": (m.msar_mix, msar_mix_ref),
+        "msar_mix_backward": (m.msar_mix_backward, m._backward_ref),
+    }
+
+
+def _mhc_entries() -> dict[str, tuple[Callable, Callable]]:
+    from .mhc import op as m
+    from .mhc.reference import mhc_coeffs_ref, mhc_collapse_ref, mhc_post_ref, mhc_pre_ref
+
+    return {
+        "mhc_coeffs": (m.mhc_coeffs, mhc_coeffs_ref),
+        "mhc_pre": (m.mhc_pre, mhc_pre_ref),
+        "mhc_post": (m.mhc_post, mhc_post_ref),
+        "mhc_collapse": (None, mhc_collapse_ref),
+        "mhc_coeffs_backward": (m.mhc_coeffs_backward, m._coeffs_backward_ref),
+        "mhc_pre_backward": (m.mhc_pre_backward, m._pre_backward_ref),
+        "mhc_post_backward": (m.mhc_post_backward, m._post_backward_ref),
+    }
+
+
+def _moda_entries() -> dict[str, tuple[Callable, Callable]]:
+    from .moda import op as m
+    from .moda.reference import moda_attn_ref, moda_slots_ref
+
+    def attn(q, k, v, attn_mask, depth_k, depth_v, depth_weight, scale, is_causal, dropout_p, seed, softcap):
+        if dropout_p > 0.0:  # seeded masks from a torch.Generator: not traceable; the op runs as it is
+            return NotImplemented
+        return moda_attn_ref(q, k, v, attn_mask, depth_k, depth_v, depth_weight, scale, is_causal, 0.0, None, softcap)
+
+    def attn_bwd(grad, q, k, v, attn_mask, depth_k, depth_v, depth_weight, out, scale, is_causal, dropout_p, seed,
+                 softcap, mask_grad):
+        if dropout_p > 0.0:
+            return NotImplemented
+        args = [q, k, v, attn_mask, depth_k, depth_v, depth_weight, scale, is_causal, 0.0, None, softcap]
+        got = m._reference_grads(grad, args, mask_grad)
+        like = (q, k, v, attn_mask if mask_grad else None, depth_k, depth_v, depth_weight)
+        return tuple(
+            q.new_empty(0) if x is None else torch.zeros_like(x) if g is None else g.to(x.dtype)
+            for g, x in zip(got, like)
+        )
+
+    return {
+        "moda_attn": (m.moda_attn, attn),
+        "moda_attn_backward": (m.moda_attn_backward, attn_bwd),
+        "moda_slots": (None, moda_slots_ref),
+    }
+
+
+def _entries() -> dict[str, tuple[Callable | None, Callable]]:
+    """op name -> (the registered op, or None for a reference-only op; its decomposition)."""
+    return {**_depth_attn_entries(), **_msar_entries(), **_mhc_entries(), **_moda_entries()}
+
+
+DECOMPOSABLE: tuple[str, ...] = (
+    "depth_attn", "depth_attn_backward", "depth_attn_partial", "depth_attn_partial_backward", "depth_attn_merge",
+    "depth_attn_merge_backward", "msar_mix", "msar_mix_backward", "mhc_coeffs", "mhc_pre", "mhc_post",
+    "mhc_collapse", "mhc_coeffs_backward", "mhc_pre_backward", "mhc_post_backward", "moda_attn",
+    "moda_attn_backward", "moda_slots",
+)  # fmt: skip
+"""Every depth op :func:`decompositions` has an entry for (a test checks it is every registered op)."""
+
+
+def _entry(name: str, op: Any, ref: Callable, counts: Counter | None) -> Callable:
+    body = getattr(op, "_init_fn", None) if op is not None else None
+
+    def decomposed(*args: Any, **kwargs: Any) -> Any:
+        if body is not None and would_fuse(body, *args, **kwargs):
+            return NotImplemented  # the Triton kernel runs: keep the op
+        out = ref(*args, **kwargs)  # references are functional (no in-place writes): AOT autograd needs that here
+        if out is not NotImplemented and counts is not None:
+            counts[name] += 1
+        return out
+
+    decomposed.__name__ = f"decompose_{name}"
+    return decomposed
+
+
+def decompositions(counts: Counter | None = None) -> dict[torch._ops.OpOverload, Callable]:
+    """A decomposition table (``{OpOverload: fn}``, for AOT autograd / inductor's ``decompositions=``) with an entry
+    per depth op: the op's PyTorch reference where its Triton kernel would not run, ``NotImplemented`` (keep the op)
+    where it would. ``counts``, if given, counts each op name it decomposed (one per traced call)."""
+    table = {}
+    for name, (op, ref) in _entries().items():
+        overload = getattr(torch.ops.depthrewrite, name).default
+        table[overload] = _entry(name, op, ref, counts)
+    return table
