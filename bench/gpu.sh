@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One prepared GPU run (~8 minutes on an H200): the kernel tests natively (no interpreter), then the kernel and
-# whole-model benchmarks. Runs from the source tree with the machine's own torch/triton (may be torch 2.11 + triton
+# One prepared GPU run (~11 minutes on an H200): the kernel tests natively (no interpreter), then the kernel and
+# whole-model benchmarks and the overhead table. Runs from the source tree with the machine's own torch/triton (may be torch 2.11 + triton
 # 3.6); nothing is installed. Results go to $OUT (default bench/out): versions.txt, nvidia-smi.txt, kernel-tests.txt,
 # bench.txt, results.json, results.md. Copy the figures into bench/RESULTS.md with the hardware and date.
 set -uo pipefail
@@ -16,7 +16,12 @@ timeout 200 $PY -m pytest -q -x tests/kernels -p no:cacheprovider 2>&1 | tail -4
 tail -3 "$OUT/kernel-tests.txt"
 # 2. kernel benchmarks (bf16) + one whole-model step per scheme; ~5 minutes
 timeout 330 $PY -m bench.kernels --dtype bf16 --rep 10 --model --out "$OUT" 2>&1 | tee "$OUT/bench.txt" | tail -60
-# 3. optional (AOT=1): the ahead-of-time compile check for sm_80 and sm_90 (registers, spills; needs no GPU, a few
+# 3. the overhead table (bench.overhead): extra FLOPs/bytes per token counted from the step, next to measured eager
+# step-time and peak-memory ratios, every scheme beside vanilla; ~3 minutes (compiled rows: run them off the clock
+# with --schemes KEY, each costs a few inductor compiles)
+timeout 240 $PY -m bench.overhead --device cuda --dtype bf16 --layers 8 --hidden 1024 --seq 2048 --batch 4 --rep 10 \
+  --no-compile --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.txt" | tail -40
+# 4. optional (AOT=1): the ahead-of-time compile check for sm_80 and sm_90 (registers, spills; needs no GPU, a few
 # minutes of CPU: prefer running `python -m bench.aot` on any machine to spending device time on it)
 if [ "${AOT:-0}" = "1" ]; then
   timeout 900 $PY -m bench.aot --json "$OUT/aot.json" > "$OUT/aot.txt" 2>&1

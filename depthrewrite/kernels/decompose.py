@@ -33,7 +33,15 @@ import torch
 
 from .dispatch import would_fuse
 
-__all__ = ["decompositions", "DECOMPOSABLE"]
+__all__ = ["decompositions", "DECOMPOSABLE", "tracing"]
+
+_tracing = 0
+
+
+def tracing() -> bool:
+    """Whether a reference is being traced as a decomposition for inductor right now: a reference may then pick the
+    formulation inductor fuses best (e.g. MSAR's causal conv as shifted multiply-adds instead of ``conv2d``)."""
+    return _tracing > 0
 
 
 def _depth_attn_entries() -> dict[str, tuple[Callable, Callable]]:
@@ -129,7 +137,12 @@ def _entry(name: str, op: Any, ref: Callable, counts: Counter | None) -> Callabl
     def decomposed(*args: Any, **kwargs: Any) -> Any:
         if body is not None and would_fuse(body, *args, **kwargs):
             return NotImplemented  # the Triton kernel runs: keep the op
-        out = ref(*args, **kwargs)  # references are functional (no in-place writes): AOT autograd needs that here
+        global _tracing
+        _tracing += 1
+        try:
+            out = ref(*args, **kwargs)  # references are functional (no in-place writes): AOT autograd needs that here
+        finally:
+            _tracing -= 1
         if out is not NotImplemented and counts is not None:
             counts[name] += 1
         return out

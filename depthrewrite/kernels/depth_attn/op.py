@@ -32,29 +32,40 @@ def _partial_backward_ref(grad_o, grad_lse, sources, queries, gains, eps) -> lis
     ``ds_{s,i} = p_{s,i}(go_s·v_i − go_s·o_s + glse_s)``;
     ``dv_i = Σ_s p_{s,i} go_s + r_i Σ_s ds_{s,i} u_s − (r_i²/D)(Σ_s ds_{s,i} s_{s,i}) v_i``;
     ``du_s = Σ_tokens Σ_i ds_{s,i} r_i v_i``, ``dw = γ ⊙ du``, ``dγ = w ⊙ du``.
+
+    Same layout as the reference: the sources stacked as ``[M, K, D]``; scores, ``go·v`` and ``du`` are (batched)
+    matrix products, each source's gradient is its own tensor. Functional (no in-place writes): the compile backend
+    traces it as a decomposition (:mod:`depthrewrite.kernels.decompose`).
     """
+    from .reference import _rsqrt_rms, _stack  # the reference's stacking and key-norm statistics
+
     acc = _acc_dtype(sources[0])
-    D = sources[0].shape[-1]
-    v = torch.stack([s.to(acc) for s in sources], dim=0)  # [K, ..., D]
+    v = _stack(sources, acc)  # [M, K, D]
+    M, K, D = v.shape
+    S = queries.shape[0]
     u = gains.to(acc) * queries.to(acc)  # [S, D]
-    r = torch.rsqrt(v.pow(2).mean(-1) + eps)  # [K, ...]
-    s = torch.einsum("k...d,sd->sk...", v, u) * r  # [S, K, ...]
+    r = _rsqrt_rms(v, eps)  # [M, K]
+    s = (v.reshape(M * K, D) @ u.t()).reshape(M, K, S) * r.unsqueeze(-1)  # [M, K, S]
     p = torch.softmax(s, dim=1)
-    go = grad_o.to(acc)
-    gv = torch.einsum("s...d,k...d->sk...", go, v)
+    go = grad_o.to(acc).reshape(S, M, D)
+    gv = v @ go.permute(1, 2, 0)  # [M, K, S]: go_s·v_i
     inner = gv - (p * gv).sum(1, keepdim=True)
     if grad_lse is not None:
-        inner = inner + grad_lse.to(acc).unsqueeze(1)
+        inner = inner + grad_lse.to(acc).reshape(S, 1, M).permute(2, 1, 0)
     ds = p * inner
-    cu = ds * r  # [S, K, ...]
-    cv = r * r / D * (ds * s).sum(0)  # [K, ...]
-    du = torch.einsum("sk...,k...d->sd", cu, v)
+    cu = ds * r.unsqueeze(-1)  # [M, K, S]
+    cv = r * r / D * (ds * s).sum(-1)  # [M, K]
+    du = cu.reshape(M * K, S).t() @ v.reshape(M * K, D)  # [S, D]
     gq = (gains.to(acc) * du).to(queries.dtype)
     gg = (queries.to(acc) * du).to(gains.dtype)
     gs = []
+    shape = sources[0].shape
     for i, src in enumerate(sources):  # one tensor per source: outputs of a custom op may not alias each other
-        dv = torch.einsum("s...,s...d->...d", p[:, i], go) + torch.einsum("s...,sd->...d", cu[:, i], u)
-        gs.append((dv - cv[i].unsqueeze(-1) * v[i]).to(src.dtype))
+        dv = cu[:, i] @ u  # [M, D]
+        dv = torch.addcmul(dv, cv[:, i].unsqueeze(-1), v[:, i], value=-1.0)
+        for j in range(S):
+            dv = torch.addcmul(dv, p[:, i, j].unsqueeze(-1), go[j])
+        gs.append(dv.reshape(shape).to(src.dtype))
     return [gq, gg, *gs]
 
 
@@ -64,25 +75,28 @@ def _merge_backward_ref(grad, o, lse, last, query, gain, eps, scale) -> list[tor
     With ``w1 = σ(lse − s2)``, ``w2 = 1 − w1``, ``ĝ = scale·grad`` and ``t = w1·w2·ĝ·(v − o)``:
     ``grad_o = w1·ĝ``, ``grad_lse = −t``, ``grad_last = w2·ĝ + t·r·(u − s2·r·v/D)``, ``du = Σ_tokens t·r·v``.
     """
+    from .reference import _rsqrt_rms
+
     acc = _acc_dtype(last)
     D = last.shape[-1]
     v = last.to(acc)
     u = gain.to(acc) * query.to(acc)
-    r = torch.rsqrt(v.pow(2).mean(-1) + eps)
-    s2 = (v * u).sum(-1) * r
+    r = _rsqrt_rms(v, eps)
+    s2 = (v @ u) * r
     w1 = torch.sigmoid(lse.to(acc) - s2)
     w2 = 1 - w1
-    g = grad.to(acc) * scale
-    t = w1 * w2 * (g * (v - o.to(acc))).sum(-1)
+    g = grad.to(acc)
+    t = w1 * w2 * scale * (g * (v - o.to(acc))).sum(-1)
     cr = t * r
-    dv = w2.unsqueeze(-1) * g + cr.unsqueeze(-1) * u - (cr * s2 * r / D).unsqueeze(-1) * v
-    du = (cr.unsqueeze(-1) * v).reshape(-1, D).sum(0)
+    dv = torch.addcmul((cr * s2 * r / -D).unsqueeze(-1) * v, cr.unsqueeze(-1), u)
+    dv = torch.addcmul(dv, (w2 * scale).unsqueeze(-1), g)
+    du = cr.reshape(1, -1) @ v.reshape(-1, D)
     return [
-        (w1.unsqueeze(-1) * g).to(o.dtype),
+        ((w1 * scale).unsqueeze(-1) * g).to(o.dtype),
         (-t).to(lse.dtype),
         dv.to(last.dtype),
-        (gain.to(acc) * du).to(query.dtype),
-        (query.to(acc) * du).to(gain.dtype),
+        (gain.to(acc) * du.reshape(D)).to(query.dtype),
+        (query.to(acc) * du.reshape(D)).to(gain.dtype),
     ]
 
 

@@ -8,13 +8,30 @@
 
 Kimi Team, *Attention Residuals*, arXiv:2603.15031, Eq. 2-4. All statistics, the softmax and the weighted sum are in
 fp32; the result is cast back to the sources' dtype once.
+
+How it is computed: the K sources are stacked once into ``[M, K, D]`` (M: the flattened leading dims, K next to the
+row), so the key norms are one vector norm, the scores one matrix-vector product and the weighted sum one batched
+``[1, K] @ [K, D]`` product per token (no ``[K, ..., D]`` temporaries).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = ["depth_attn_ref", "depth_attn_partial_ref", "depth_attn_merge_ref"]
+
+
+def _stack(sources: list[torch.Tensor], acc: torch.dtype) -> torch.Tensor:
+    """``[M, K, D]`` in ``acc``: the sources stacked next to their rows (one copy; the cast is free for fp32)."""
+    D = sources[0].shape[-1]
+    return torch.stack(sources, dim=-2).to(acc).reshape(math.prod(sources[0].shape[:-1]), len(sources), D)
+
+
+def _rsqrt_rms(v: torch.Tensor, eps: float) -> torch.Tensor:
+    """``(mean_c(v²) + eps)^(-1/2)`` over the last dim, from one norm reduction (no squared temporary)."""
+    return torch.rsqrt(torch.linalg.vector_norm(v, dim=-1).square() / v.shape[-1] + eps)
 
 
 def depth_attn_ref(
@@ -34,13 +51,13 @@ def depth_attn_ref(
         Tensor ``[..., D]`` in the sources' dtype.
     """
     acc = torch.promote_types(sources[0].dtype, torch.float32)  # fp32 at least, on purpose (fp64 stays fp64)
-    v = torch.stack([s.to(acc) for s in sources], dim=0)  # [K, ..., D]
+    v = _stack(sources, acc)  # [M, K, D]
+    M, K, D = v.shape
     u = gain.to(acc) * query.to(acc)  # [D]
-    r = torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)  # [K, ..., 1]
-    s = (v * u).sum(-1, keepdim=True) * r  # [K, ..., 1]
-    a = torch.softmax(s, dim=0)
-    h = (a * v).sum(0) * scale
-    return h.to(sources[0].dtype)
+    s = (v.reshape(M * K, D) @ u).reshape(M, K) * _rsqrt_rms(v, eps)  # [M, K]
+    a = torch.softmax(s, dim=-1)
+    h = (a.unsqueeze(-2) @ v).squeeze(-2) * scale  # [M, D]
+    return h.reshape(sources[0].shape).to(sources[0].dtype)
 
 
 # ---- two-phase computation (attnres spec §7) --------------------------------------------------------------------------
@@ -67,14 +84,17 @@ def depth_attn_partial_ref(
         ``[S, ...]`` the log-sum-exp of the scores ``s_{l,i}``; both fp32 (fp64 for fp64 sources).
     """
     acc = torch.promote_types(sources[0].dtype, torch.float32)
-    v = torch.stack([s.to(acc) for s in sources], dim=0)  # [K, ..., D]
+    v = _stack(sources, acc)  # [M, K, D]
+    M, K, D = v.shape
+    S = queries.shape[0]
     u = gains.to(acc) * queries.to(acc)  # [S, D]
-    r = torch.rsqrt(v.pow(2).mean(-1) + eps)  # [K, ...]
-    s = torch.einsum("k...d,sd->sk...", v, u) * r  # [S, K, ...]
-    lse = torch.logsumexp(s, dim=1)  # [S, ...]
+    s = (v.reshape(M * K, D) @ u.t()).reshape(M, K, S) * _rsqrt_rms(v, eps).unsqueeze(-1)  # [M, K, S]
+    lse = torch.logsumexp(s, dim=1)  # [M, S]
     p = torch.softmax(s, dim=1)
-    o = torch.einsum("sk...,k...d->s...d", p, v)
-    return o.contiguous(), lse.contiguous()  # contiguous, like the kernel's outputs and the fake
+    o = p.transpose(1, 2) @ v  # [M, S, D]
+    lead = sources[0].shape[:-1]
+    # contiguous [S, ...], like the kernel's outputs and the fake
+    return o.transpose(0, 1).reshape(S, *lead, D).contiguous(), lse.t().reshape(S, *lead).contiguous()
 
 
 def depth_attn_merge_ref(
@@ -103,10 +123,10 @@ def depth_attn_merge_ref(
     acc = torch.promote_types(last.dtype, torch.float32)
     v = last.to(acc)
     u = gain.to(acc) * query.to(acc)
-    r = torch.rsqrt(v.pow(2).mean(-1) + eps)
-    s2 = (v * u).sum(-1) * r
+    s2 = (v @ u) * _rsqrt_rms(v, eps)
     lse = lse.to(acc)
     m = torch.maximum(lse, s2)
     a, b = torch.exp(lse - m), torch.exp(s2 - m)
-    h = (a.unsqueeze(-1) * o.to(acc) + b.unsqueeze(-1) * v) / (a + b).unsqueeze(-1)
+    wa, wb = a / (a + b), b / (a + b)
+    h = torch.addcmul(wb.unsqueeze(-1) * v, wa.unsqueeze(-1), o.to(acc))
     return (h * scale).to(last.dtype)

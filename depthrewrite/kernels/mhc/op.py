@@ -94,8 +94,11 @@ def _pre_backward_ref(X, pre, gu) -> tuple[torch.Tensor, torch.Tensor]:
 def _post_backward_ref(X, res, post, y, gout) -> Tensors4:
     acc = torch.promote_types(X.dtype, res.dtype)
     go, Xa = gout.to(acc), X.to(acc)
-    gx = res.to(acc).transpose(-1, -2) @ go
-    gres = go @ Xa.transpose(-1, -2)
+    ra = res.to(acc)
+    gx = ra[..., 0:1, :].transpose(-1, -2) * go[..., 0:1, :]  # Σ_j res[j, i] go[j]: n multiply-adds (fusible)
+    for j in range(1, go.shape[-2]):
+        gx = gx + ra[..., j : j + 1, :].transpose(-1, -2) * go[..., j : j + 1, :]
+    gres = (go.unsqueeze(-2) * Xa.unsqueeze(-3)).sum(-1)  # [..., n_out, n_in]: a reduction over D
     gpost = (go * y.to(acc).unsqueeze(-2)).sum(-1)
     gy = (post.to(acc).unsqueeze(-1) * go).sum(-2)
     return gx.to(X.dtype), gres.to(res.dtype), gpost.to(post.dtype), gy.to(y.dtype)

@@ -66,7 +66,10 @@ def mhc_pre_ref(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 def mhc_post_ref(X: torch.Tensor, res: torch.Tensor, post: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """X' = H_res X + H_postᵀ y: ``[..., n, D]``, ``[..., n, n]``, ``[..., n]``, ``[..., D]`` -> ``[..., n, D]``."""
     acc = torch.promote_types(X.dtype, res.dtype)
-    out = res.to(acc) @ X.to(acc) + post.to(acc).unsqueeze(-1) * y.to(acc).unsqueeze(-2)
+    Xa, ra = X.to(acc), res.to(acc)
+    out = post.to(acc).unsqueeze(-1) * y.to(acc).unsqueeze(-2)
+    for i in range(X.shape[-2]):  # n multiply-adds over [..., n, D], not n x n matmuls per token (inductor fuses them)
+        out = out + ra[..., :, i : i + 1] * Xa[..., i : i + 1, :]
     return out.to(X.dtype)
 
 

@@ -13,7 +13,7 @@ import torch
 
 from ..dispatch import KernelInfo, register_kernel_info, route
 from .limits import MAX_KERNEL, MAX_SOURCES, MAX_STREAMS, covers
-from .reference import causal_depthwise_conv, msar_mix_ref
+from .reference import msar_mix_ref
 
 __all__ = ["msar_mix", "msar_mix_backward", "covers"]
 
@@ -64,69 +64,69 @@ def _backward_ref(grad, sources, query, gain, conv, phi, bias, alpha, eps, scale
     dφ = Σ_tokens Z_flat ⊗ dp; dZ_r = c g_r dh + φ_r dp + c_z Z_r; da_ir = dZ_r·Y_i^(r);
     ds = a (da - Σ_i a da); dV_i^(r) = ds rs u_r - ds (u_r·V) rs³/D V_i^(r) (+ a_ir dZ_r on the value path);
     du_r = Σ ds rs V, dw = γ du, dγ = w du; the conv's transpose and tap gradients from dV^(r).
+
+    Batched like the reference: every stream works on the stacked sources ``[K·B, T, D]`` at once; the conv's
+    transpose and tap gradients are one ``convolution_backward`` per stream (shifted multiply-adds while compiling).
     """
+    # helpers shared with the forward reference (the stack, the padded stack, the views, the scores)
+    from .reference import _conv_padded_backward, _scores, _stream_views, _weighted
+
     acc = torch.promote_types(sources[0].dtype, torch.float32)
-    X = torch.stack([s.to(acc) for s in sources], dim=0)  # [K, ..., T, D]
-    m, D = query.shape[0], X.shape[-1]
-    T = X.shape[-2]
-    u = gain.to(acc) * query.to(acc)
-    V = [X] + [causal_depthwise_conv(X, conv[r - 1].to(acc)) for r in range(1, m)]
+    lead, (T, D) = sources[0].shape[:-2], sources[0].shape[-2:]
+    K, m = len(sources), query.shape[0]
+    u = gain.to(acc) * query.to(acc)  # [m, D]
+    X, Xp, V = _stream_views(sources, conv, acc)  # [K·B, T, D] each
     Y = V if conv_values else [X] * m
-    rs = [torch.rsqrt(v.pow(2).mean(-1) + eps) for v in V]  # [K, ..., T]
-    dt = [(v * u[r]).sum(-1) for r, v in enumerate(V)]
-    a = [torch.softmax(d * r_, dim=0) for d, r_ in zip(dt, rs)]
-    Zs = torch.stack([(ar.unsqueeze(-1) * y).sum(0) for ar, y in zip(a, Y)], dim=-2)  # [..., T, m, D]
-    gh = grad.to(acc)
-    lead = tuple(range(Zs.dim() - 2))
+    st = [_scores(V[r], u[r], eps, K) for r in range(m)]  # (rs, u·V, a), each [K, B·T]
+    Zs = torch.stack([_weighted(a, y) for (_, _, a), y in zip(st, Y)], dim=-2)  # [B·T, m, D]
+    gh = grad.to(acc).reshape(-1, D)  # [B·T, D]
     mix_grads = []
     if sigmoid_mixer:
         zf = Zs.flatten(-2)
-        rho = torch.rsqrt(zf.pow(2).mean(-1) + eps_mix)  # [..., T]
+        rho = torch.rsqrt(zf.pow(2).mean(-1) + eps_mix)  # [B·T]
         ph, al = phi.to(acc), alpha.to(acc).reshape(())
-        p = zf @ ph  # [..., T, m]
+        p = zf @ ph  # [B·T, m]
         g = torch.sigmoid(al * rho.unsqueeze(-1) * p + bias.to(acc))
-        e = scale * torch.einsum("...d,...rd->...r", gh, Zs) * g * (1 - g)
+        e = scale * (Zs @ gh.unsqueeze(-1)).squeeze(-1) * g * (1 - g)
         dp = e * al * rho.unsqueeze(-1)
         cz = -al * (e * p).sum(-1) * rho.pow(3) / (m * D)
         dZ = scale * g.unsqueeze(-1) * gh.unsqueeze(-2) + (dp @ ph.t()).unflatten(-1, (m, D))
         dZ = dZ + cz[..., None, None] * Zs
         mix_grads = [
-            torch.einsum("...k,...j->kj", zf, dp).to(phi.dtype),
-            e.sum(lead).to(bias.dtype),
+            (zf.t() @ dp).to(phi.dtype),
+            e.sum(0).to(bias.dtype),
             (e * p * rho.unsqueeze(-1)).sum().reshape(alpha.shape).to(alpha.dtype),
         ]
     else:
         dZ = (scale / m) * gh.unsqueeze(-2).expand(Zs.shape)
         if phi is not None:
             mix_grads = [torch.zeros_like(phi), torch.zeros_like(bias), torch.zeros_like(alpha)]
-    dX = torch.zeros_like(X)
-    du = torch.zeros(m, D, dtype=acc, device=X.device)
-    gconv = []
+    dX = None  # [K, B·T, D]
+    du, gconv = [], []
     for r in range(m):
-        dZr = dZ[..., r, :]
-        da = (dZr.unsqueeze(0) * Y[r]).sum(-1)
-        ds = a[r] * (da - (a[r] * da).sum(0, keepdim=True))
-        c1, c2 = ds * rs[r], -ds * dt[r] * rs[r].pow(3) / D
-        du[r] = (c1.unsqueeze(-1) * V[r]).flatten(0, -2).sum(0)
-        dV = c1.unsqueeze(-1) * u[r] + c2.unsqueeze(-1) * V[r]
+        rs, dt, a = st[r]
+        dZr = dZ[:, r]  # [B·T, D]
+        Vr = V[r].reshape(K, -1, D)
+        da = (Y[r].reshape(K, -1, D) * dZr).sum(-1)  # [K, B·T]
+        ds = a * (da - (a * da).sum(0, keepdim=True))
+        c1, c2 = ds * rs, -ds * dt * rs.pow(3) / D
+        du.append(c1.reshape(1, -1) @ V[r].reshape(-1, D))  # [1, D]
+        dV = c2.unsqueeze(-1) * Vr  # [K, B·T, D]
+        dV = torch.addcmul(dV, c1.unsqueeze(-1), u[r])  # functional throughout: traced as a decomposition
         if conv_values or r == 0:
-            dV = dV + a[r].unsqueeze(-1) * dZr
+            dV = torch.addcmul(dV, a.unsqueeze(-1), dZr)
         else:
-            dX = dX + a[r].unsqueeze(-1) * dZr
+            dX = torch.addcmul(dX, a.unsqueeze(-1), dZr)
         if r == 0:
-            dX = dX + dV
+            dX = dV
             continue
         w = conv[r - 1]
-        k = w.shape[-1]
-        # V[t] = Σ_τ W[:, k-1-τ] x[t-τ]  =>  dx[s] = Σ_τ W[:, k-1-τ] dV[s+τ] (a causal conv of the time-reversed dV)
-        dX = dX + causal_depthwise_conv(dV.flip(-2), w.to(acc)).flip(-2)
-        taps = []
-        for j in range(k):  # tap j reads x[t - (k-1-j)]
-            tau = k - 1 - j
-            xs = torch.nn.functional.pad(X, (0, 0, tau, 0))[..., :T, :]
-            taps.append((dV * xs).flatten(0, -2).sum(0))
-        gconv.append(torch.stack(taps, dim=-1).to(w.dtype))
+        gx, gw = _conv_padded_backward(dV.reshape(-1, T, D), Xp, w.to(acc))
+        dX = dX + gx.reshape(dX.shape)
+        gconv.append(gw.to(w.dtype))
+    dX = dX.reshape(K, *lead, T, D)
     gs = [dX[i].to(s.dtype, copy=True) for i, s in enumerate(sources)]  # outputs of a custom op may not alias
+    du = torch.cat(du, dim=0)  # [m, D]
     gq = (du * gain.to(acc)).to(query.dtype)
     gg = (du * query.to(acc)).to(gain.dtype)
     return [*gs, gq, gg, *gconv, *mix_grads]

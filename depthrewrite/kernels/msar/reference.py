@@ -9,6 +9,13 @@
 Qin et al., *Multi-Stream Attention Residuals* (2026); spec: shared/specs/msar.md §2, §4, §5. All math in fp32
 (or wider), cast back once. The sequence axis is dim -2 of every source. Conv taps are stored ``[d, k]`` with the
 *last* tap on the current token (cross-correlation over a left-padded input), so identity init is ``w[:, k-1] = 1``.
+
+How it is computed: the K sources are stacked once into ``[K·B, T, D]`` (B: the flattened leading dims), left-padded
+once to the longest filter, and every stream view is one depthwise convolution of that stack (all sources at once).
+In eager mode the convolution is ``conv2d`` on a channels-last view (time on the width axis, D channels: oneDNN's
+depthwise kernel on CPU, no transposes); while ``torch.compile`` traces (:func:`torch.compiler.is_compiling`) it is
+the same sum of k shifted multiply-adds written pointwise, which inductor fuses with its consumers. Per stream the
+key statistics are one norm and one matrix-vector product over the stack, the softmax runs over the stacked axis.
 """
 
 from __future__ import annotations
@@ -17,6 +24,71 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 __all__ = ["msar_mix_ref", "causal_depthwise_conv"]
+
+
+# ---- the depthwise convolution on a left-padded stack [B, T+k-1, C] (shared with the backward in op.py) ------------
+
+
+def _pointwise() -> bool:
+    """Shifted multiply-adds instead of ``conv2d`` while compiling or traced as a decomposition for inductor
+    (inductor fuses them; it would call the convolution as an extern kernel)."""
+    from ..decompose import tracing
+
+    return tracing() or torch.compiler.is_compiling()
+
+
+def _cl(x: torch.Tensor) -> torch.Tensor:
+    """``[B, T, C]`` as a channels-last ``[B, C, 1, T]`` view (time on the width axis; no copy)."""
+    return x.unsqueeze(1).permute(0, 3, 1, 2)
+
+
+def _uncl(y: torch.Tensor) -> torch.Tensor:
+    """The inverse view of :func:`_cl`: ``[B, C, 1, T]`` -> ``[B, T, C]``."""
+    return y.permute(0, 2, 3, 1).squeeze(1)
+
+
+def _pad_time(x: torch.Tensor, k1: int, left: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, T, C]`` -> ``[B, k1 + T, C]``: the last ``k1`` positions of ``left`` ``[B, L, C]`` (zeros when None) first."""
+    if k1 == 0:
+        return x
+    if left is None:
+        return F.pad(x, (0, 0, k1, 0))
+    return torch.cat([left[:, left.shape[1] - k1 :].to(x.dtype), x], dim=1)
+
+
+def _conv_padded(xp: torch.Tensor, w: torch.Tensor, T: int) -> torch.Tensor:
+    """``y[b, t, c] = Σ_j w[c, j] · xp[b, t + j + o, c]`` for t < T, with ``o = xp.shape[1] - (T + k - 1)``.
+
+    ``xp`` ``[B, ≥T+k-1, C]`` (left padded), ``w`` ``[C, k]`` in xp's dtype. Returns ``[B, T, C]``.
+    """
+    C, k = w.shape
+    xp = xp[:, xp.shape[1] - (T + k - 1) :]
+    if _pointwise() or T == 0 or xp.shape[0] == 0:
+        y = xp[:, k - 1 :] * w[:, k - 1]
+        for j in range(k - 1):
+            y = y + xp[:, j : j + T] * w[:, j]
+        return y
+    return _uncl(F.conv2d(_cl(xp), w.reshape(C, 1, 1, k), groups=C))
+
+
+def _conv_padded_backward(dy: torch.Tensor, xp: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`_conv_padded` ``(dx, dw)``: ``dx`` ``[B, T, C]`` for the last T positions of ``xp`` only
+    (the padding's gradient is dropped), ``dw`` ``[C, k]``. ``dy`` ``[B, T, C]``."""
+    C, k = w.shape
+    T = dy.shape[1]
+    xp = xp[:, xp.shape[1] - (T + k - 1) :]
+    if _pointwise() or T == 0 or xp.shape[0] == 0:
+        # y[t] = Σ_j w_j xp[t + j]  =>  dx[s] = Σ_j w_j dy[s + k-1-j] (zero past T), dw_j = Σ dy[t] xp[t + j]
+        dyp = F.pad(dy, (0, 0, 0, k - 1))
+        dx = dyp[:, :T] * w[:, k - 1]
+        for j in range(k - 1):
+            dx = dx + dyp[:, k - 1 - j : k - 1 - j + T] * w[:, j]
+        dw = torch.stack([(dy * xp[:, j : j + T]).sum((0, 1)) for j in range(k)], dim=-1)
+        return dx, dw
+    gx, gw, _ = torch.ops.aten.convolution_backward(
+        _cl(dy), _cl(xp), w.reshape(C, 1, 1, k), None, [1, 1], [0, 0], [1, 1], False, [0, 0], C, [True, True, False]
+    )
+    return _uncl(gx)[:, k - 1 :], gw.reshape(C, k)
 
 
 def causal_depthwise_conv(x: torch.Tensor, w: torch.Tensor, left: torch.Tensor | None = None) -> torch.Tensor:
@@ -29,14 +101,46 @@ def causal_depthwise_conv(x: torch.Tensor, w: torch.Tensor, left: torch.Tensor |
     """
     d, k = w.shape
     lead, T = x.shape[:-2], x.shape[-2]
-    xs = x.reshape(-1, T, d).transpose(1, 2)  # [N, d, T]
-    if left is None:
-        pad = xs.new_zeros(xs.shape[0], d, k - 1)
-    else:  # the last k-1 positions of the earlier chunk
-        pad = left.reshape(-1, left.shape[-2], d).transpose(1, 2)[..., left.shape[-2] - (k - 1) :]
-    xs = torch.cat([pad.to(xs.dtype), xs], dim=-1)
-    y = F.conv1d(xs, w.unsqueeze(1).to(x.dtype), groups=d)  # [N, d, T]
-    return y.transpose(1, 2).reshape(*lead, T, d)
+    xs = x.reshape(-1, T, d)
+    ls = None if left is None else left.reshape(-1, left.shape[-2], d)
+    y = _conv_padded(_pad_time(xs, k - 1, ls), w.to(x.dtype), T)
+    return y.reshape(*lead, T, d)
+
+
+# ---- the mix -----------------------------------------------------------------------------------------------------
+
+
+def _stack(sources: list[torch.Tensor], acc: torch.dtype) -> torch.Tensor:
+    """``[K·B, T, D]`` in ``acc``: the sources stacked along a new leading axis (one copy; the cast is free for fp32)."""
+    T, D = sources[0].shape[-2:]
+    return torch.stack(sources, dim=0).to(acc).reshape(-1, T, D)
+
+
+def _stream_views(sources, conv, acc, left=None):
+    """``(X, Xp, views)``: the stack ``[K·B, T, D]``, its left-padded copy (k_max-1 positions of zeros or ``left``;
+    None without convs) and the m views ``[X, conv_1(X), ...]``."""
+    X = _stack(sources, acc)
+    T, D = X.shape[-2:]
+    k1 = max((w.shape[-1] for w in conv), default=1) - 1
+    Xp = None
+    if conv:
+        Lx = _stack(left, acc) if left is not None else None
+        Xp = _pad_time(X, k1, Lx)
+    return X, Xp, [X] + [_conv_padded(Xp, w.to(acc), T) for w in conv]
+
+
+def _scores(V: torch.Tensor, u: torch.Tensor, eps: float, K: int):
+    """Per source and token: ``(rs, dt, a)`` = key rsqrt-RMS, ``u·V`` and the depth softmax, each ``[K, B·T]``."""
+    D = V.shape[-1]
+    rs = torch.rsqrt(torch.linalg.vector_norm(V, dim=-1).square() / D + eps).reshape(K, -1)
+    dt = (V.reshape(-1, D) @ u).reshape(K, -1)
+    return rs, dt, torch.softmax(dt * rs, dim=0)
+
+
+def _weighted(a: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
+    """``Σ_i a_i Y_i``: ``a`` ``[K, B·T]``, ``Y`` ``[K·B, T, D]`` -> ``[B·T, D]``."""
+    K = a.shape[0]
+    return (a.unsqueeze(-1) * Y.reshape(K, -1, Y.shape[-1])).sum(0)
 
 
 def msar_mix_ref(
@@ -75,22 +179,20 @@ def msar_mix_ref(
         Tensor ``[..., T, D]`` in the sources' dtype.
     """
     acc = torch.promote_types(sources[0].dtype, torch.float32)
-    X = torch.stack([s.to(acc) for s in sources], dim=0)  # [K, ..., T, D]
-    Lx = torch.stack([s.to(acc) for s in left], dim=0) if left is not None else None
-    m = query.shape[0]
+    lead, (T, D) = sources[0].shape[:-2], sources[0].shape[-2:]
+    K, m = len(sources), query.shape[0]
+    u = gain.to(acc) * query.to(acc)  # [m, D]
+    X, _, V = _stream_views(sources, conv, acc, left)
     Z = []
     for r in range(m):
-        Xr = X if r == 0 else causal_depthwise_conv(X, conv[r - 1].to(acc), Lx)
-        rms = torch.rsqrt(Xr.pow(2).mean(-1, keepdim=True) + eps)
-        s = (Xr * (gain[r].to(acc) * query[r].to(acc))).sum(-1, keepdim=True) * rms  # [K, ..., T, 1]
-        a = torch.softmax(s, dim=0)
-        Z.append((a * (Xr if conv_values else X)).sum(0))  # [..., T, D]
-    Zs = torch.stack(Z, dim=-2)  # [..., T, m, D]
+        _, _, a = _scores(V[r], u[r], eps, K)
+        Z.append(_weighted(a, V[r] if conv_values else X))  # [B·T, D]
+    Zs = torch.stack(Z, dim=-2)  # [B·T, m, D]
     if sigmoid_mixer:
         z = Zs.flatten(-2)
         z = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + eps_mix)
-        g = torch.sigmoid(alpha.to(acc).reshape(()) * (z @ phi.to(acc)) + bias.to(acc))  # [..., T, m]
+        g = torch.sigmoid(alpha.to(acc).reshape(()) * (z @ phi.to(acc)) + bias.to(acc))  # [B·T, m]
+        h = (g.unsqueeze(-1) * Zs).sum(-2)
     else:
-        g = torch.full(Zs.shape[:-1], 1.0 / m, dtype=acc, device=Zs.device)
-    h = (g.unsqueeze(-1) * Zs).sum(-2) * scale
-    return h.to(sources[0].dtype)
+        h = Zs.sum(-2) * (1.0 / m)
+    return (h * scale).reshape(*lead, T, D).to(sources[0].dtype)
