@@ -170,3 +170,19 @@ def test_exported_graphs_keep_one_node_per_site(scheme, options):
     want = ops(flat.graph)
     got = ops(torch.export.export(conv, (ids,)).graph)
     assert got and got == want
+
+
+def test_decomposed_moda_backward_reuses_the_forward_flash_attention():
+    """The backward's recomputation of the sequence part reuses the forward's flash call in the joint trace (the
+    flash op is tagged nondeterministic, so CSE alone would leave two): one flash forward per training step."""
+    op, inputs = CASES["moda_attn"]
+    compiled = torch.compile(lambda *a: op(*a), backend="depthrewrite", options={"inner": "aot_eager"})
+    got, g_got = _run(compiled, _leaves(inputs))  # compiles (traced once)
+    with torch.profiler.profile() as prof:
+        _run(compiled, _leaves(inputs))
+    names = [e.name for e in prof.events()]
+    assert names.count("aten::_scaled_dot_product_flash_attention_for_cpu") == 1
+    assert names.count("aten::_scaled_dot_product_flash_attention_for_cpu_backward") == 1
+    want, g_want = _run(op, _leaves(inputs))
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["moda_attn_ref", "moda_slots_ref", "cpu_flash_applies", "cpu_flash_sequence"]
 
@@ -61,6 +62,16 @@ def cpu_flash_sequence(
 
     Returns ``(o_s [B, Hq, T, d], lse_s [B, Hq, T], k, v, mask)``: the normalised sequence output and its
     log-sum-exp, and the (GQA-expanded) keys, values and mask as passed to the kernel, for its backward."""
+    from ..decompose import tracing
+
+    key = (k, v, attn_mask, scale, is_causal)
+    if tracing():  # the backward's call in the same joint trace reuses the forward's (see _SEQUENCE_MEMO)
+        hit = _SEQUENCE_MEMO.get(q)
+        same = hit is not None and all(
+            a is b if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) else a == b for a, b in zip(hit[0], key)
+        )
+        if same:
+            return hit[1]
     G = q.shape[1] // k.shape[1]
     if G > 1:
         k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
@@ -68,7 +79,18 @@ def cpu_flash_sequence(
     o_s, lse_s = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale
     )
-    return o_s, lse_s, k, v, mask
+    out = (o_s, lse_s, k, v, mask)
+    if tracing():
+        _SEQUENCE_MEMO[q] = (key, out)
+    return out
+
+
+#: While the compile backend traces MoDA as a decomposition (forward and backward in one joint graph), the forward's
+#: flash-attention outputs per query tensor, so that the backward's recomputation of the same call reuses them (they
+#: become activations saved for backward, as SDPA's are) instead of a second flash forward: the flash op is tagged
+#: nondeterministic (dropout), so AOT autograd's CSE does not merge the two calls. Keyed by the traced tensors'
+#: identities (the same objects, and the same scale and causality, or no reuse); weak, so it holds nothing alive.
+_SEQUENCE_MEMO: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def _dropout(p: torch.Tensor, rate: float, gen: torch.Generator | None) -> torch.Tensor:
