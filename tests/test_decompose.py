@@ -186,3 +186,28 @@ def test_decomposed_moda_backward_reuses_the_forward_flash_attention():
     want, g_want = _run(op, _leaves(inputs))
     for a, b in zip(g_got, g_want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_probing_in_one_thread_leaves_other_threads_calls_alone():
+    """would_fuse() makes route() answer by raising, in its own thread only: an eager call elsewhere still runs."""
+    import threading
+
+    from depthrewrite.kernels.dispatch import would_fuse
+
+    inside, release, answer = threading.Event(), threading.Event(), []
+
+    def body():
+        inside.set()
+        release.wait(10)
+        from depthrewrite.kernels.dispatch import route
+
+        route("depthrewrite::probe", (torch.zeros(1),), lambda: None)
+
+    t = threading.Thread(target=lambda: answer.append(would_fuse(body)))
+    t.start()
+    assert inside.wait(10)
+    op, inputs = CASES["depth_attn"]
+    out = op(*inputs)  # routes while the other thread is probing
+    release.set()
+    t.join(10)
+    assert out.shape == inputs[0][0].shape and answer == [False]  # CPU tensors: the reference would run

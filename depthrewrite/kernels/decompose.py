@@ -11,8 +11,12 @@ on the fake tensors of the call: the kernel backend, the device, then the op's `
   runs, exactly as without this table;
 - otherwise returns the PyTorch reference traced into aten ops: the forward op becomes its ``*_ref`` function, the
   backward op (``*_backward``) its hand-written reference formulas. The registered autograd formulas are unchanged,
-  so the backward still recomputes from the op's inputs (nothing else is saved) and both directions reach inductor as
-  plain aten ops.
+  so the backward still recomputes from the op's inputs (except MoDA's CPU flash-attention call, which the backward
+  reuses from the forward in the same joint trace: :data:`.moda.reference._SEQUENCE_MEMO`) and both directions reach
+  inductor as plain aten ops.
+
+The routing is asked when the graph is compiled (Dynamo does not guard on the kernel backend): switching the backend
+afterwards needs ``torch._dynamo.reset()`` and a new compile.
 
 References must therefore be functional: no in-place writes, even into their own intermediates (AOT autograd
 traces decompositions below its functionalization; ``tests/test_decompose.py`` fails on any in-place op). The
@@ -25,6 +29,7 @@ opaque: MoDA with attention dropout (its reference draws seeded ``torch.rand`` m
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -35,13 +40,14 @@ from .dispatch import would_fuse
 
 __all__ = ["decompositions", "DECOMPOSABLE", "tracing"]
 
-_tracing = 0
+_state = threading.local()  # per thread: another thread's eager calls are not being traced
 
 
 def tracing() -> bool:
-    """Whether a reference is being traced as a decomposition for inductor right now: a reference may then pick the
-    formulation inductor fuses best (e.g. MSAR's causal conv as shifted multiply-adds instead of ``conv2d``)."""
-    return _tracing > 0
+    """Whether a reference is being traced as a decomposition for inductor right now, in this thread: a reference may
+    then pick the formulation inductor fuses best (e.g. MSAR's causal conv as shifted multiply-adds instead of
+    ``conv2d``)."""
+    return getattr(_state, "depth", 0) > 0
 
 
 def _depth_attn_entries() -> dict[str, tuple[Callable, Callable]]:
@@ -137,12 +143,11 @@ def _entry(name: str, op: Any, ref: Callable, counts: Counter | None) -> Callabl
     def decomposed(*args: Any, **kwargs: Any) -> Any:
         if body is not None and would_fuse(body, *args, **kwargs):
             return NotImplemented  # the Triton kernel runs: keep the op
-        global _tracing
-        _tracing += 1
+        _state.depth = getattr(_state, "depth", 0) + 1
         try:
             out = ref(*args, **kwargs)  # references are functional (no in-place writes): AOT autograd needs that here
         finally:
-            _tracing -= 1
+            _state.depth -= 1
         if out is not NotImplemented and counts is not None:
             counts[name] += 1
         return out

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -256,7 +257,7 @@ class _Routed(Exception):  # noqa: N818 - control flow of would_fuse(), never se
         self.fused = fused
 
 
-_probing = False
+_state = threading.local()  # per thread: a probe in one thread must not change what another thread's calls run
 
 
 def route(op: str, tensors: tuple, covers: Callable[[], str | None]) -> bool:
@@ -265,7 +266,7 @@ def route(op: str, tensors: tuple, covers: Callable[[], str | None]) -> bool:
     the fallback reason are recorded for :func:`last_routes`."""
     how = decide(op, *tensors)
     why = backend_reason(op, *tensors) if how == "reference" else covers()
-    if _probing:
+    if getattr(_state, "probing", False):
         raise _Routed(why is None)
     _ROUTES[op] = Route(how if why is None else "reference", why)
     return why is None
@@ -277,14 +278,14 @@ def would_fuse(body: Callable[..., object], *args: object, **kwargs: object) -> 
     of returning (nothing is computed, nothing recorded). Works on fake tensors: routing reads devices, dtypes and
     shapes only. A body that never routes (a reference-only op) would not fuse; it must route before computing
     anything, as every op body here does."""
-    global _probing
-    old, _probing = _probing, True
+    old = getattr(_state, "probing", False)
+    _state.probing = True
     try:
         body(*args, **kwargs)
     except _Routed as r:
         return r.fused
     finally:
-        _probing = old
+        _state.probing = old
     return False
 
 

@@ -151,12 +151,14 @@ def _cpu_flash_grads(grad, args) -> list[torch.Tensor | None]:
     G = Hq // Hk
     o_s, lse_s, ke, ve, mask = cpu_flash_sequence(q, k, v, attn_mask, scale, is_causal)
     lse_s = lse_s.unsqueeze(-1)
-    Kd, Vd = depth_k.repeat_interleave(G, dim=3), depth_v.repeat_interleave(G, dim=3)  # [B, T, n, Hq, d]
+    acc = q.dtype  # fp32 or fp64 here (cpu_flash_applies); the depth slots and λ may come in another dtype
+    Kd = depth_k.to(acc).repeat_interleave(G, dim=3)  # [B, T, n, Hq, d]
+    Vd = depth_v.to(acc).repeat_interleave(G, dim=3)
     dlog = torch.einsum("bhtd,btnhd->bhtn", q, Kd) * scale
     lse_d = torch.logsumexp(dlog, dim=-1, keepdim=True)
     m = torch.maximum(lse_s, lse_d)
     a, b = torch.exp(lse_s - m), torch.exp(lse_d - m)
-    lam = depth_weight.clamp_min(0.0).view(1, Hq, 1, 1) if depth_weight is not None else None
+    lam = depth_weight.to(acc).clamp_min(0.0).view(1, Hq, 1, 1) if depth_weight is not None else None
     if lam is not None:
         b = b * lam
     L = m + torch.log(a + b)  # joint LSE, λ included

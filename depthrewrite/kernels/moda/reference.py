@@ -55,6 +55,15 @@ def _flash_mask(attn_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Ten
     return attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
 
 
+def _has_key(mask: torch.Tensor, is_causal: bool, T: int, S: int) -> torch.Tensor:
+    """``[B|1, H|1, T]``: whether each query row keeps at least one key under the additive 4-D ``mask`` (a ``-inf``
+    entry drops a key) and, with ``is_causal``, the top-left causal mask."""
+    keep = mask != -math.inf
+    if is_causal:
+        keep = keep & torch.ones(T, S, dtype=torch.bool, device=mask.device).tril()
+    return keep.any(-1)
+
+
 def cpu_flash_sequence(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, scale: float, is_causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -79,6 +88,8 @@ def cpu_flash_sequence(
     o_s, lse_s = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale
     )
+    if mask is not None:  # a row without any key: the kernel says lse 0, o 0; the joint softmax needs lse = -inf
+        lse_s = torch.where(_has_key(mask, is_causal, q.shape[2], k.shape[2]), lse_s, -math.inf)
     out = (o_s, lse_s, k, v, mask)
     if tracing():
         _SEQUENCE_MEMO[q] = (key, out)
@@ -161,7 +172,7 @@ def moda_attn_ref(
                 scores = scores.masked_fill(~attn_mask, -math.inf)
             else:
                 scores = scores + attn_mask.to(acc)
-        lse_s = torch.logsumexp(scores, dim=-1, keepdim=True)  # [B, Hq, T, 1]
+        lse_s = torch.logsumexp(scores, dim=-1, keepdim=True)  # [B, Hq, T, 1]; -inf for a row without any key
     Kd = depth_k.to(acc).repeat_interleave(G, dim=3)  # [B, T, n, Hq, d]
     Vd = depth_v.to(acc).repeat_interleave(G, dim=3)
     dlog = torch.einsum("bhtd,btnhd->bhtn", qf, Kd) * scale  # [B, Hq, T, n]
@@ -173,7 +184,9 @@ def moda_attn_ref(
         gen = torch.Generator(device=q.device).manual_seed(int(seed.reshape(-1)[0]))
     # dropout commutes with the per-row merge weights below, so it can act on each part's own softmax
     if not flash:
-        o_s = _dropout(torch.exp(scores - lse_s), dropout_p, gen) @ vf
+        # a row without any key contributes nothing (exp(-inf - 0) = 0): depth-only attention, as the kernel does
+        finite = torch.where(torch.isinf(lse_s), 0.0, lse_s)
+        o_s = _dropout(torch.exp(scores - finite), dropout_p, gen) @ vf
     o_d = torch.einsum("bhtn,btnhd->bhtd", _dropout(torch.exp(dlog - lse_d), dropout_p, gen), Vd)
     m = torch.maximum(lse_s, lse_d)
     a = torch.exp(lse_s - m)
