@@ -45,3 +45,14 @@ def zoo_graph(name: str):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def fresh_backend():
+    """Dynamo's caches and the depthrewrite backend's records cleared around a test (each test compiles anew)."""
+    from depthrewrite.backend import clear_records
+
+    torch._dynamo.reset()
+    clear_records()
+    yield
+    torch._dynamo.reset()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import depthrewrite as dr
-from depthrewrite.backend import BackendOptions, clear_records, depthrewrite_backend, records_for
+from depthrewrite.backend import BackendOptions, depthrewrite_backend, records_for
 from depthrewrite.errors import ConfigError
 from depthrewrite.demo.zoo import hf_model
 
@@ -53,12 +53,7 @@ def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    torch._dynamo.reset()
-    clear_records()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_backend")  # tests/conftest.py: Dynamo reset, records cleared
 
 
 def test_registered_by_name_and_entry_point():

@@ -12,7 +12,6 @@ import torch
 
 import depthrewrite as dr
 import depthrewrite.kernels  # noqa: F401 - registers every op package
-from depthrewrite.backend import clear_records
 from depthrewrite.demo.zoo import hf_model
 from depthrewrite.kernels.decompose import DECOMPOSABLE, decompositions
 from depthrewrite.kernels.dispatch import kernel_backend
@@ -93,12 +92,7 @@ def _run(fn, inputs):
     return [o.detach() for o in outs], grads
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    torch._dynamo.reset()
-    clear_records()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_backend")  # tests/conftest.py: Dynamo reset, records cleared
 
 
 def test_every_registered_depth_op_has_a_decomposition():
