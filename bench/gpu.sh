@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared GPU run (~11 minutes on an H200): the kernel tests natively (no interpreter), then the kernel and
+# One prepared GPU run (~10 minutes on an H200): the kernel tests natively (no interpreter), then the kernel and
 # whole-model benchmarks and the overhead table. Runs from the source tree with the machine's own torch/triton (may be torch 2.11 + triton
 # 3.6); nothing is installed. Results go to $OUT (default bench/out): versions.txt, nvidia-smi.txt, kernel-tests.txt,
 # bench.txt, results.json, results.md. Copy the figures into bench/RESULTS.md with the hardware and date.
@@ -17,9 +17,9 @@ tail -3 "$OUT/kernel-tests.txt"
 # 2. kernel benchmarks (bf16) + one whole-model step per scheme; ~5 minutes
 timeout 330 $PY -m bench.kernels --dtype bf16 --rep 10 --model --out "$OUT" 2>&1 | tee "$OUT/bench.txt" | tail -60
 # 3. the overhead table (bench.overhead): extra FLOPs/bytes per token counted from the step, next to measured eager
-# step-time and peak-memory ratios, every scheme beside vanilla; ~3 minutes (compiled rows: run them off the clock
+# step-time and peak-memory ratios, every scheme beside vanilla; ~2 minutes (compiled rows: run them off the clock
 # with --schemes KEY, each costs a few inductor compiles)
-timeout 240 $PY -m bench.overhead --device cuda --dtype bf16 --layers 8 --hidden 1024 --seq 2048 --batch 4 --rep 10 \
+timeout 150 $PY -m bench.overhead --device cuda --dtype bf16 --layers 8 --hidden 1024 --seq 1024 --batch 4 --rep 5 \
   --no-compile --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.txt" | tail -40
 # 4. optional (AOT=1): the ahead-of-time compile check for sm_80 and sm_90 (registers, spills; needs no GPU, a few
 # minutes of CPU: prefer running `python -m bench.aot` on any machine to spending device time on it)
