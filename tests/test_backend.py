@@ -182,6 +182,8 @@ def test_bad_options_are_config_errors():
         BackendOptions.from_dict({"fuse_everything": True})
     with pytest.raises(ConfigError, match="inner="):
         BackendOptions.from_dict({"inner": "tvm"})
+    with pytest.raises(ConfigError, match="decompose='yes' is not True or False"):
+        BackendOptions.from_dict({"decompose": "yes"})
     with pytest.raises(ConfigError, match="scheme='resnet' is not one of .*'moda'"):
         BackendOptions.from_dict({"scheme": "resnet"})
 
