@@ -48,6 +48,7 @@ from torch.utils._pytree import tree_flatten
 import depthrewrite as dr
 from depthrewrite.demo.zoo import hf_model
 from depthrewrite.kernels.cost import StepCost, count_step
+from depthrewrite.kernels.cost import lm_step as cost_lm_step
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 #: Sinkhorn iterations of x-transformers' hyper-connections when its source cannot be read (its default, 2.31.10)
@@ -120,8 +121,9 @@ def build_peer(a: argparse.Namespace, streams: int) -> torch.nn.Module:
 
 
 def lm_step(model: torch.nn.Module, ids: torch.Tensor) -> None:
-    """One training step of a Hugging Face causal LM, gradients cleared after."""
-    model(ids, labels=ids).loss.backward()
+    """One training step of a Hugging Face causal LM (:func:`depthrewrite.kernels.cost.lm_step`), gradients cleared
+    after."""
+    cost_lm_step(model, ids)
     model.zero_grad(set_to_none=True)
 
 

@@ -54,15 +54,9 @@ def _depth_attn_entries() -> dict[str, tuple[Callable, Callable]]:
     from .depth_attn import op as m
     from .depth_attn.reference import depth_attn_merge_ref, depth_attn_partial_ref, depth_attn_ref
 
-    def attn_bwd(grad, sources, query, gain, eps, scale):
-        gq, gg, *gs = m._partial_backward_ref(
-            grad.unsqueeze(0) * scale, None, sources, query.unsqueeze(0), gain.unsqueeze(0), eps
-        )
-        return [gq[0], gg[0], *gs]
-
     return {
         "depth_attn": (m.depth_attn, depth_attn_ref),
-        "depth_attn_backward": (m.depth_attn_backward, attn_bwd),
+        "depth_attn_backward": (m.depth_attn_backward, m._backward_ref),
         "depth_attn_partial": (m.depth_attn_partial, depth_attn_partial_ref),
         "depth_attn_partial_backward": (m.depth_attn_partial_backward, m._partial_backward_ref),
         "depth_attn_merge": (m.depth_attn_merge, depth_attn_merge_ref),
@@ -133,12 +127,7 @@ def _entries() -> dict[str, tuple[Callable | None, Callable]]:
     return {**_depth_attn_entries(), **_msar_entries(), **_mhc_entries(), **_moda_entries()}
 
 
-DECOMPOSABLE: tuple[str, ...] = (
-    "depth_attn", "depth_attn_backward", "depth_attn_partial", "depth_attn_partial_backward", "depth_attn_merge",
-    "depth_attn_merge_backward", "msar_mix", "msar_mix_backward", "mhc_coeffs", "mhc_pre", "mhc_post",
-    "mhc_collapse", "mhc_coeffs_backward", "mhc_pre_backward", "mhc_post_backward", "moda_attn",
-    "moda_attn_backward", "moda_slots",
-)  # fmt: skip
+DECOMPOSABLE: tuple[str, ...] = tuple(_entries())
 """Every depth op :func:`decompositions` has an entry for (a test checks it is every registered op)."""
 
 

@@ -69,6 +69,15 @@ def _partial_backward_ref(grad_o, grad_lse, sources, queries, gains, eps) -> lis
     return [gq, gg, *gs]
 
 
+def _backward_ref(grad, sources, query, gain, eps, scale) -> list[torch.Tensor]:
+    """Gradients of ``depth_attn_ref``, ``[grad_query, grad_gain, *grad_sources]``: the two-phase partial's backward
+    with one query (``S = 1``), the scale folded into the incoming gradient and no log-sum-exp gradient."""
+    gq, gg, *gs = _partial_backward_ref(
+        grad.unsqueeze(0) * scale, None, sources, query.unsqueeze(0), gain.unsqueeze(0), eps
+    )
+    return [gq[0], gg[0], *gs]
+
+
 def _merge_backward_ref(grad, o, lse, last, query, gain, eps, scale) -> list[torch.Tensor]:
     """Gradients of ``depth_attn_merge_ref``: ``[grad_o, grad_lse, grad_last, grad_query, grad_gain]``.
 
@@ -130,10 +139,7 @@ def depth_attn_backward(
         from . import fused
 
         return fused.depth_attn_bwd(grad, sources, query, gain, eps, scale)
-    gq, gg, *gs = _partial_backward_ref(
-        grad.unsqueeze(0) * scale, None, sources, query.unsqueeze(0), gain.unsqueeze(0), eps
-    )
-    return [gq[0], gg[0], *gs]
+    return _backward_ref(grad, sources, query, gain, eps, scale)
 
 
 @depth_attn_backward.register_fake
