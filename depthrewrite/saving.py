@@ -12,6 +12,10 @@ model: ``pytorch_model.bin``, its state dict) plus ``depthrewrite.json``, the co
 other), converts it with the recorded scheme and options, and loads the new parameters. The graphs are not saved: they
 are captured again on first use. HF ``Trainer`` checkpoints go through ``save_pretrained``, so they carry the recipe
 too, and resuming loads the ``depthrewrite.*`` parameters with the rest of the state dict.
+
+The recipe's ``original_class`` is read from the directory, so it is treated as untrusted: without ``model=``, only a
+``transformers.`` module's ``PreTrainedModel`` subclass is imported, or a class of a package the caller names in
+``allowed_modules=``; any other name is refused before its module is imported (see :func:`_import_class`).
 """
 
 from __future__ import annotations
@@ -38,17 +42,56 @@ def _class_path(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
-def _import_class(path: str) -> type:
-    module, _, qualname = path.partition(":")
+def _allowed(module: str, allowed_modules: tuple[str, ...]) -> bool:
+    return any(module == m or module.startswith(m + ".") for m in allowed_modules)
+
+
+def _import_class(path: str, allowed_modules: tuple[str, ...] = ()) -> type:
+    """The class a recipe's ``original_class`` names, checked **before** anything is imported.
+
+    ``original_class`` comes from the saved directory, so it is untrusted input: importing the module it names runs
+    that module's top-level code, and its ``from_pretrained`` runs next. Only two kinds of names are imported: a
+    module under ``transformers.`` whose attribute is a ``transformers.PreTrainedModel`` subclass, and a module in
+    ``allowed_modules`` (the caller's explicit opt-in) whose attribute is an ``nn.Module`` subclass. Anything else is
+    a :class:`ConfigError` and nothing is imported."""
+    module, sep, qualname = path.partition(":") if isinstance(path, str) else ("", "", "")
+    parts = qualname.split(".")
+    well_formed = (
+        sep == ":"
+        and all(p.isidentifier() for p in module.split("."))
+        and all(p.isidentifier() and not p.startswith("_") for p in parts)
+    )
+    hint = (
+        "build the model and pass it, depthrewrite.from_pretrained(dir, model=...), or, if you trust the checkpoint "
+        "and the framework that made it, name that framework's package: depthrewrite.from_pretrained(dir, "
+        "allowed_modules=(\"mypackage\",))"
+    )
+    if not well_formed:
+        raise ConfigError(f"the saved model's class {path!r} is not of the form package.module:Class; {hint}")
+    from_transformers = module.startswith("transformers.")
+    if not from_transformers and not _allowed(module, allowed_modules):
+        raise ConfigError(
+            f"the saved recipe names the class {path}, which transformers does not provide; depthrewrite imports "
+            f"only transformers' model classes from a checkpoint, since importing a module runs its code. To load "
+            f"it, {hint}"
+        )
     try:
         obj: Any = importlib.import_module(module)
-        for part in qualname.split("."):
+        for part in parts:
             obj = getattr(obj, part)
     except (ImportError, AttributeError) as e:
         raise ConfigError(
             f"the saved model's class {path} cannot be imported here ({type(e).__name__}: {e}); build the model and "
             "pass it: depthrewrite.from_pretrained(dir, model=...)"
         ) from e
+    if from_transformers and not _allowed(module, allowed_modules):
+        from transformers import PreTrainedModel
+
+        base, what = PreTrainedModel, "a transformers PreTrainedModel"
+    else:
+        base, what = nn.Module, "an nn.Module"
+    if not (isinstance(obj, type) and issubclass(obj, base)):
+        raise ConfigError(f"the saved recipe's original_class {path} is not {what} subclass; {hint}")
     return obj
 
 
@@ -150,6 +193,7 @@ def from_pretrained(
     *,
     example_inputs: tuple | None = None,
     example_kwargs: dict | None = None,
+    allowed_modules: tuple[str, ...] | list[str] = (),
     **load_kwargs: Any,
 ) -> nn.Module:
     """Load a converted model saved with ``converted.save_pretrained(directory)``.
@@ -160,6 +204,12 @@ def from_pretrained(
             ``from_pretrained`` of their own (a hand-written model: build it with the same configuration). Default:
             ``OriginalClass.from_pretrained(directory, **load_kwargs)``.
         example_inputs, example_kwargs: inputs for the first capture, as for :func:`depthrewrite.convert`.
+        allowed_modules (tuple of str): packages, besides transformers, whose classes the saved recipe may name
+            (``("mypackage",)`` allows ``mypackage`` and its submodules). The recipe's ``original_class`` is read
+            from the directory, and loading it imports that module and calls its class's ``from_pretrained``; by
+            default only ``transformers.`` modules and ``PreTrainedModel`` subclasses are accepted, and any other
+            name is a :class:`ConfigError` raised before anything is imported. Not needed with ``model=``, which
+            imports nothing.
         load_kwargs: passed to the original class's ``from_pretrained`` (``torch_dtype=...``, ...).
 
     Returns:
@@ -173,7 +223,9 @@ def from_pretrained(
     config = _config_from(recipe)
     ours_prefix = PARAM_PREFIX + "."
     if model is None:
-        cls = _import_class(recipe["original_class"])
+        if isinstance(allowed_modules, str):
+            allowed_modules = (allowed_modules,)
+        cls = _import_class(recipe.get("original_class"), tuple(allowed_modules))
         if not hasattr(cls, "from_pretrained"):
             raise ConfigError(
                 f"{recipe['original_class']} has no from_pretrained: build the model with the configuration it was "
