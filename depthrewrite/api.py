@@ -14,7 +14,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .blocks import block_paths, blocks_for_capture, unwrapped_path
-from .capture import is_cache, capture, example_inputs_for
+from .capture import CONTINUATION_META, capture, example_inputs_for, is_cache, state_writes
 from .converted import as_converted, drop_dead_code
 from .errors import CaptureError, ConfigError, DepthRewriteError
 from .passes.analyse.chain import detect_chain
@@ -234,6 +234,10 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) ->
             gm = capture(model, args, kwargs, keep_cache=False)
     if keep_cache:  # a scheme with decoding state of its own (MSAR) reads it from extra cache layers
         gm.meta[DECODE_META] = history_inputs(gm, args, kwargs)
+    mixes_tokens = scheme_record(config).mixes_tokens
+    writes = state_writes(gm) if mixes_tokens else []
+    if writes:  # state kept in the model's own buffers (a KV cache): the converted model checks every call's positions
+        gm.meta[CONTINUATION_META] = (tuple(writes), f"{scheme_record(config).title} {mixes_tokens}")
     chain = _run_pass("detect_chain", where, detect_chain, gm)
     found = block_paths(model, chain)
     gm.meta["depthrewrite_blocks"] = found[0] if isinstance(found, tuple) else found

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import dataclasses
 from typing import Any
 
 import torch
@@ -18,7 +19,8 @@ from torch.export import Dim
 
 from .errors import CaptureError
 
-__all__ = ["capture", "example_inputs_for", "unalias_inputs", "ExampleInputs", "is_cache", "cache_problem"]
+__all__ = ["capture", "example_inputs_for", "unalias_inputs", "ExampleInputs", "is_cache", "cache_problem",
+           "StateWrite", "state_writes", "CONTINUATION_META"]
 
 log = logging.getLogger(__name__)
 
@@ -231,6 +233,82 @@ def unalias_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[str]]:
     return tuple(args), dict(kwargs), copied
 
 
+#: gm.meta key of a converted graph that writes state into the model's buffers while its scheme mixes across tokens:
+#: ``(writes, why)``, checked on every call by the converted model (a continuation of such state is refused)
+CONTINUATION_META = "depthrewrite_continuation"
+
+
+@dataclasses.dataclass(frozen=True)
+class StateWrite:
+    """A captured graph writing into a buffer of the model in place: state that outlives the call (a KV cache the
+    model keeps in its own buffers, as litgpt's ``set_kv_cache`` and torchtune's ``setup_caches`` do). ``buffer`` is
+    the buffer's path, ``node`` the writing node, ``positions`` the graph input that says where along the sequence
+    the call's tokens are written (``input_pos``), or None when the index is computed inside the graph (from other
+    buffers), and ``positions_index`` its position among the graph's tensor inputs."""
+
+    buffer: str
+    node: str
+    positions: str | None
+    positions_index: int | None
+
+
+#: ops that return a view of their first argument: an in-place write through one writes the buffer below it
+_VIEWS = {"alias", "view", "_unsafe_view", "slice", "select", "transpose", "t", "permute", "unsqueeze", "squeeze",
+          "expand", "as_strided", "narrow", "unflatten", "diagonal", "view_as", "reshape", "mT", "movedim", "unbind"}
+#: ops an index tensor passes through on its way from a graph input (a cast, a copy, a reshape)
+_INDEX_THROUGH = _VIEWS | {"to", "_to_copy", "clone", "contiguous", "type_as", "long", "int", "flatten",
+                           "_assert_tensor_metadata"}
+
+
+def _aten_name(node: fx.Node) -> str | None:
+    """The aten op name of a call node without overload or in-place underscore (``index_copy_`` -> ``index_copy``)."""
+    t = node.target
+    if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+        return None
+    base = t._schema.name.split("::")[-1]
+    return base[:-1] if base.endswith("_") and not base.endswith("__") else base
+
+
+def _through(node: Any, names: set[str], limit: int = 32) -> Any:
+    """Walk from ``node`` up its first argument while it is one of ``names`` (views, casts)."""
+    for _ in range(limit):
+        if not isinstance(node, fx.Node) or _aten_name(node) not in names or not node.args:
+            return node
+        node = node.args[0]
+    return node
+
+
+def state_writes(gm: fx.GraphModule) -> list[StateWrite]:
+    """Every in-place write of ``gm`` into one of its buffers (through views of it), read from the ops' schemas:
+    what a call leaves behind for the next one. A model-managed KV cache shows up here; so would BatchNorm's running
+    statistics in training (their writes have no sequence positions)."""
+    buffers = {n for n, _ in gm.named_buffers()}
+    tensor_inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]
+    out: list[StateWrite] = []
+    for node in gm.graph.nodes:
+        t = node.target
+        if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+            continue
+        written = [i for i, a in enumerate(t._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+        for i in written:
+            if i >= len(node.args):
+                continue
+            base = _through(node.args[i], _VIEWS)
+            if not (isinstance(base, fx.Node) and base.op == "get_attr" and base.target in buffers):
+                continue
+            index = None
+            name = _aten_name(node)
+            if name == "index_copy" and len(node.args) > 2:
+                index = node.args[2]
+            elif name == "index_put" and len(node.args) > 1:
+                index = next((x for x in node.args[1] if isinstance(x, fx.Node)), None)
+            src = _through(index, _INDEX_THROUGH) if index is not None else None
+            pos = src if isinstance(src, fx.Node) and src.op == "placeholder" and src in tensor_inputs else None
+            out.append(StateWrite(buffer=base.target, node=node.name, positions=pos.name if pos is not None else None,
+                                  positions_index=tensor_inputs.index(pos) if pos is not None else None))
+    return out
+
+
 def _check_graph(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: dict) -> None:
     """Raise :class:`CaptureError` when ``gm`` and ``model`` disagree on the example inputs.
 
@@ -292,7 +370,8 @@ def capture(
         dynamic (bool): make batch and sequence dimensions dynamic. Default: True.
         check (bool): when the model is in eval mode, run the captured graph and the model on the example inputs
             and raise :class:`CaptureError` if they disagree (export traced another path than eager runs). Default:
-            True. (Not done for a call that passes a KV cache: the model would update it.)
+            True. (Not done for a call that passes a KV cache, or one that writes into the model's buffers: the model
+            would update its cache.)
         keep_cache (bool): capture with the model's KV cache as configured (the call passes ``use_cache=True`` or a
             ``past_key_values`` cache; a ``DynamicCache`` is taken and returned as tensors). Default: False, which
             captures with ``use_cache`` off in every config that turns it on.
@@ -350,7 +429,9 @@ def capture(
         ) from e
     else:
         gm = ep.module()
-        if check and not model.training and not passes_cache:  # eval mode only: dropout would make the two calls differ
+        # eval mode only: dropout would make the two calls differ; never where the call writes state into the model
+        # (a KV cache in its buffers): running it twice more would write it twice more
+        if check and not model.training and not passes_cache and not state_writes(gm):
             _check_graph(model, gm, args, kwargs)
     finally:
         for c in cache:

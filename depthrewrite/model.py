@@ -48,7 +48,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from .blocks import HOOK_ATTRS, hook_owner
-from .capture import is_cache
+from .capture import CONTINUATION_META, is_cache
 from .errors import ConfigError, DepthRewriteError, ModuleTreeChangedError
 from .passes.rewrite.msar_decode import HISTORY_META
 
@@ -581,6 +581,9 @@ class ConversionState:
             entry, pos, kw = _select_eagerly(self, model, args, kwargs)
         else:
             entry, pos, kw = self.select(model, args, kwargs)
+        guard = entry.module.meta.get(CONTINUATION_META)
+        if guard is not None:
+            _check_continuation(guard, pos, kw, self.original.__name__)
         if caches and entry.module.meta.get(HISTORY_META) and caches[0].get_seq_length() > 0 \
                 and not caches[0].__dict__.get(_EXTRA):
             raise ConfigError(
@@ -705,6 +708,34 @@ def _check_cache(cache: Any, name: str) -> None:
             "(assisted decoding's crop()), and the state cannot be rolled back. Decode without cropping, or with "
             "use_cache=False."
         )
+
+
+def _check_continuation(guard: tuple, args: tuple, kwargs: dict, name: str) -> None:
+    """A graph that writes state into the model's own buffers (a model-managed KV cache) while the scheme mixes across
+    tokens: a call that starts a sequence (its write positions start at 0) is exact; one that continues a sequence
+    held in those buffers would be computed as if it were a fresh sequence, so it is refused (ConfigError)."""
+    writes, why = guard
+    tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    indexed = [w for w in writes if w.positions_index is not None and w.positions_index < len(tensors)]
+    if indexed and len(indexed) == len(writes):
+        pos = tensors[indexed[0].positions_index]
+        if pos.numel() == 0 or int(pos.min()) == 0:
+            return
+        where = (f"at positions {indexed[0].positions} = {pos.flatten()[:4].tolist()}"
+                 f"{'...' if pos.numel() > 4 else ''}, after earlier tokens")
+    else:
+        where = "at positions computed inside the model from its own buffers, so a new sequence cannot be told from a " \
+                "continuation"
+    names = list(dict.fromkeys(w.buffer for w in writes))
+    buffers = ", ".join(names[:2]) + (f" and {len(names) - 2} more" if len(names) > 2 else "")
+    raise ConfigError(
+        f"the converted {name} would continue a sequence held in the model's own KV cache ({buffers}, written in "
+        f"place {where}), but with {why}, and those earlier positions are neither passed to this call nor kept by the "
+        "conversion for a cache the model manages itself: the result would be computed as if the new tokens began "
+        "a sequence. Recompute the whole sequence on every step instead (call without the cache: do not set it up, "
+        "or clear it, e.g. litgpt's model.clear_kv_cache(), and pass no positions), or convert with a scheme that "
+        "mixes each token's own values only (attnres, mhc)."
+    )
 
 
 def _output_cache(out: Any) -> tuple[Any, Any]:

@@ -254,4 +254,5 @@ SCHEME = register(Scheme(
     stage_anchor=mix_site_anchor,
     boundary_labels=mix_site_labels,
     state_at=stored_sources_state,
+    mixes_tokens="its causal depthwise convs read the k−1 positions before every token of every source",
 ))

@@ -170,6 +170,10 @@ class Scheme:
         no_cached_decoding: None when a call with a filled KV cache (decoding one token, as ``generate()`` does) is
             exact with the model's own cache (the scheme mixes each token's own values only); else why not, which a
             converted model raises as a :class:`ConfigError` on such a call.
+        mixes_tokens: None when the scheme's new ops read each token's own values only; else what they read of other
+            tokens (MSAR's convs: the k−1 positions before each one). A call that continues a sequence from state the
+            model keeps in its own buffers (a model-managed KV cache, which depthrewrite cannot extend with the
+            scheme's state) is then refused as a :class:`ConfigError` naming it (depthrewrite.model).
 
     A stage that needs a hook the record leaves ``None`` asks :meth:`hook`, which raises :class:`StageHookError`
     naming the scheme and the hook — never another scheme's behaviour.
@@ -189,6 +193,7 @@ class Scheme:
     boundary_labels: Callable[..., dict] | None = None
     state_at: Callable[..., DepthState] | None = None
     no_cached_decoding: str | None = None
+    mixes_tokens: str | None = None
 
     def hook(self, name: str, stage: str) -> Callable:
         """The hook ``name`` for ``stage`` (e.g. ``"pipeline planning"``), or a :class:`StageHookError` saying the

@@ -1,0 +1,95 @@
+"""A KV cache the model keeps in its own buffers (litgpt's ``set_kv_cache``: calls with ``input_pos``, the cache
+updated in place). Schemes that mix each token's own values (AttnRes, mHC) decode exactly with it; MSAR, whose convs
+read earlier positions, starts a sequence exactly and refuses to continue one (issue: never a continuation computed
+as a fresh sequence). On litgpt's own GPT class, built tiny from its own config."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import pytest
+import torch
+
+import depthrewrite as dr
+from depthrewrite.errors import ConfigError
+
+litgpt = pytest.importorskip("litgpt")
+from litgpt.generate.base import generate as litgpt_generate  # noqa: E402
+
+SCHEMES = {"block-attnres": ("attnres", {"blocks": 2}), "mhc": ("mhc", {}), "block-msar": ("msar", {"blocks": 2})}
+PROMPT = 6
+
+
+def _gpt():
+    cfg = litgpt.Config.from_name("pythia-14m", n_layer=4, n_embd=64, n_head=4, block_size=32, vocab_size=128,
+                                  padded_vocab_size=128)
+    torch.manual_seed(0)
+    return litgpt.GPT(cfg).eval()
+
+
+@functools.lru_cache(maxsize=None)
+def converted(key: str):
+    scheme, opts = SCHEMES[key]
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        conv = dr.convert(_gpt(), scheme, inplace=False, example_inputs=(ids,), **opts)
+    with torch.no_grad():  # trained-looking new parameters: at init every scheme is the original function
+        g = torch.Generator().manual_seed(2)
+        for p in conv.depthrewrite.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return conv, ids
+
+
+def _fresh_cache(conv):
+    conv.clear_kv_cache()
+    conv.set_kv_cache(batch_size=1)
+
+
+@pytest.mark.parametrize("key", ["block-attnres", "mhc"])
+def test_per_token_schemes_decode_exactly_with_the_models_cache(key):
+    conv, ids = converted(key)
+    with torch.no_grad():
+        full = conv(ids)
+        _fresh_cache(conv)
+        pre = conv(ids[:, :PROMPT], input_pos=torch.arange(PROMPT))
+        torch.testing.assert_close(pre, full[:, :PROMPT], rtol=1e-4, atol=1e-4)
+        for t in range(PROMPT, ids.shape[1]):
+            step = conv(ids[:, t:t + 1], input_pos=torch.tensor([t]))
+            torch.testing.assert_close(step[:, 0], full[:, t], rtol=1e-4, atol=1e-4)
+        conv.clear_kv_cache()
+
+
+@pytest.mark.parametrize("key", ["block-attnres", "mhc"])
+def test_litgpt_generate_equals_uncached_greedy(key):
+    conv, ids = converted(key)
+    prompt = ids[0, :PROMPT]
+    with torch.no_grad():
+        want = prompt.clone()
+        for _ in range(4):  # greedy without any cache: the whole sequence recomputed per token
+            want = torch.cat([want, conv(want[None])[0, -1].argmax().view(1)])
+        _fresh_cache(conv)
+        got = litgpt_generate(conv, prompt, max_returned_tokens=PROMPT + 4, temperature=0.0, top_k=1)
+        conv.clear_kv_cache()
+    assert got.tolist() == want.tolist()
+
+
+def test_msar_starts_a_sequence_exactly_and_refuses_to_continue_one():
+    conv, ids = converted("block-msar")
+    with torch.no_grad():
+        full = conv(ids)
+        _fresh_cache(conv)
+        pre = conv(ids[:, :PROMPT], input_pos=torch.arange(PROMPT))  # a sequence from position 0: exact
+        torch.testing.assert_close(pre, full[:, :PROMPT], rtol=1e-4, atol=1e-4)
+        before = [b.clone() for n, b in conv.named_buffers() if "kv_cache" in n]
+        with pytest.raises(ConfigError, match=r"kv_cache.*input_pos = \[6\].*clear_kv_cache"):
+            conv(ids[:, PROMPT:PROMPT + 1], input_pos=torch.tensor([PROMPT]))
+        after = [b for n, b in conv.named_buffers() if "kv_cache" in n]
+        assert all(torch.equal(a, b) for a, b in zip(before, after)), "a refused call must not write the cache"
+        # litgpt's own generate: its first one-token step is refused, never decoded as a fresh sequence
+        _fresh_cache(conv)
+        with pytest.raises(ConfigError, match="MSAR"):
+            litgpt_generate(conv, ids[0, :PROMPT], max_returned_tokens=PROMPT + 2, temperature=0.0, top_k=1)
+        conv.clear_kv_cache()
+        torch.testing.assert_close(conv(ids), full)  # without the cache, the whole sequence: as before
