@@ -5,7 +5,8 @@ the rewrite produced, read back from the converted graph itself (not from the re
 
     g = rewritten_networkx(converted)        # networkx DiGraph: source, sublayers, stream values, depthrewrite ops
     text = rewritten_text(converted)         # the same as lines of text (the demo writes it next to the picture)
-    path = save_rewritten(converted, "attnres.svg")   # .svg/.png: Graphviz if installed, else matplotlib
+    path = save_rewritten(converted, "attnres.svg")   # .svg/.png: Graphviz if installed, else matplotlib;
+                                                      # attnres.dot and attnres.txt beside it, always
 
 Contraction: every node of the converted graph is put in a group by the module that produced it — the stream source,
 one group per sublayer (its branch modules and norms), the final norm — or is one of the scheme's own
@@ -188,9 +189,10 @@ def rewritten_dot(converted: fx.GraphModule, g: nx.DiGraph | None = None) -> str
     return "\n".join(lines) + "\n"
 
 
-def rewritten_text(converted: fx.GraphModule) -> str:
-    """The contracted graph as text: one line per group, in graph order, with the groups it reads."""
-    g = rewritten_networkx(converted)
+def rewritten_text(converted: fx.GraphModule, g: nx.DiGraph | None = None) -> str:
+    """The contracted graph as text: one line per group, in graph order, with the groups it reads (``g``: the graph of
+    :func:`rewritten_networkx`, when already built)."""
+    g = rewritten_networkx(converted) if g is None else g
     order = {n: i for i, n in enumerate(g.nodes)}
     lines = [f"{g.graph['model']} -> {g.graph['scheme']}", ""]
     for n in sorted(g.nodes, key=order.__getitem__):
@@ -201,21 +203,31 @@ def rewritten_text(converted: fx.GraphModule) -> str:
     return "\n".join(lines) + "\n"
 
 
+_FORMATS = (".svg", ".png", ".dot", ".txt")
+
+
 def save_rewritten(converted: fx.GraphModule, path: str | Path) -> Path:
-    """Write the rewritten graph: ``.txt`` and ``.dot`` always work; ``.svg`` / ``.png`` are rendered by Graphviz
-    (pydot and ``dot``) when installed, else drawn with matplotlib."""
+    """Write the rewritten graph to ``path`` and, beside it, always its text (``.txt``, :func:`rewritten_text`) and
+    its DOT source (``.dot``): ``save_rewritten(conv, "g.png")`` writes ``g.png``, ``g.dot`` and ``g.txt``.
+    ``.svg`` / ``.png`` are rendered by Graphviz (pydot and ``dot``) when installed, else drawn with matplotlib; when
+    neither can draw, the :class:`ConfigError` comes after the ``.dot`` and ``.txt`` are written. Returns ``path``."""
     path = Path(path)
-    if path.suffix == ".txt":
-        path.write_text(rewritten_text(converted))
-        return path
+    if path.suffix not in _FORMATS:
+        raise ConfigError(f"cannot save a rewritten graph as {path.suffix!r}: use {', '.join(_FORMATS[:-1])} or .txt")
     g = rewritten_networkx(converted)
+    dot = rewritten_dot(converted, g)
+    path.with_suffix(".txt").write_text(rewritten_text(converted, g))
+    path.with_suffix(".dot").write_text(dot)
+    if path.suffix in (".txt", ".dot"):
+        return path
     return write_dot(
-        rewritten_dot(converted, g),
+        dot,
         path,
         what="a rewritten graph",
-        formats=".svg, .png, .dot or .txt",
-        no_pydot=" (and Graphviz's `dot`), or matplotlib; .dot and .txt work without them",
-        no_graphviz="; .dot and .txt work without either",
+        formats=", ".join(_FORMATS),
+        no_pydot=f" (and Graphviz's `dot`), or matplotlib; {path.with_suffix('.dot').name} and "
+        f"{path.with_suffix('.txt').name} were written",
+        no_graphviz=f"; {path.with_suffix('.dot').name} and {path.with_suffix('.txt').name} were written",
         graph=g,
         title=f"{g.graph['model']} -> {g.graph['scheme']}",
     )

@@ -63,6 +63,10 @@ class Explanation:
     graph_breaks: int | None = None
     break_reasons: list[str] = field(default_factory=list)
     note: str = ""
+    #: the torch.compile backend of a compiled model, when torch says ("depthrewrite", "inductor", ...; None: unknown)
+    backend: str | None = None
+    #: the model is wrapped in torch.compile but no graph has been compiled for it yet (Dynamo compiles on first call)
+    pending: bool = False
 
     def kernels(self) -> dict[str, str]:
         """op -> implementation, over every graph (forward and backward)."""
@@ -85,10 +89,22 @@ class Explanation:
                 out[op] = r.impl if r.reason is None else f"{r.impl}: {r.reason}"
         return out
 
+    def state(self) -> str:
+        """One phrase: compiled, wrapped but not compiled yet, or not compiled (and with which backend)."""
+        if self.graphs:
+            return "compiled with backend='depthrewrite'"
+        if self.compiled and self.backend not in (None, "depthrewrite"):
+            return f"compiled with backend={self.backend!r}, not 'depthrewrite' (below: what depthrewrite's would do)"
+        if self.pending:
+            return "torch.compile-d, not compiled yet: Dynamo compiles on the first call (below: what the backend will do)"
+        return "not compiled (below: what torch.compile(model, backend='depthrewrite') would do)"
+
     def to_dict(self) -> dict[str, Any]:
         return dict(
             model=self.model,
             compiled=self.compiled,
+            pending=self.pending,
+            backend=self.backend,
             device=self.device,
             kernel_backend=get_kernel_backend(),
             graph_breaks=self.graph_breaks,
@@ -118,7 +134,7 @@ class Explanation:
 
     def __str__(self) -> str:
         lines = [f"depthrewrite.explain: {self.model}"]
-        state = "compiled with backend='depthrewrite'" if self.compiled else "not compiled (what the backend would do)"
+        state = self.state()
         lines.append(f"  {state}; device {self.device}; kernel backend {get_kernel_backend()!r}")
         if self.graph_breaks is not None:
             lines.append(f"  graph breaks (Dynamo): {self.graph_breaks}")
@@ -183,6 +199,28 @@ def _device_of_module(module: nn.Module) -> str:
     return p.device.type if p is not None else "cpu"
 
 
+def _describe_model(module: nn.Module) -> str:
+    """A converted model (or one converted graph) by its original class name and conversion:
+    ``LlamaForCausalLM converted to Block AttnRes (S=2 sublayers per block), ...: 8 sites, 1,024 new parameters``."""
+    r = module.report()
+    scheme = r.describe() if hasattr(r, "describe") else r.config.describe(r.block_size)
+    return f"{r.model_class} converted to {scheme}: {len(r.sites)} sites, {r.new_params:,} new parameters"
+
+
+def _backend_name(compiled: nn.Module) -> str | None:
+    """The backend a ``torch.compile``-d module was compiled with, read from Dynamo's wrappers (private attributes:
+    None when this torch stores it elsewhere)."""
+    obj: Any = getattr(getattr(compiled, "dynamo_ctx", None), "callback", None)
+    for _ in range(4):
+        name = getattr(obj, "compiler_name", None) or getattr(obj, "_compiler_name", None)
+        if isinstance(name, str):
+            return name
+        obj = getattr(obj, "_torchdynamo_orig_backend", None)
+        if obj is None:
+            return None
+    return None
+
+
 def explain(model: nn.Module, *args: Any, graph_breaks: bool = False, **kwargs: Any) -> Explanation:
     """Explain what the ``depthrewrite`` compile backend did to ``model``'s graphs.
 
@@ -211,15 +249,17 @@ def explain(model: nn.Module, *args: Any, graph_breaks: bool = False, **kwargs: 
         )
     compiled = isinstance(model, OptimizedModule)
     module = model._orig_mod if compiled else model
-    name = repr(graph_module_of(module)) if isinstance(module, ConvertedGraphModule) or is_converted(module) \
-        else type(module).__name__
+    converted = isinstance(module, ConvertedGraphModule) or is_converted(module)
+    name = _describe_model(module) if converted else type(module).__name__
     device = _device_of_module(module)
+    backend = _backend_name(model) if compiled else None
     graphs = records_for(module)
     if compiled and not graphs and (args or kwargs):
         with torch.no_grad():
             model(*args, **kwargs)
         graphs = records_for(module)
-    exp = Explanation(model=name, compiled=compiled or bool(graphs), device=device, graphs=graphs)
+    exp = Explanation(model=name, compiled=compiled or bool(graphs), device=device, graphs=graphs, backend=backend,
+                      pending=compiled and not graphs and backend in (None, "depthrewrite"))
     if graph_breaks:
         if not (args or kwargs):
             raise ConfigError("explain(..., graph_breaks=True) needs example inputs to trace the model with")
@@ -229,14 +269,16 @@ def explain(model: nn.Module, *args: Any, graph_breaks: bool = False, **kwargs: 
         exp.graph_breaks = out.graph_break_count
         exp.break_reasons = [str(getattr(b, "reason", b)).split("\n")[0] for b in out.break_reasons]
     if not graphs:
-        if isinstance(module, ConvertedGraphModule) or is_converted(module):
+        if converted:
             from ..backend import _depth_ops
             from ..passes.lower.two_phase import find_two_phase_groups
 
             graph = graph_module_of(module).graph
             exp.static_ops = _depth_ops(graph)
             exp.static_two_phase = find_two_phase_groups(graph)
-            exp.note = "not compiled yet; torch.compile(model, backend='depthrewrite') applies the above"
+            if exp.pending:
+                exp.note = ("nothing has run yet: call the model once (or pass example inputs, explain(compiled, "
+                            "*inputs)) to see the graphs the backend compiled")
         elif compiled:
             exp.note = "compiled lazily: nothing has run yet; call the model once, or pass example inputs to explain()"
         else:

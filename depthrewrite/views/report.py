@@ -275,6 +275,11 @@ class ConvertReport(ChainReport):
     graphs: tuple[tuple[str, float, int], ...] = ()  # (call structure, capture seconds, calls) per captured graph
     blocks: tuple = ()  # depthrewrite.blocks.BlockInfo per block module the converted model calls
 
+    def describe(self) -> str:
+        """The scheme in one line with this conversion's block size (``Block AttnRes (S=2 sublayers per block),
+        mix_scale='count'``); ``config.describe()`` alone does not know S."""
+        return self.config.describe(self.block_size)
+
     @property
     def param_ratio(self) -> float:
         return self.new_params / max(1, self.model_params)
@@ -302,7 +307,7 @@ class ConvertReport(ChainReport):
     def __str__(self) -> str:
         L = len(self.chain.sublayers)
         head = [
-            f"{self.model_class} -> {self.config.describe(self.block_size)}: {len(self.sites)} sites over {L} sublayers",
+            f"{self.model_class} -> {self.describe()}: {len(self.sites)} sites over {L} sublayers",
             f"new parameters: {self.new_params:,} ({100 * self.param_ratio:.3f}% of {self.model_params:,})",
         ]
         if self.state_elements is None:
@@ -343,7 +348,7 @@ class ConvertReport(ChainReport):
         sublayers so far. Sources without a node of their own (mHC's streams ``x0..``) are named in the site's label.
         For the graph the rewrite actually produced, see :func:`depthrewrite.views.draw.rewritten_networkx`."""
         c = self.chain
-        g = nx.DiGraph(model=self.model_class, scheme=self.config.describe(self.block_size))
+        g = nx.DiGraph(model=self.model_class, scheme=self.describe())
         g.add_node("source", role="source", label=f"stream source\\n{c.source_module or c.source}")
         sites = {s.site: s for s in self.sites}
         S = self.block_size or 1

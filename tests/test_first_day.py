@@ -1,0 +1,80 @@
+"""What a first day with depthrewrite runs into: explain() before the first call, save_rewritten's side files, the
+CLI's options and messages, the examples' --help and output folders."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import depthrewrite as dr
+from depthrewrite.demo.zoo import hf_model
+
+ROOT = Path(__file__).parent.parent
+IDS = torch.randint(0, 256, (2, 8))
+
+
+@pytest.fixture(scope="module")
+def conv():
+    torch.manual_seed(0)
+    return dr.convert(hf_model("llama", layers=2).eval(), "attnres", blocks=2)
+
+
+# ---- explain() ----------------------------------------------------------------------------------------------------
+
+
+def test_explain_before_the_first_call_says_not_compiled_yet_only(conv, fresh_backend):
+    text = str(dr.explain(torch.compile(conv, backend="depthrewrite")))
+    assert "not compiled yet" in text and "compiled with backend='depthrewrite'" not in text
+    assert "depth_attn ×4" in text  # what the backend will do
+
+
+def test_explain_names_the_original_class_and_the_block_size(conv):
+    first = str(dr.explain(conv)).splitlines()[0]
+    assert "LlamaForCausalLM" in first and "ConvertedLlamaForCausalLM" not in first
+    assert "S=1 sublayers per block" in first or "S=2 sublayers per block" in first
+    assert "S=None" not in first
+
+
+def test_explain_after_a_call_says_compiled(conv, fresh_backend):
+    compiled = torch.compile(conv, backend="depthrewrite", options={"inner": "eager"})
+    with torch.no_grad():
+        compiled(IDS)
+    exp = dr.explain(compiled)
+    text = str(exp)
+    assert "compiled with backend='depthrewrite'" in text and "not compiled" not in text
+    assert exp.graphs and not exp.pending
+
+
+def test_explain_of_another_backend_says_which(conv, fresh_backend):
+    text = str(dr.explain(torch.compile(conv, backend="eager")))
+    assert "backend='eager', not 'depthrewrite'" in text and "not compiled yet" not in text
+
+
+def test_the_report_describes_the_real_block_size(conv):
+    r = conv.report()
+    assert r.describe() == r.config.describe(r.block_size) and "S=None" not in r.describe()
+
+
+# ---- save_rewritten -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("suffix", [".png", ".svg", ".dot", ".txt"])
+def test_save_rewritten_writes_dot_and_txt_beside(conv, tmp_path, suffix):
+    from depthrewrite.views.draw import save_rewritten
+
+    path = save_rewritten(conv, tmp_path / f"attnres{suffix}")
+    assert path == tmp_path / f"attnres{suffix}" and path.stat().st_size > 0
+    assert (tmp_path / "attnres.dot").read_text().startswith('digraph "rewritten"')
+    assert "depth_attn" in (tmp_path / "attnres.txt").read_text()
+
+
+def test_save_rewritten_refuses_a_format_before_writing(conv, tmp_path):
+    from depthrewrite.views.draw import save_rewritten
+
+    with pytest.raises(dr.ConfigError, match="use .svg"):
+        save_rewritten(conv, tmp_path / "g.jpg")
+    assert not list(tmp_path.iterdir())
