@@ -7,7 +7,7 @@ The argparse description and epilog are :data:`DESCRIPTION` and :data:`EXAMPLES`
     depthrewrite inspect depthrewrite.testing:nanogpt
     depthrewrite convert hf:llama --scheme attnres --blocks 4
     depthrewrite convert hf:llama --scheme block-attnres
-    depthrewrite convert hf:qwen2 --scheme msar [--streams 4] [-o conv_on=k]
+    depthrewrite convert hf:qwen2 --scheme msar [--streams 4] [-o conv_on=k] [-o 'kernel_sizes=(4,8,12)']
     depthrewrite convert hf:qwen2 --scheme mhc [--streams 4] [-o sinkhorn_iters=20]
     depthrewrite convert hf:llama --scheme moda [-o preserve_init=True]
     depthrewrite demo [--steps 120] [--schemes vanilla,attnres,mhc] [--out depthrewrite-demo]
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import difflib
 import sys
 from pathlib import Path
 
@@ -46,11 +47,36 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden", type=int, default=None, help="hidden size (default: 64 for hf:)")
 
 
+def _check_hf_type(spec: str) -> None:
+    """For ``hf:<model_type>``: a short ConfigError with the closest known model types when transformers has no such
+    type (transformers' own message lists all of them, several kB)."""
+    kind, _, model_type = spec.partition(":")
+    if kind != "hf":
+        return
+    try:
+        from transformers import CONFIG_MAPPING
+    except ImportError:  # zoo.build says what to install
+        return
+    known = list(CONFIG_MAPPING.keys())
+    if model_type in known:
+        return
+    close = difflib.get_close_matches(model_type.lower(), known, n=5, cutoff=0.7)
+    hint = ("did you mean " + ", ".join(close) + "?") if close else \
+        "tested types include llama, mistral, qwen2, qwen3, gemma, gpt2, phi, mixtral"
+    raise ConfigError(f"unknown Hugging Face model type {model_type!r}: {hint} (any of the installed transformers' "
+                      f"{len(known)} model types; docs/architectures.md lists the tested ones)")
+
+
+def _build(args: argparse.Namespace):
+    _check_hf_type(args.spec)
+    return zoo.build(args.spec, layers=args.layers, hidden=args.hidden)
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    model = zoo.build(args.spec, layers=args.layers, hidden=args.hidden)
+    model = _build(args)
     report = api.inspect(model)
     print(report)
-    if args.graph:
+    if args.graph or args.full_graph:
         print()
         print(report.graph_text(only_chain=not args.full_graph))
     if args.save:
@@ -70,7 +96,7 @@ def _parse_option(text: str) -> tuple[str, object]:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    model = zoo.build(args.spec, layers=args.layers, hidden=args.hidden)
+    model = _build(args)
     flags = (("blocks", args.blocks), ("block_size", args.block_size), ("mix_scale", args.mix_scale), ("streams", args.streams))
     options = {k: v for k, v in flags if v is not None}
     options.update(_parse_option(o) for o in args.option)
@@ -101,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="detect and print the PreNorm residual chain of a model")
     _add_model_args(p)
     p.add_argument("--graph", action="store_true", help="also print the chain's nodes in the captured graph")
-    p.add_argument("--full-graph", action="store_true", help="with --graph: print every op, chain nodes marked")
+    p.add_argument("--full-graph", action="store_true", help="print every op of the captured graph, chain nodes marked "
+                   "(implies --graph)")
     p.add_argument("--save", default=None, help="write the chain diagram (.png/.svg: Graphviz, else matplotlib; .dot always)")
     p.set_defaults(func=_cmd_inspect)
 
@@ -116,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mix-scale", choices=["count", "mean"], default=None, help="count (default, exact at init) or mean")
     p.add_argument("--streams", type=int, default=None, help="MSAR: views per source; mHC: residual streams (default 4)")
     p.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
-                   help="any other scheme option, e.g. -o kernel_sizes=(4,8,12) -o conv_on=k -o sinkhorn_iters=10")
+                   help="any other scheme option, e.g. -o 'kernel_sizes=(4,8,12)' (quoted: the shell reads "
+                   "parentheses) -o conv_on=k -o sinkhorn_iters=10")
     p.set_defaults(func=_cmd_convert)
 
     from .demo.train import VARIANTS, default_variants

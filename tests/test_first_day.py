@@ -78,3 +78,52 @@ def test_save_rewritten_refuses_a_format_before_writing(conv, tmp_path):
     with pytest.raises(dr.ConfigError, match="use .svg"):
         save_rewritten(conv, tmp_path / "g.jpg")
     assert not list(tmp_path.iterdir())
+
+
+# ---- the CLI --------------------------------------------------------------------------------------------------------
+
+
+def test_an_unknown_hf_type_is_a_short_message_with_close_names(capsys):
+    from depthrewrite.cli import main
+
+    assert main(["inspect", "hf:nonexistent"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown Hugging Face model type 'nonexistent'" in err and len(err) < 400
+    assert main(["convert", "hf:lama", "--scheme", "attnres"]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean llama" in err and len(err) < 400
+
+
+def test_full_graph_implies_graph(capsys):
+    from depthrewrite.cli import main
+
+    assert main(["inspect", "hf:llama", "--layers", "1"]) == 0
+    plain = capsys.readouterr().out
+    assert main(["inspect", "hf:llama", "--layers", "1", "--full-graph"]) == 0
+    full = capsys.readouterr().out
+    assert "<< final norm" not in plain and "<< final norm" in full
+    assert main(["inspect", "hf:llama", "--layers", "1", "--graph"]) == 0
+    chain_only = capsys.readouterr().out
+    assert len(full.splitlines()) > len(chain_only.splitlines())
+
+
+def _bash_ok(line: str) -> bool:
+    return subprocess.run(["bash", "-n", "-c", line], capture_output=True).returncode == 0
+
+
+def test_every_o_example_is_valid_shell():
+    import re
+
+    from depthrewrite.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    help_text = " ".join(sub.choices["convert"].format_help().split())
+    assert "-o 'kernel_sizes=(4,8,12)'" in help_text
+    examples = re.findall(r"-o ('[^']*'|\S+)", help_text)
+    docs = (ROOT / "docs" / "cli.md").read_text()
+    examples += re.findall(r"`-o ([^`]+)`", docs)
+    assert len(examples) >= 6
+    for e in examples:
+        assert _bash_ok(f"depthrewrite convert hf:llama -o {e}"), e
+    assert not _bash_ok("depthrewrite convert hf:llama -o kernel_sizes=(4,8,12)")  # what the docs said before
