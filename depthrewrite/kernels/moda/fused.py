@@ -223,7 +223,9 @@ def moda_attn_fwd_kernel(
     lse = m_i + tl.log(l_i)
     tl.store(LSE + (b64 * Hq + head64) * T + tok64, lse, mask=row_ok)
     if not STATS_ONLY:
-        o = acc / l_i[:, None]
+        # a row with nothing visible (no sequence key, λ = 0: a pad query row under a padding mask) outputs 0, as
+        # SDPA does, not 0/0 (the next layer's masked keys would carry the NaN into every real row through P·V)
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(
             O + b64 * sob + head64[:, None] * soh + tok64[:, None] * sot + offs_d[None, :] * sod,
             o.to(O.dtype.element_ty),
@@ -233,6 +235,14 @@ def moda_attn_fwd_kernel(
 
 # ----------------------------------------------------------------------------------------------------------------
 # backward
+
+
+@triton.jit
+def _bwd_lse(LSE, row, row_ok):
+    """The rows' joint LSE for the backward: +inf where the forward found nothing visible (lse = -inf), so that every
+    probability ``exp(s − lse)`` of such a row is 0 (its output is 0 and gets no gradient), not ``exp(-inf + inf)``."""
+    lse = tl.load(LSE + row, mask=row_ok, other=0.0)
+    return tl.where(lse == float("-inf"), float("inf"), lse)
 
 
 @triton.jit
@@ -262,15 +272,16 @@ def moda_attn_bwd_kernel_dq(
     qf = q.to(tl.float32)
     dof = do.to(tl.float32)
     row = (b64 * Hq + head64) * T + tok64
-    lse = tl.load(LSE + row, mask=row_ok, other=0.0)
+    lse = _bwd_lse(LSE, row, row_ok)
     delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
     dq = tl.zeros([BMT * GP, BD], tl.float32)
 
     if HAS_LAM:
         lam = tl.load(LAM + head, mask=row_ok, other=1.0).to(tl.float32)
         lam = tl.maximum(lam, 0.0)
+        loglam = tl.where(lam > 0.0, tl.log(tl.maximum(lam, 1e-30)), float("-inf"))
     else:
-        lam = tl.full([BMT * GP], 1.0, tl.float32)
+        loglam = tl.zeros([BMT * GP], tl.float32)
     dlam = tl.zeros([BMT * GP], tl.float32)
 
     # ---- depth part: dq, dKd / dVd per (token, slot) with the G heads of the group reduced in registers ----
@@ -288,8 +299,10 @@ def moda_attn_bwd_kernel_dq(
         s = tl.sum(qf * kd, axis=1) * scale
         if SOFTCAP:
             s = softcap * _tanh(s / softcap)
-        e = tl.where(row_ok, tl.exp(s - lse), 0.0)  # exp-weight without λ
-        p = lam * e
+        # exp-weight without λ (dλ's; finite where λ = 0 leaves a row's mass at ~1e-38 under a finfo.min mask), and
+        # with λ, as e^{s + log λ − lse}: exactly 0 at λ = 0, never 0·∞
+        e = tl.where(row_ok, tl.minimum(tl.exp(s - lse), 3.4028234663852886e38), 0.0)
+        p = tl.where(row_ok, tl.exp(s + loglam - lse), 0.0)
         dp = tl.sum(dof * vd, axis=1)
         dlam += e * (dp - delta)
         ds = p * (dp - delta)
@@ -396,7 +409,7 @@ def moda_attn_bwd_kernel_dkdv(
         do = tl.load(DO + b64 * sgb + head64[:, None] * sgh + tok64[:, None] * sgt + offs_d[None, :] * sgd,
                      mask=ld, other=0.0)
         row = (b64 * Hq + head64) * T + tok64
-        lse = tl.load(LSE + row, mask=row_ok, other=0.0)
+        lse = _bwd_lse(LSE, row, row_ok)
         delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
         s_raw = tl.dot(q, tl.trans(kn), input_precision=DOT_PREC) * scale
         # the causal diagonal and the ragged tail are checked on every tile (elementwise; loops start at the diagonal)

@@ -17,7 +17,10 @@ import torch
 
 from ..dispatch import KernelInfo, register_kernel_info, route
 from .limits import MAX_HEAD_DIM, covers
-from .reference import cpu_flash_applies, cpu_flash_sequence, moda_attn_ref, moda_slots_ref
+from .reference import (
+    _logsumexp, cpu_flash_applies, cpu_flash_sequence, joint_probabilities, merge_weights, moda_attn_ref,
+    moda_slots_ref,
+)
 
 __all__ = ["moda_attn", "moda_attn_backward", "moda_slots", "covers", "kernel_covers"]
 
@@ -94,19 +97,15 @@ def _reference_grads(grad, args, mask_grad: bool) -> list[torch.Tensor | None]:
         s = s.masked_fill(~keep, -math.inf)
     if attn_mask is not None:
         s = s.masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool else s + attn_mask.to(acc)
-    lse_s = torch.logsumexp(s, dim=-1, keepdim=True)
+    lse_s = _logsumexp(s)
     lse_d = torch.logsumexp(cap_d, dim=-1, keepdim=True)
     lam = None
     if depth_weight is not None:
         lam = depth_weight.to(acc).clamp_min(0.0).view(1, Hq, 1, 1)
-    m = torch.maximum(lse_s, lse_d)
-    a, b = torch.exp(lse_s - m), torch.exp(lse_d - m)
-    if lam is not None:
-        b = b * lam
-    L = m + torch.log(a + b)  # joint LSE, λ included
+    # joint LSE (λ included; +inf on a row with nothing visible: all its probabilities 0), depth weights without and
+    # with λ
+    L, e_d, p_d = joint_probabilities(lse_s, lse_d, lam, cap_d)
     p_s = torch.exp(s - L)
-    e_d = torch.exp(cap_d - L)  # depth exp-weights without λ
-    p_d = e_d * lam if lam is not None else e_d
     z_s = z_d = None
     if dropout_p > 0.0:
         gen = None
@@ -156,15 +155,10 @@ def _cpu_flash_grads(grad, args) -> list[torch.Tensor | None]:
     Vd = depth_v.to(acc).repeat_interleave(G, dim=3)
     dlog = torch.einsum("bhtd,btnhd->bhtn", q, Kd) * scale
     lse_d = torch.logsumexp(dlog, dim=-1, keepdim=True)
-    m = torch.maximum(lse_s, lse_d)
-    a, b = torch.exp(lse_s - m), torch.exp(lse_d - m)
     lam = depth_weight.to(acc).clamp_min(0.0).view(1, Hq, 1, 1) if depth_weight is not None else None
-    if lam is not None:
-        b = b * lam
-    L = m + torch.log(a + b)  # joint LSE, λ included
-    e_d = torch.exp(dlog - L)  # depth exp-weights without λ
-    p_d = e_d * lam if lam is not None else e_d
-    out = a / (a + b) * o_s + torch.einsum("bhtn,btnhd->bhtd", p_d, Vd)
+    a, b, empty, _ = merge_weights(lse_s, lse_d, lam)
+    L, e_d, p_d = joint_probabilities(lse_s, lse_d, lam, dlog)  # L = +inf on empty rows: flash's P = exp(s − L) = 0
+    out = a / torch.where(empty, 1.0, a + b) * o_s + torch.einsum("bhtn,btnhd->bhtd", p_d, Vd)
     do = grad.contiguous()
     dq_s, dk_e, dv_e = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         do, q, ke, ve, out, L.squeeze(-1), 0.0, is_causal, attn_mask=mask, scale=scale

@@ -18,7 +18,10 @@ import math
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["moda_attn_ref", "moda_slots_ref", "cpu_flash_applies", "cpu_flash_sequence"]
+__all__ = [
+    "moda_attn_ref", "moda_slots_ref", "cpu_flash_applies", "cpu_flash_sequence", "merge_weights",
+    "joint_probabilities",
+]
 
 
 def moda_slots_ref(keys: list[torch.Tensor]) -> torch.Tensor:
@@ -104,6 +107,59 @@ def cpu_flash_sequence(
 _SEQUENCE_MEMO: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
+def _logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """``logsumexp(x, -1, keepdim=True)``, -inf for a row without any finite entry, whose gradient is 0 (torch's
+    logsumexp gives ``exp(-inf - -inf)`` = NaN there, which an additive -inf mask would pass on to q and k)."""
+    if x.shape[-1] == 0:
+        return x.new_full((*x.shape[:-1], 1), -math.inf)
+    empty = x.detach().amax(-1, keepdim=True) == -math.inf
+    return torch.where(empty, -math.inf, torch.logsumexp(torch.where(empty, 0.0, x), dim=-1, keepdim=True))
+
+
+def merge_weights(
+    lse_s: torch.Tensor, lse_d: torch.Tensor, lam: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The weights of the two parts in the joint softmax, relative to one shift ``m``: ``a = e^{lse_s − m}``,
+    ``b = λ·e^{lse_d − m}`` (λ ≡ 1 when ``lam`` is None; ``lam`` is λ already clamped at 0, straight-through or not).
+
+    ``m = max(lse_s, lse_d + log λ)`` (detached: the merge does not depend on it), so λ = 0 gives ``b = 0`` exactly
+    and never ``0·∞``, whatever ``lse_d − lse_s`` (an additive finfo.min mask leaves a row's sequence mass at
+    ~1e-38). ``empty`` marks the rows where both weights are 0 — no visible sequence key (a pad query row under a
+    padding mask) and λ = 0 — whose output the callers define as 0 with no gradient, as SDPA gives a row without
+    keys; a left-padded batch otherwise gets 0/0 there, which the next layer's masked keys carry into every real
+    position through the value product. λ's gradient passes through ``e^{lse_d − m}`` (finite, 0 on empty rows).
+
+    Returns ``(a, b, empty, m)``; ``m`` finite."""
+    loglam = None if lam is None else torch.log(lam.detach())  # -inf at λ = 0
+    ld = lse_d.detach() if loglam is None else lse_d.detach() + loglam
+    m = torch.maximum(lse_s.detach(), ld)
+    empty = m == -math.inf
+    m = torch.where(empty, lse_d.detach(), m)
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    a = torch.exp(lse_s - m)
+    if lam is None:
+        return a, torch.exp(lse_d - m), empty, m
+    b = torch.exp(lse_d - m + loglam)
+    if lam.requires_grad:
+        e = torch.exp(lse_d.detach() - m).clamp_max(torch.finfo(m.dtype).max)
+        b = b + (lam - lam.detach()) * torch.where(empty, 0.0, e)  # value 0; ∂b/∂λ = e^{lse_d − m}
+    return a, b, empty, m
+
+
+def joint_probabilities(
+    lse_s: torch.Tensor, lse_d: torch.Tensor, lam: torch.Tensor | None, depth_logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For the backward formulas (no autograd): ``(L, e_d, p_d)`` — the joint log-sum-exp with λ, +inf on empty rows
+    (so that every probability ``exp(s − L)`` of such a row is 0, not ``exp(-inf + inf)``), the depth exp-weights
+    without λ (``e^{S_dep − L}``, the λ gradient's, finite) and the depth probabilities with λ (``λ·e_d``, computed as
+    ``e^{S_dep + log λ − L}``: exactly 0 at λ = 0). ``lam``: λ clamped at 0, or None."""
+    a, b, empty, m = merge_weights(lse_s, lse_d, lam)
+    L = torch.where(empty, math.inf, m + torch.log(torch.where(empty, 1.0, a + b)))
+    e_d = torch.exp(depth_logits - L).clamp_max(torch.finfo(L.dtype).max)
+    p_d = e_d if lam is None else torch.exp(depth_logits + torch.log(lam) - L)
+    return L, e_d, p_d
+
+
 def _dropout(p: torch.Tensor, rate: float, gen: torch.Generator | None) -> torch.Tensor:
     if rate <= 0.0:
         return p
@@ -172,7 +228,14 @@ def moda_attn_ref(
                 scores = scores.masked_fill(~attn_mask, -math.inf)
             else:
                 scores = scores + attn_mask.to(acc)
-        lse_s = torch.logsumexp(scores, dim=-1, keepdim=True)  # [B, Hq, T, 1]; -inf for a row without any key
+        # the row's softmax normalised by its own sum, not by exp(lse): with an additive finfo.min mask (HF eager) a
+        # fully masked row's logits and its lse are all ~-3.4e38 in fp32, where exp(scores - lse) is 1, not 1/S
+        mx = scores.detach().amax(-1, keepdim=True) if S else scores.new_full((B, Hq, T, 1), -math.inf)
+        no_key = mx == -math.inf
+        mx = torch.where(no_key, 0.0, mx)
+        e_s = torch.exp(scores - mx)
+        z_s = torch.where(no_key, 1.0, e_s.sum(-1, keepdim=True))
+        lse_s = torch.where(no_key, -math.inf, mx + torch.log(z_s))  # [B, Hq, T, 1]; -inf for a row without any key
     Kd = depth_k.to(acc).repeat_interleave(G, dim=3)  # [B, T, n, Hq, d]
     Vd = depth_v.to(acc).repeat_interleave(G, dim=3)
     dlog = torch.einsum("bhtd,btnhd->bhtn", qf, Kd) * scale  # [B, Hq, T, n]
@@ -184,16 +247,13 @@ def moda_attn_ref(
         gen = torch.Generator(device=q.device).manual_seed(int(seed.reshape(-1)[0]))
     # dropout commutes with the per-row merge weights below, so it can act on each part's own softmax
     if not flash:
-        # a row without any key contributes nothing (exp(-inf - 0) = 0): depth-only attention, as the kernel does
-        finite = torch.where(torch.isinf(lse_s), 0.0, lse_s)
-        o_s = _dropout(torch.exp(scores - finite), dropout_p, gen) @ vf
+        # a row without any key contributes nothing (e_s = 0): depth-only attention, as the kernel does
+        o_s = _dropout(e_s / z_s, dropout_p, gen) @ vf
     o_d = torch.einsum("bhtn,btnhd->bhtd", _dropout(torch.exp(dlog - lse_d), dropout_p, gen), Vd)
-    m = torch.maximum(lse_s, lse_d)
-    a = torch.exp(lse_s - m)
-    b = torch.exp(lse_d - m)
+    lam = None
     if depth_weight is not None:
         lam = depth_weight.to(acc)
-        lam = lam + (lam.clamp_min(0.0) - lam).detach()  # λ >= 0 forward, gradient passes unchanged
-        b = b * lam.view(1, Hq, 1, 1)
-    out = (a * o_s + b * o_d) / (a + b)
+        lam = (lam + (lam.clamp_min(0.0) - lam).detach()).view(1, Hq, 1, 1)  # λ >= 0 forward, gradient unchanged
+    a, b, empty, _ = merge_weights(lse_s, lse_d, lam)
+    out = (a * o_s + b * o_d) / torch.where(empty, 1.0, a + b)  # an empty row (nothing visible): 0, as SDPA's
     return out.to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
