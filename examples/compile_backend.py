@@ -45,11 +45,16 @@ def main(out: Path, steps: int, inner: str) -> None:
     print(f"\nwrote {out / 'explain.json'}")
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """The module docstring as the description, and every option's default in --help."""
+
+
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=Path("depthrewrite-demo"))
-    ap.add_argument("--steps", type=int, default=5)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    ap.add_argument("--out", type=Path, default=Path("depthrewrite-examples/compile_backend"), help="output folder")
+    ap.add_argument("--steps", type=int, default=5, help="compiled training steps")
     ap.add_argument("--inner", default="inductor" if torch.cuda.is_available() else "aot_eager",
-                    choices=["inductor", "aot_eager", "eager"])
+                    choices=["inductor", "aot_eager", "eager"],
+                    help="the compiler the backend hands the rewritten graph to (inductor on CUDA, aot_eager on CPU)")
     args = ap.parse_args()
     main(args.out, args.steps, args.inner)

@@ -68,9 +68,14 @@ def main(out: Path, steps: int) -> None:
     print(f"wrote {out / 'llama_attnres'} (config.json, model.safetensors, depthrewrite.json); reloaded: same logits {same}")
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """The module docstring as the description, and every option's default in --help."""
+
+
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=Path("depthrewrite-demo"))
-    ap.add_argument("--steps", type=int, default=20)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    ap.add_argument("--out", type=Path, default=Path("depthrewrite-examples/convert_llama"),
+                    help="output folder (the saved model goes in llama_attnres/ inside it)")
+    ap.add_argument("--steps", type=int, default=20, help="training steps on the standard-library corpus")
     args = ap.parse_args()
     main(args.out, args.steps)

@@ -46,7 +46,12 @@ def main(out: Path) -> None:
     print(f"wrote {path}")
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """The module docstring as the description, and every option's default in --help."""
+
+
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=Path("depthrewrite-demo"))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    ap.add_argument("--out", type=Path, default=Path("depthrewrite-examples/inspect_chain"),
+                    help="output folder for the chain and rewritten-graph pictures")
     main(ap.parse_args().out)

@@ -67,9 +67,14 @@ def main(out: Path, steps: int) -> None:
     print(merged.report())
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """The module docstring as the description, and every option's default in --help."""
+
+
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=Path("./depthrewrite-examples"))
-    p.add_argument("--steps", type=int, default=20)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    p.add_argument("--out", type=Path, default=Path("depthrewrite-examples/lora_generate"),
+                   help="output folder (the saved model goes in llama-block-msar/ inside it)")
+    p.add_argument("--steps", type=int, default=20, help="LoRA fine-tuning steps")
     a = p.parse_args()
     main(a.out, a.steps)

@@ -51,9 +51,14 @@ def main(out: Path, steps: int) -> None:
     (out / "nanogpt_schemes.md").write_text(table + "\n")
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """The module docstring as the description, and every option's default in --help."""
+
+
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=Path("depthrewrite-demo"))
-    ap.add_argument("--steps", type=int, default=10)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    ap.add_argument("--out", type=Path, default=Path("depthrewrite-examples/nanogpt_schemes"),
+                    help="output folder for the comparison table")
+    ap.add_argument("--steps", type=int, default=10, help="training steps per scheme")
     args = ap.parse_args()
     main(args.out, args.steps)

@@ -82,15 +82,19 @@ def _worker(rank: int, world: int, init: str | None, args) -> None:
         dist.destroy_process_group()
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """The module docstring as the description, and every option's default in --help."""
+
+
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=None, help="directory for pipeline_train.json")
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=32)
-    p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--microbatch", type=int, default=2)
-    p.add_argument("--seq", type=int, default=16)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    p.add_argument("--out", default=None, help="directory for pipeline_train.json (None: nothing is written)")
+    p.add_argument("--steps", type=int, default=8, help="pipeline training steps")
+    p.add_argument("--layers", type=int, default=2, help="Llama blocks")
+    p.add_argument("--hidden", type=int, default=32, help="hidden size")
+    p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step")
+    p.add_argument("--microbatch", type=int, default=2, help="sequences per micro-batch")
+    p.add_argument("--seq", type=int, default=16, help="tokens per sequence")
     p.add_argument("--timeout", type=float, default=110.0, help="seconds before the spawned processes are stopped")
     args = p.parse_args()
     if args.out:

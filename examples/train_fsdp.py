@@ -23,11 +23,15 @@ import depthrewrite as dr
 from depthrewrite.demo.zoo import hf_model
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """The module docstring as the description, and every option's default in --help."""
+
+
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--scheme", default="block-attnres")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--steps", type=int, default=3)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    p.add_argument("--scheme", default="block-attnres", help="scheme name or alias, as depthrewrite.convert takes")
+    p.add_argument("--layers", type=int, default=4, help="Llama blocks")
+    p.add_argument("--steps", type=int, default=3, help="training steps")
     p.add_argument("--compile", action="store_true", help="torch.compile each block (backend='depthrewrite')")
     p.add_argument("--out", help=argparse.SUPPRESS)  # the examples test passes an output folder; nothing is written
     a = p.parse_args()

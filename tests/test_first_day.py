@@ -127,3 +127,80 @@ def test_every_o_example_is_valid_shell():
     for e in examples:
         assert _bash_ok(f"depthrewrite convert hf:llama -o {e}"), e
     assert not _bash_ok("depthrewrite convert hf:llama -o kernel_sizes=(4,8,12)")  # what the docs said before
+
+
+# ---- the examples' --help -----------------------------------------------------------------------------------------
+
+EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+
+
+@pytest.fixture(scope="module")
+def example_help():
+    """``--help`` of every example, run in this process as ``__main__`` (argparse exits before any work)."""
+    import contextlib
+    import io
+    import os
+    import runpy
+
+    out = {}
+    old = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "200"
+    try:
+        for path in EXAMPLES:
+            buf = io.StringIO()
+            argv, sys.argv = sys.argv, [str(path), "--help"]
+            try:
+                with contextlib.redirect_stdout(buf), pytest.raises(SystemExit) as stop:
+                    runpy.run_path(str(path), run_name="__main__")
+            finally:
+                sys.argv = argv
+            assert stop.value.code in (0, None), path.stem
+            out[path.stem] = buf.getvalue()
+    finally:
+        if old is None:
+            os.environ.pop("COLUMNS")
+        else:
+            os.environ["COLUMNS"] = old
+    return out
+
+
+def _option_entries(text: str) -> dict[str, str]:
+    """``--help``'s options section: option name -> its line and the more indented lines under it, joined."""
+    import re
+
+    entries: dict[str, str] = {}
+    last = None
+    for line in text.split("options:", 1)[1].splitlines():
+        m = re.match(r"  (-[-\w]+)", line)
+        if m:
+            last = m.group(1)
+            entries[last] = line.strip()
+        elif line.startswith("   ") and last is not None:
+            entries[last] += " " + line.strip()
+    return entries
+
+
+def test_every_example_help_has_a_description_and_defaults(example_help):
+    import ast
+
+    for path in EXAMPLES:
+        text = example_help[path.stem]
+        first = ast.get_docstring(ast.parse(path.read_text())).splitlines()[0]
+        assert first in text, path.stem
+        options = {k: v for k, v in _option_entries(text).items() if k != "-h"}
+        assert options, path.stem
+        for entry in options.values():  # every option has a help string (which carries its default)
+            assert "(default:" in entry, (path.stem, entry)
+
+
+def test_examples_write_into_folders_of_their_own(example_help):
+    import re
+
+    outs = {}
+    for name, text in example_help.items():
+        m = re.search(r"\(default: ([^)]+)\)$", _option_entries(text).get("--out", ""))
+        if m and m.group(1) != "None":
+            outs[name] = m.group(1)
+    assert len(outs) >= 5, outs
+    assert not any("depthrewrite-demo" in o for o in outs.values()), outs
+    assert len(set(outs.values())) == len(outs), outs
