@@ -207,8 +207,9 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) ->
         raise ConfigError(
             f"{name}.{sharded} is sharded with FSDP (fully_shard on a submodule that is not a transformer block): a "
             f"converted model calls its blocks ({', '.join((blocks or ())[:2]) or 'none were found'}, ...) as modules, "
-            "and runs everything inside a block as one program. Shard the blocks and the whole model "
-            "(fully_shard(block) for each, then fully_shard(model)), as torchtitan does."
+            "and runs everything inside a block as one program, so FSDP2 can be applied to the blocks and the whole "
+            "model only: fully_shard(block) for each block, then fully_shard(model). (Recipes that also shard the "
+            "embeddings or the output separately, such as torchtitan's apply_fsdp, are not supported yet.)"
         )
     explicit = any(is_cache(v) for v in kwargs.values()) or kwargs.get("use_cache") is True
     # an HF model whose config turns the cache on returns one when the call does not say (the original does)

@@ -352,6 +352,64 @@ def _check_graph(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: dict
             )
 
 
+_GENERIC_ADVICE = (
+    "What to try: pass example inputs the model accepts (example_inputs=..., example_kwargs=...); turn off caches and "
+    "optional outputs (use_cache=False, output_hidden_states=False); remove data-dependent Python control flow from "
+    "forward(); or capture without dynamic shapes (dynamic=False)."
+)
+
+
+def _user_frame(e: BaseException) -> str | None:
+    """``file:line in Class.method: source`` of the innermost frame of ``e``'s traceback (and its causes) that is
+    the model's code: not torch's, not depthrewrite's, not the standard library's."""
+    import os
+    import sysconfig
+    import traceback
+
+    skip = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, __import__("depthrewrite")))
+    stdlib = sysconfig.get_paths()["stdlib"] + os.sep
+    best = None
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        tb = e.__traceback__
+        while tb is not None:
+            f = tb.tb_frame.f_code.co_filename
+            if not f.startswith(skip) and not (f.startswith(stdlib) and "site-packages" not in f) and f != "<string>":
+                owner = tb.tb_frame.f_locals.get("self")
+                name = tb.tb_frame.f_code.co_name
+                where = f"{type(owner).__name__}.{name}" if isinstance(owner, nn.Module) else name
+                line = (traceback.extract_tb(tb, limit=1)[0].line or "").strip()
+                best = f"{f}:{tb.tb_lineno} in {where}" + (f": `{line}`" if line else "")
+            tb = tb.tb_next
+        e = e.__cause__ or e.__context__
+    return best
+
+
+def _explain_export_error(model: nn.Module, e: BaseException, args: tuple, kwargs: dict) -> str:
+    """The CaptureError text for export's exception ``e``: the likely cause first (a float tensor where token ids
+    belong; a data-dependent check in the model's code, with its place), then export's own first line."""
+    text = str(e).strip()
+    first = text.splitlines()[0] if text else type(e).__name__
+    where = _user_frame(e)
+    at = f" (at {where})" if where else ""
+    name = type(model).__name__
+    if "'indices'" in text and ("Long" in text or "Int" in text):
+        floats = [k for k, v in [*((f"args[{i}]", a) for i, a in enumerate(args)), *kwargs.items()]
+                  if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        which = f"the floating-point input {', '.join(floats)}" if floats else "a floating-point tensor"
+        return (f"torch.export could not capture {name}: {which} reaches an embedding lookup, which takes integer "
+                f"token ids{at}. Pass token ids as a torch.long (or int) tensor. (export: {type(e).__name__}: {first})")
+    if "data-dependent" in text or "DataDependent" in type(e).__name__:
+        return (f"torch.export could not capture {name}: the model's code branches on a tensor's value (an `if`, "
+                f"`assert` or `.item()` on data){at}, which a graph for every input cannot follow. This is typical of "
+                "state the model keeps across calls: a KV cache set up inside the model (torchtune's setup_caches: "
+                "call without it, e.g. within torchtune.modules.common_utils.disable_kv_cache(model), or remove it "
+                "with delete_kv_caches(model)), or of input checks. Remove the check, or call the model in a way "
+                f"that does not reach it. (export: {type(e).__name__}: {first})")
+    return f"torch.export could not capture {name}: {type(e).__name__}: {first}{at}\n{_GENERIC_ADVICE}"
+
+
 def capture(
     model: nn.Module,
     example_inputs: tuple | None = None,
@@ -420,13 +478,7 @@ def capture(
         finally:
             quiet.setLevel(level)
     except Exception as e:  # torch.export raises many types; all of them mean the same to our user
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CaptureError(
-            f"torch.export could not capture {type(model).__name__}: {type(e).__name__}: {first}\n"
-            "What to try: pass example inputs the model accepts (example_inputs=..., example_kwargs=...); "
-            "turn off caches and optional outputs (use_cache=False, output_hidden_states=False); remove "
-            "data-dependent Python control flow from forward(); or capture without dynamic shapes (dynamic=False)."
-        ) from e
+        raise CaptureError(_explain_export_error(model, e, args, kwargs)) from e
     else:
         gm = ep.module()
         # eval mode only: dropout would make the two calls differ; never where the call writes state into the model

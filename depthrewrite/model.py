@@ -38,6 +38,7 @@ import inspect as _inspect
 import itertools
 import logging
 import operator
+import threading
 import time
 from collections import OrderedDict
 from typing import Any, Iterator, Mapping
@@ -328,6 +329,75 @@ def _readable(training: bool, bound: Mapping[str, Any]) -> str:
     return ", ".join(["train" if training else "eval", *(f"{k}={one(v)}" for k, v in bound.items())])
 
 
+# ---- threads ------------------------------------------------------------------------------------------------------
+
+
+class _CaptureLock:
+    """Captures run alone; calls that need none run concurrently (a server's thread pool).
+
+    A capture is not confined to its thread: ``torch.export`` (non-strict) patches ``nn.Module.__call__`` and other
+    process-wide state while it traces, and the model being captured runs as its original class meanwhile. So every
+    call of a converted model holds this lock *shared* (:meth:`ConvertedModel.__call__`, before ``nn.Module.__call__``
+    runs), and a capture holds it *exclusive*: it waits until no other thread is inside a converted model, and new
+    calls wait at the door until it is done. A thread waiting to capture lets go of its own shared holds meanwhile (two
+    calls that both need a capture take turns instead of waiting for each other), and new calls give way to a waiting
+    capture. ``mutex`` guards the graph dicts and the module-tree record (:meth:`ConversionState.select`). One lock for
+    the process: the state export patches is the process's."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._shared = 0  # shared holds, all threads (a thread waiting to capture does not count its own)
+        self._owner: int | None = None  # the thread capturing
+        self._depth = 0  # its nested exclusive holds
+        self._waiting = 0  # threads waiting to capture
+        self._mine = threading.local()  # .n: this thread's shared holds
+        self.mutex = threading.RLock()
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        me = threading.get_ident()
+        with self._cond:
+            mine = getattr(self._mine, "n", 0)
+            while self._owner not in (None, me) or (self._waiting and not mine and self._owner is None):
+                self._cond.wait()
+            self._shared += 1
+            self._mine.n = mine + 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._shared -= 1
+                self._mine.n -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        me = threading.get_ident()
+        with self._cond:
+            if self._owner != me:
+                mine = getattr(self._mine, "n", 0)
+                self._shared -= mine
+                self._waiting += 1
+                self._cond.notify_all()
+                while self._owner is not None or self._shared > 0:
+                    self._cond.wait()
+                self._waiting -= 1
+                self._owner = me
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._depth -= 1
+                if not self._depth:
+                    self._owner = None
+                    self._shared += getattr(self._mine, "n", 0)
+                self._cond.notify_all()
+
+
+_LOCK = _CaptureLock()
+
+
 # ---- the conversion state -----------------------------------------------------------------------------------------
 
 
@@ -459,6 +529,24 @@ class ConversionState:
         """The graph for this call (captured if there is none yet) and the call's ``(args, kwargs)`` for it. While
         traced (``capture=False``) the module tree is not checked: the tracer (pipelining's export, Dynamo) may wrap
         the model, and no graph can be captured inside a trace anyway."""
+        with _LOCK.mutex:
+            found = self._lookup(model, args, kwargs, capture=capture, fresh=fresh)
+        if found[0] is not None or not capture:
+            return found[:3]
+        with _LOCK.exclusive():  # no other thread inside a converted model until the graph is captured
+            with _LOCK.mutex:  # another thread may have captured this structure meanwhile
+                found = self._lookup(model, args, kwargs, capture=True, fresh=fresh)
+            entry, pos, kw, key, bound = found
+            if entry is not None:
+                return entry, pos, kw
+            entry = self.capture(model, pos, kw, _readable(bool(model.training), bound))
+            with _LOCK.mutex:
+                entries = self.graphs.setdefault(key, [])
+                entries.insert(0, entry) if fresh else entries.append(entry)  # fresh: before the one that did not fit
+        return entry, pos, kw
+
+    def _lookup(self, model: nn.Module, args: tuple, kwargs: dict, *, capture: bool, fresh: bool) -> tuple:
+        """``(entry or None, args, kwargs, key, bound)``: the graph for this call among those captured."""
         if capture:
             self.check_tree(model)
         bound = self.bind(args, kwargs)
@@ -471,7 +559,7 @@ class ConversionState:
         tensors = [x for x in pytree.tree_leaves((pos, kw)) if isinstance(x, torch.Tensor)]
         for entry in self.graphs.get(key, ()) if not fresh else ():
             if entry.matches(tensors):
-                return entry, pos, kw
+                return entry, pos, kw, key, bound
         if not capture:  # inside a trace: the fake shapes are the tracer's; the call structure must be one we have
             entries = self.graphs.get(key)
             if not entries:
@@ -480,23 +568,21 @@ class ConversionState:
                     f"({_readable(bool(model.training), bound)}) and cannot capture one while it is being traced "
                     "(torch.export, pipelining's pipeline()): call it once eagerly with the same kind of inputs first."
                 )
-            return entries[0], pos, kw
-        entry = self.capture(model, pos, kw, _readable(bool(model.training), bound))
-        entries = self.graphs.setdefault(key, [])
-        entries.insert(0, entry) if fresh else entries.append(entry)  # fresh: tried before the one that did not fit
-        return entry, pos, kw
+            return entries[0], pos, kw, key, bound
+        return None, pos, kw, key, bound
 
     def capture(self, model: nn.Module, args: tuple, kwargs: dict, structure: str) -> GraphEntry:
         from .api import capture_and_rewrite
 
-        t0 = time.perf_counter()
-        gm, result = capture_and_rewrite(model, self, args, kwargs)
-        self.captures += 1
-        if self.pipeline_stages is not None:
-            from .pipeline import split
+        with _LOCK.exclusive():
+            t0 = time.perf_counter()
+            gm, result = capture_and_rewrite(model, self, args, kwargs)
+            self.captures += 1
+            if self.pipeline_stages is not None:
+                from .pipeline import split
 
-            split(gm, self.pipeline_stages, **self.pipeline_kw)
-        runner = self.keep_blocks(model, gm)
+                split(gm, self.pipeline_stages, **self.pipeline_kw)
+            runner = self.keep_blocks(model, gm)
         self.tree = ModuleTree(model)  # the first capture adds model.depthrewrite
         guards = _guards_of(gm)
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]
@@ -526,6 +612,16 @@ class ConversionState:
                     f".gradient_checkpointing), but the converted model runs one flat graph ({self.blocks_note}), in "
                     "which nothing can be recomputed per block: it is refused rather than silently dropped. Call "
                     "gradient_checkpointing_disable() to train without it."
+                )
+            # torch's checkpoint_wrapper / apply_activation_checkpointing (torchtitan's apply_ac, torchtune's
+            # set_activation_checkpointing, OLMo-core use it): export traces through the wrapper, recomputing nothing
+            wrapped = [n for n, m in model.named_modules() if "_checkpoint_wrapped_module" in m._modules]
+            if wrapped:
+                raise ConfigError(
+                    f"{self.original.__name__}.{wrapped[0]}{f' and {len(wrapped) - 1} more' if len(wrapped) > 1 else ''}"
+                    " is wrapped for activation checkpointing (checkpoint_wrapper / apply_activation_checkpointing), "
+                    f"but the converted model runs one flat graph ({self.blocks_note}), in which nothing can be "
+                    "recomputed per block: it is refused rather than silently dropped. Train without the wrappers."
                 )
         return runner
 
@@ -592,12 +688,13 @@ class ConversionState:
                 "(the unconverted one?) or rebuilt from tensors. Fill it with the converted model (prefill with it), or "
                 "call with use_cache=False."
             )
+        tracing = torch.compiler.is_compiling() or torch.compiler.is_exporting()
         try:
             out = (entry.module if torch.compiler.is_exporting() else entry.run)(*pos, **kw)
         except RuntimeError as e:
             # export's own input check (a relation between sizes our guards do not model, e.g. a cache length derived
             # from the new tokens at a sliding window's edge) fails before anything runs: this call gets its own graph
-            if "Expected input at" not in str(e) or torch.compiler.is_compiling() or torch.compiler.is_exporting():
+            if "Expected input at" not in str(e) or tracing:
                 raise
             entry, pos, kw = self.select(model, args, kwargs, fresh=True)
             out = entry.run(*pos, **kw)
@@ -858,12 +955,14 @@ def as_original(model: nn.Module) -> Iterator[nn.Module]:
         "_forward_hooks_always_called",
     ) if hasattr(model, a)}
     own_forward = model.__dict__.pop("forward", None)  # accelerate's hook wraps forward on the instance
-    model.__class__ = st.original
+    model.__class__ = _capture_class(st.original)
     for a in hooks:
         setattr(model, a, OrderedDict())
+    model.__dict__[_CAPTURING] = threading.get_ident()
     try:
         yield model
     finally:
+        model.__dict__.pop(_CAPTURING, None)
         model.__class__ = cls
         for a, v in hooks.items():
             setattr(model, a, v)
@@ -878,6 +977,14 @@ class ConvertedModel(nn.Module):
     """What a converted model's class adds to the original class (``type(model).__mro__`` is ``(Converted,
     ConvertedModel, Original, ...)``; the class keeps the original's name and gets its ``forward`` from
     :func:`converted_class`)."""
+
+    def __call__(self, *args, **kwargs):
+        # shared hold of the capture lock around the whole call, before nn.Module.__call__ (which a capture in another
+        # thread may have patched): calls run concurrently, never during another thread's capture (_CaptureLock)
+        if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+            return super().__call__(*args, **kwargs)
+        with _LOCK.shared():
+            return super().__call__(*args, **kwargs)
 
     # -- inspection
 
@@ -984,6 +1091,47 @@ def converted_class(original: type) -> type:
         "__doc__": original.__doc__,
     })
     _CLASSES[original] = cls
+    return cls
+
+
+_CAPTURE_CLASSES: dict[type, type] = {}
+# set in a model's __dict__ while it is captured (as_original): the capturing thread. In __dict__, not by identity:
+# export's tracer calls modules through proxy objects of another identity that share the module's __dict__
+_CAPTURING = "_depthrewrite_capturing"
+
+
+def _capture_class(original: type) -> type:
+    """The class a converted model has while it is captured (:func:`as_original`): the original class, except that
+    ``forward`` runs the original forward only in the capturing thread. A call from another thread meanwhile (the
+    class is the object's, not the thread's) goes to the converted forward, which waits for the capture to end
+    (:class:`_CaptureLock`)."""
+    cls = _CAPTURE_CLASSES.get(original)
+    if cls is not None:
+        return cls
+
+    def forward(self, *args, **kwargs):
+        if self.__dict__.get(_CAPTURING) == threading.get_ident():
+            return original.forward(self, *args, **kwargs)
+        return state_of(self).call(self, args, kwargs)
+
+    def __call__(self, *args, **kwargs):
+        if self.__dict__.get(_CAPTURING) == threading.get_ident():
+            return nn.Module.__call__(self, *args, **kwargs)
+        with _LOCK.shared():  # another thread: wait until the capture is over and the class is back, then call again
+            pass
+        return self(*args, **kwargs)
+
+    try:
+        forward.__signature__ = _inspect.signature(original.forward)
+    except (TypeError, ValueError):
+        pass
+    forward.__doc__ = original.forward.__doc__
+    forward.__qualname__ = f"{original.__qualname__}.forward"
+    cls = type(original.__name__, (original,), {
+        "forward": forward, "__call__": __call__, "__module__": original.__module__,
+        "__qualname__": original.__qualname__, "__doc__": original.__doc__,
+    })
+    _CAPTURE_CLASSES[original] = cls
     return cls
 
 

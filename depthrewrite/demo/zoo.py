@@ -164,7 +164,16 @@ def build(spec: str, layers: int | None = None, hidden: int | None = None) -> nn
 def resolve(model: nn.Module | str) -> nn.Module:
     """The model itself, or the model a spec string names (:func:`build` at its default sizes): what lets
     ``depthrewrite.inspect("hf:llama")`` and ``convert("timm:vit_tiny_patch16_224", ...)`` take the CLI's specs."""
-    return build(model) if isinstance(model, str) else model
+    if isinstance(model, str):
+        return build(model)
+    if not isinstance(model, nn.Module):
+        from ..errors import ConfigError
+
+        raise ConfigError(
+            f"depthrewrite takes a torch.nn.Module (or a model spec string such as 'hf:llama' or "
+            f"'package.module:factory'), got a {type(model).__name__}: {repr(model)[:80]}"
+        )
+    return model
 
 
 @contextmanager

@@ -93,3 +93,34 @@ def test_msar_starts_a_sequence_exactly_and_refuses_to_continue_one():
             litgpt_generate(conv, ids[0, :PROMPT], max_returned_tokens=PROMPT + 2, temperature=0.0, top_k=1)
         conv.clear_kv_cache()
         torch.testing.assert_close(conv(ids), full)  # without the cache, the whole sequence: as before
+
+
+def test_torchtune_cache_refusal_names_the_assert_and_what_to_do():
+    """torchtune's KVCache.update asserts on a tensor's value: the CaptureError names that line and the way out."""
+    from depthrewrite.errors import CaptureError
+    from tests.frameworks.models import build
+
+    model, args, kwargs = build("torchtune", "llama3")
+    model.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        conv = dr.convert(model, "attnres", blocks=2, example_inputs=args, example_kwargs=kwargs)
+    B, T = args[0].shape
+    conv.setup_caches(batch_size=B, dtype=torch.float32, decoder_max_seq_len=32)
+    mask = torch.tril(torch.ones(T, 32, dtype=torch.bool))[None].expand(B, -1, -1)
+    with pytest.raises(CaptureError, match=r"kv_cache\.py:\d+ in KVCache\.update.*disable_kv_cache"):
+        conv(*args, mask=mask, input_pos=torch.arange(T)[None].expand(B, -1))
+
+
+def test_float_token_ids_name_the_dtype_first():
+    from depthrewrite.demo.zoo import hf_model
+    from depthrewrite.errors import CaptureError
+
+    with pytest.raises(CaptureError, match=r"floating-point input input_ids reaches an embedding.*torch\.long"):
+        dr.convert(hf_model("llama", layers=2), "attnres", example_kwargs={"input_ids": torch.rand(2, 8)})
+
+
+@pytest.mark.parametrize("bad", [42, None, [1, 2]])
+def test_convert_of_something_that_is_not_a_model(bad):
+    with pytest.raises(ConfigError, match="takes a torch.nn.Module"):
+        dr.convert(bad, "attnres")
