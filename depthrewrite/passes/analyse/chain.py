@@ -10,7 +10,8 @@ The chain we look for::
 
 How it is found (no class or module names are consulted, except module *structure* to break one tie, below):
 
-1. every normalisation is found by :func:`~depthrewrite.passes.analyse.norms.find_norms`;
+1. every normalisation is found by :func:`~depthrewrite.passes.analyse.norms.find_norms` (also inside a
+   ``torch.autocast`` / ``no_grad`` region that export records as a wrapper op, read at the region's boundary);
 2. the final norm is the last norm (graph order) whose input is an ``add`` that starts a residual step;
 3. walking back from there, each ``add`` is expanded into its *add tree* (operand adds read only by this tree and
    written in the same module's forward: ``attn + mlp + h``) and its leaves are split into the *skip* leaf ``h`` (the
@@ -43,8 +44,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ...errors import NoResidualChainError, NotPreNormError
 from .graph import Dataflow, module_path_of
-from .norms import NormSite, find_norms
-from .ops import is_float_tensor, is_param, op_of, shape_str, tensor_inputs, tensor_val, val
+from .norms import NormSite, find_norms, refused_wrapped_norms
+from .ops import is_float_tensor, is_param, op_of, shape_str, tensor_inputs, tensor_val, val, wrapper_body, wrapper_call
 
 __all__ = ["Branch", "Sublayer", "Chain", "detect_chain"]
 
@@ -257,7 +258,9 @@ def _add_tree(df: Dataflow, root: fx.Node, stop: set[fx.Node] = frozenset()) -> 
 
 def _same_shape(a: fx.Node, b: fx.Node) -> bool:
     va, vb = tensor_val(a), tensor_val(b)
-    return va is not None and vb is not None and len(va.shape) == len(vb.shape) and va.shape[-1] == vb.shape[-1]
+    if va is None or vb is None or va.dim() == 0 or vb.dim() == 0:  # a scalar (a summed loss term) is no stream
+        return False
+    return len(va.shape) == len(vb.shape) and va.shape[-1] == vb.shape[-1]
 
 
 def _skip_leaf(df: Dataflow, leaves: list[fx.Node]) -> fx.Node | None:
@@ -698,9 +701,15 @@ def _diagnose(df: Dataflow, by_input, by_output, norms) -> None:
     _diagnose_depth_mix(df, norms)
     adds = _residual_adds(df)
     if not adds:
+        counts = f"({sum(1 for n in df.nodes if op_of(n, df.gm) == 'add')} adds inspected, {len(norms)} norms found)"
+        hidden = _hidden_in_wrappers(df)
+        if hidden:
+            raise NoResidualChainError(
+                f"no residual chain outside wrapper regions: the graph has no add whose one operand is computed from "
+                f"the other {counts}, but {hidden}"
+            )
         raise NoResidualChainError(
-            "no residual chain: the graph has no add whose one operand is computed from the other "
-            f"({sum(1 for n in df.nodes if op_of(n, df.gm) == 'add')} adds inspected, {len(norms)} norms found). "
+            f"no residual chain: the graph has no add whose one operand is computed from the other {counts}. "
             "depthrewrite rewrites transformers of the form h = h + f(norm(h)); this model has no skip connection."
         )
     first = _first_raw_add(df, by_input, by_output, adds)
@@ -717,6 +726,30 @@ def _diagnose(df: Dataflow, by_input, by_output, norms) -> None:
         "norm: the sum after the last residual add is not read by a norm. depthrewrite needs PreNorm blocks and a "
         "final norm before the output head.",
         node=add.name,
+    )
+
+
+def _hidden_in_wrappers(df: Dataflow) -> str:
+    """Words on residual adds that run inside wrapper regions (a whole block under ``torch.autocast`` or
+    ``torch.no_grad``), which the analysis reads only at their boundary; '' when there are none."""
+    found = []
+    for n in df.nodes:
+        wrapped = wrapper_call(n)
+        if wrapped is not None:
+            inner = Dataflow(wrapped[0])
+            k = len(_residual_adds(inner))
+            if k:
+                found.append((n, k, len(find_norms(wrapped[0], inner))))
+    if not found:
+        return ""
+    n, _, _ = found[0]
+    return (
+        f"{sum(k for _, k, _ in found)} residual adds and {sum(m for _, _, m in found)} norms run inside "
+        f"{len(found)} wrapper region(s) (first: {_where(n)}, a `{n.target.name()}` region, body "
+        f"`{wrapper_body(n)}`): a torch.autocast / set_grad_enabled block around the residual add. depthrewrite "
+        "reads such a region at its boundary only (a norm inside one counts when the region is passed the stream "
+        "value and returns the norm's output), so it cannot rewrite a residual add inside one: put the block "
+        "around the norm or the sublayer instead."
     )
 
 
@@ -984,6 +1017,7 @@ def _raw_message(df: Dataflow, add: fx.Node, h: fx.Node, raw: fx.Node) -> str:
         f"residual add {_where(add)} is not PreNorm: its branch reads the stream {_where(h)} directly at "
         f"{_where(raw)}, with no norm in between"
     )
+    msg += _wrapper_words(df, raw, h)
     readers = [u for u in df.users(add) if u.op != "output"]
     norms_of_sum = [u for u in readers if op_of(u, df.gm) in ("layer_norm", "rms_norm", "pow", "mul", "cast")]
     sub = _interpolation(df, add, h)
@@ -1005,6 +1039,22 @@ def _raw_message(df: Dataflow, add: fx.Node, h: fx.Node, raw: fx.Node) -> str:
     return msg + (
         ". depthrewrite rewrites PreNorm chains h = h + f(Norm(h)) only, where every branch reads the stream "
         "through its own norm; convert a PreNorm model instead."
+    )
+
+
+def _wrapper_words(df: Dataflow, raw: fx.Node, h: fx.Node) -> str:
+    """When ``raw`` is a wrapper region (``wrap_with_autocast``: a ``torch.autocast`` or ``set_grad_enabled`` block)
+    holding a norm of ``h`` that is not read as a pre-norm: why not, in words ('' otherwise)."""
+    if wrapper_call(raw) is None:
+        return ""
+    whys = [why for call, x, why in refused_wrapped_norms(df.gm, df) if call is raw and (x is None or df.canon(x) is df.canon(h))]
+    what = f"that is a `{raw.target.name()}` region, body `{wrapper_body(raw)}`,"
+    if not whys:
+        return f" ({what} which holds no norm of the stream)"
+    return (
+        f" ({what} which holds a norm, but {whys[0]}; a norm inside such a region is read as a pre-norm only when "
+        "the region is passed the stream value, returns the norm's output and reads the stream value for nothing "
+        "else)"
     )
 
 

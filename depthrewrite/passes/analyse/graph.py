@@ -6,7 +6,9 @@ The analysis reads dataflow only. Two facts about captured graphs shape this mod
   left out;
 * export writes a no-op ``x.to(x.dtype)`` as a node that later readers of ``x`` read instead of ``x`` (see
   :func:`~depthrewrite.passes.analyse.ops.is_alias`); :class:`Dataflow` folds such aliases into the tensor they alias,
-  so "the users of h" includes the readers of its aliases.
+  so "the users of h" includes the readers of its aliases;
+* a wrapper region (``wrap_with_autocast``: see :mod:`~depthrewrite.passes.analyse.ops`) is one node reading its
+  operands, whose outputs are its ``getitem`` readers; an output that only aliases an operand is folded into it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from .ops import is_alias, is_float_tensor, is_param, op_of, strip_alias, tensor_inputs, tensor_val, val
+from .ops import alias_of, is_alias, is_float_tensor, is_param, op_of, strip_alias, tensor_inputs, tensor_val, val, wrapper_call
 
 __all__ = ["Dataflow", "module_path_of", "normalise_module_path"]
 
@@ -47,8 +49,10 @@ def module_path_of(node: fx.Node) -> str | None:
 class Dataflow:
     """Tensor dataflow of one graph, with aliases folded into the tensors they alias."""
 
-    def __init__(self, gm: fx.GraphModule):
+    def __init__(self, gm: fx.GraphModule, static_inputs=()):
+        """``static_inputs``: placeholders to count as static (a wrapper subgraph's operands that are parameters)."""
         self.gm = gm
+        self.static_inputs = frozenset(static_inputs)
         self.nodes: list[fx.Node] = list(gm.graph.nodes)
         self.order = {n: i for i, n in enumerate(self.nodes)}
         self.by_name = {n.name: n for n in self.nodes}
@@ -94,9 +98,12 @@ class Dataflow:
         while todo:
             cur = todo.pop()
             for u in cur.users:
-                if is_alias(u) and u.args[0] is cur:
+                if alias_of(u) is cur:
                     todo.append(u)
-                elif u.op == "output" or (isinstance(val(u), (torch.Tensor, tuple, list)) and cur in tensor_inputs(u)):
+                    continue
+                if wrapper_call(u) is not None:  # a region's outputs that alias cur are cur too
+                    todo.extend(g for g in u.users if alias_of(g) is cur)
+                if u.op == "output" or (isinstance(val(u), (torch.Tensor, tuple, list)) and cur in tensor_inputs(u)):
                     seen[u] = None
         return sorted(seen, key=self.order.__getitem__)
 
@@ -105,9 +112,10 @@ class Dataflow:
         """Nodes whose value depends on parameters, buffers and constants only (never on a graph input)."""
         out: set[fx.Node] = set()
         for n in self.nodes:
-            if n.op in ("get_attr",) or (n.op == "placeholder" and is_param(n)):
+            if n.op in ("get_attr",) or (n.op == "placeholder" and (is_param(n) or n in self.static_inputs)):
                 out.add(n)
-            elif op_of(n) == "shape_as":  # bias.expand_as(h): h gives only the shape
+            elif op_of(n) in ("shape_as", "cast"):
+                # bias.expand_as(h): h gives only the shape; w.type_as(h), w.to(h): h gives only the dtype
                 if isinstance(n.args[0], fx.Node) and n.args[0] in out:
                     out.add(n)
             elif n.op in ("call_function", "call_method", "call_module"):

@@ -8,7 +8,11 @@ Recognised (on export and Dynamo graphs alike):
 
       x * rsqrt(mean(x ** 2, -1, keepdim=True) + eps) [* weight | * (1 + weight)]   # also x*x, square(x), x / sqrt(..)
 
-  with any casts around it (``x.float()`` ... ``.to(input_dtype)``).
+  with any casts around it (``x.float()`` ... ``.to(input_dtype)``), the gain cast or not (``self.weight.type_as(x) * x``,
+  OLMo-core);
+* any of these inside a wrapper region (``torch.autocast(enabled=False)`` around OLMo-core's RMSNorm: export's
+  ``wrap_with_autocast`` op), when the norm normalises one of the region's operands and the region returns it: the
+  site is the region's call (its reader) and the ``getitem`` that carries the norm's output, both in the outer graph.
 
 A :class:`NormSite` records the tensor normalised (``input``, alias-stripped), the node that carries the finished
 value (``output``: after the gain and the cast back), every node in between, and the nodes that read the input
@@ -17,14 +21,14 @@ value (``output``: after the gain and the cast back), every node in between, and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.fx as fx
 
 from .graph import Dataflow, module_path_of
-from .ops import op_of, strip_alias, strip_casts, tensor_inputs, tensor_val
+from .ops import op_of, strip_alias, strip_casts, tensor_inputs, tensor_val, wrapper_body, wrapper_call, wrapper_output_node, wrapper_outputs
 
-__all__ = ["NormSite", "find_norms"]
+__all__ = ["NormSite", "find_norms", "refused_wrapped_norms"]
 
 
 @dataclass(frozen=True)
@@ -230,8 +234,74 @@ def find_norms(gm: fx.GraphModule, df: Dataflow | None = None) -> list[NormSite]
             out, post, weight, offset = _extend(df, applied, allow_affine=True)
             kind = ("layer_norm" if centered else "rms_norm") + " (written out" + (", 1 + weight)" if offset else ")")
             found.append(_site(df, kind, x, out, stat + [applied] + post, eps, weight))
+        elif wrapper_call(n) is not None:
+            found.extend(_wrapped_norms(df, n))
     found.sort(key=lambda s: df.order[df.by_name[s.output]])
     return found
+
+
+def _wrapped_norms(df: Dataflow, call: fx.Node, refused: list[tuple[fx.Node | None, str]] | None = None) -> list[NormSite]:
+    """The norms inside the wrapper region called by ``call``, as sites of the outer graph: a norm whose input is an
+    operand of the region and whose output the region returns. Its nodes are the region's call (the reader of the
+    input a rewrite redirects) and the ``getitem`` that carries the output, then any casts or gain applied outside.
+
+    The region must read that operand for the norm only (or return it unchanged, as OLMo-core's RMSNorm returns its
+    input's no-op ``x.float()``): a region that also computes something else from it would see a rewrite's new value
+    there too, so its norm is not offered as a site. Each norm of the region not offered is appended to ``refused``
+    as (the outer operand it normalises, or None; why, in words)."""
+    sub, operands = wrapper_call(call)
+    holders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    static = {p for p, a in zip(holders, operands) if isinstance(a, fx.Node) and df.canon(a) in df.static}
+    inner = Dataflow(sub, static_inputs=static)
+    rets = [strip_alias(r) if isinstance(r, fx.Node) else None for r in wrapper_outputs(sub)]
+    sites = []
+    refused = refused if refused is not None else []
+    for norm in find_norms(sub, inner):
+        x_in, out_in = inner.by_name[norm.input], inner.by_name[norm.output]
+        if x_in not in holders:
+            refused.append((None, f"its input `{norm.input}` is computed inside the region, not passed to it"))
+            continue
+        k = holders.index(x_in)
+        x = operands[k] if isinstance(operands[k], fx.Node) else None
+        out = wrapper_output_node(call, rets.index(out_in)) if out_in in rets else None
+        if x is None or out is None:
+            refused.append((x, "the region does not return its output" if out is None else "its input is no tensor"))
+            continue
+        own = set(norm.nodes)
+        other = [u.name for u in inner.users(x_in) if u.op != "output" and u.name not in own]
+        if other:
+            refused.append((x, "the region also computes something else from the norm's input ("
+                            + ", ".join(f"`{o}`" for o in other[:3]) + f" in `{wrapper_body(call)}`)"))
+            continue
+        written = "written out" in norm.kind
+        final, post, weight, offset = _extend(df, out, allow_affine=written and norm.weight is None)
+        kind = norm.kind
+        if offset and kind.endswith("(written out)"):
+            kind = kind[: -len(")")] + ", 1 + weight)"
+        if weight is None and norm.weight is not None:
+            w_in = inner.by_name.get(norm.weight)
+            if w_in in holders and isinstance(operands[holders.index(w_in)], fx.Node):
+                weight = _param_name(strip_casts(operands[holders.index(w_in)]))
+            else:
+                weight = norm.weight if w_in is None or w_in.op == "get_attr" else None
+        site = _site(df, kind, x, final, [call] + ([out] if out is not call else []) + post, norm.eps, weight)
+        if norm.module and site.module != norm.module:
+            site = replace(site, module=norm.module)
+        sites.append(site)
+    return sites
+
+
+def refused_wrapped_norms(gm: fx.GraphModule, df: Dataflow | None = None) -> list[tuple[fx.Node, fx.Node | None, str]]:
+    """The norms inside wrapper regions of ``gm`` that :func:`find_norms` does not offer as sites: (the region's call,
+    the operand the norm normalises or None, why in words). For error messages."""
+    df = df or Dataflow(gm)
+    out = []
+    for n in df.nodes:
+        if wrapper_call(n) is not None:
+            refused: list = []
+            _wrapped_norms(df, n, refused)
+            out += [(n, x, why) for x, why in refused]
+    return out
 
 
 def _param_name(node: fx.Node) -> str:

@@ -4,6 +4,13 @@
 ``torch.compile`` backend receives it, gives torch-level callables (``operator.add``, ``torch.rsqrt``,
 ``F.layer_norm``), ``call_method`` nodes (``x.pow(2)``) and ``meta["example_value"]``. :func:`op_of` maps either to
 one small vocabulary, so the passes never look at targets directly.
+
+Export also leaves *wrapper* higher-order ops in the training IR: a region run under ``torch.autocast`` or
+``torch.set_grad_enabled`` (OLMo-core runs its RMSNorm under ``autocast(enabled=False)``) becomes one
+``wrap_with_autocast(..., submod, *operands)`` node whose result is a tuple read by ``getitem``. The region's body is
+a subgraph that computes its outputs from the operands. :func:`wrapper_call` reads such a node; the dataflow
+helpers here see through it: a region output that is only a no-op cast of an operand is an alias of that operand
+(:func:`alias_of`), and the region node reads the data of its operands only (:func:`tensor_inputs`).
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 __all__ = [
-    "op_name",
+    "op_name", "wrapper_call", "wrapper_body", "wrapper_outputs", "wrapper_output_node", "alias_of",
     "op_of", "val", "tensor_val", "is_float_tensor", "tensor_inputs", "is_alias", "strip_alias", "strip_casts", "is_param",
     "shape_str",
 ]
@@ -98,6 +105,84 @@ if hasattr(torch.nn, "RMSNorm"):
     _MODULE_OPS[torch.nn.RMSNorm] = "rms_norm"
 
 
+#: higher-order ops that only run a subgraph on their operands (under a grad or autocast mode, or for checkpointing):
+#: name -> (index of the subgraph argument, index of the first operand)
+_WRAPPERS: dict[str, tuple[int, int]] = {
+    "wrap": (0, 1),
+    "wrap_with_set_grad_enabled": (1, 2),
+    "wrap_with_autocast": (4, 5),
+    "tag_activation_checkpoint": (0, 1),
+    "wrap_activation_checkpoint": (0, 1),
+    "invoke_subgraph": (0, 2),
+}
+
+
+def wrapper_call(node: Any) -> tuple[fx.GraphModule, tuple] | None:
+    """For a call of a wrapper higher-order op (``wrap_with_autocast``, ``wrap_with_set_grad_enabled``, ``wrap``,
+    ``tag_activation_checkpoint``, ``invoke_subgraph``): (the subgraph it runs, its operands, one per placeholder of
+    the subgraph, in order). None for any other node."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return None
+    target = node.target
+    if not isinstance(target, torch._ops.HigherOrderOperator):
+        return None
+    pos = _WRAPPERS.get(target.name())
+    if pos is None or len(node.args) <= pos[0]:
+        return None
+    ref = node.args[pos[0]]
+    owner = node.graph.owning_module
+    if not isinstance(ref, fx.Node) or ref.op != "get_attr" or owner is None:
+        return None
+    sub: Any = owner
+    try:
+        for part in str(ref.target).split("."):
+            sub = getattr(sub, part)
+    except AttributeError:
+        return None
+    if not isinstance(sub, fx.GraphModule):
+        return None
+    operands = tuple(node.args[pos[1]:])
+    if sum(1 for n in sub.graph.nodes if n.op == "placeholder") != len(operands):
+        return None
+    return sub, operands
+
+
+def wrapper_body(node: fx.Node) -> str:
+    """The name of the subgraph a wrapper call runs (``submod_1``), for messages."""
+    return str(node.args[_WRAPPERS[node.target.name()][0]].target)
+
+
+def wrapper_outputs(sub: fx.GraphModule) -> list[Any]:
+    """The values a wrapper's subgraph returns, in order (its output node's arguments, flattened one level)."""
+    out = next((n for n in reversed(sub.graph.nodes) if n.op == "output"), None)
+    if out is None or not out.args:
+        return []
+    ret = out.args[0]
+    return list(ret) if isinstance(ret, (tuple, list)) else [ret]
+
+
+def wrapper_output_node(node: fx.Node, i: int) -> fx.Node | None:
+    """The node of the outer graph that carries output ``i`` of the wrapper call ``node``: ``getitem(node, i)`` when
+    it returns a tuple (the first such node), ``node`` itself when it returns one tensor; None when unused."""
+    if isinstance(val(node), (tuple, list)):
+        return next(
+            (u for u in node.users if u.op == "call_function" and u.target is operator.getitem and u.args[1] == i),
+            None,
+        )
+    return node if i == 0 else None
+
+
+def _wrapper_output_index(node: fx.Node) -> tuple[fx.Node, int] | None:
+    """(wrapper call, output index) for a node that carries one output of a wrapper call."""
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        if wrapper_call(node.args[0]) is not None and isinstance(node.args[1], int):
+            return node.args[0], node.args[1]
+        return None
+    if wrapper_call(node) is not None and not isinstance(val(node), (tuple, list)):
+        return node, 0
+    return None
+
+
 def op_name(n: fx.Node) -> str | None:
     """The name of the aten or custom op ``n`` calls, without namespace and overload (``"to"``, ``"dropout"``,
     ``"moda_slots"``), or None when ``n`` calls no op overload."""
@@ -175,34 +260,71 @@ def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     if op in ("cast", "shape_as"):
         visit(node.args[:1])
         return out
+    wrapped = wrapper_call(node)
+    if wrapped is not None:  # the subgraph argument is a module, not data
+        visit(wrapped[1])
+        return out
     visit(node.args)
     visit(node.kwargs)
     return out
 
 
-def is_alias(node: fx.Node) -> bool:
-    """True for a cast that changes nothing (same dtype and shape as its input): ``x.to(x.dtype)``.
+def alias_of(node: fx.Node) -> fx.Node | None:
+    """The tensor ``node`` is an alias of, or None: a cast that changes nothing (same dtype and shape as its input,
+    ``x.to(x.dtype)``, ``w.type_as(x)`` for a ``w`` of x's dtype), or a wrapper region's output that is such a cast
+    of (or is) one of the region's operands (OLMo-core's RMSNorm returns its input's no-op ``x.float()`` from its
+    ``autocast`` region, which the residual add then reads).
 
     Export records such no-op ``.to()`` calls as nodes, and later readers of the same tensor read the alias node
     (``residual = h`` is taken before the norm's ``h.to(float32)``, but the tracer maps both to the alias).
     """
-    if op_of(node) != "cast" or not node.args or not isinstance(node.args[0], fx.Node):
-        return False
-    a, b = tensor_val(node), tensor_val(node.args[0])
-    return a is not None and b is not None and a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape)
+    if op_of(node) == "cast":
+        if not node.args or not isinstance(node.args[0], fx.Node):
+            return None
+        a, b = tensor_val(node), tensor_val(node.args[0])
+        same = a is not None and b is not None and a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape)
+        return node.args[0] if same else None
+    out = _wrapper_output_index(node)
+    if out is None:
+        return None
+    hop, i = out
+    sub, operands = wrapper_call(hop)
+    rets = wrapper_outputs(sub)
+    if i >= len(rets) or not isinstance(rets[i], fx.Node):
+        return None
+    inner = strip_alias(rets[i])
+    if inner.op != "placeholder":
+        return None
+    k = [n for n in sub.graph.nodes if n.op == "placeholder"].index(inner)
+    src = operands[k]
+    if not isinstance(src, fx.Node):
+        return None
+    a, b = tensor_val(node), tensor_val(src)
+    same = a is not None and b is not None and a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape)
+    return src if same else None
+
+
+def is_alias(node: fx.Node) -> bool:
+    """True for a node that only aliases another tensor (see :func:`alias_of`)."""
+    return alias_of(node) is not None
 
 
 def strip_alias(node: fx.Node) -> fx.Node:
-    while is_alias(node):
-        node = node.args[0]
+    while (a := alias_of(node)) is not None:
+        node = a
     return node
 
 
 def strip_casts(node: fx.Node) -> fx.Node:
-    """Follow every cast (real or not) back to the tensor it was made from."""
-    while op_of(node) == "cast" and node.args and isinstance(node.args[0], fx.Node):
-        node = node.args[0]
-    return node
+    """Follow every cast (real or not), and every wrapper output that aliases an operand, back to the tensor it was
+    made from."""
+    while True:
+        if op_of(node) == "cast" and node.args and isinstance(node.args[0], fx.Node):
+            node = node.args[0]
+        elif (a := alias_of(node)) is not None:
+            node = a
+        else:
+            return node
 
 
 def is_param(node: fx.Node) -> bool:
