@@ -204,3 +204,19 @@ def test_examples_write_into_folders_of_their_own(example_help):
     assert len(outs) >= 5, outs
     assert not any("depthrewrite-demo" in o for o in outs.values()), outs
     assert len(set(outs.values())) == len(outs), outs
+
+
+# ---- refusals raised in api.py (owned elsewhere) --------------------------------------------------------------------
+
+
+@pytest.mark.xfail(strict=True, reason="api.py's refusal calls report().config.describe() without the block size; "
+                   "the fix is report().describe() there (ConvertReport.describe, views/report.py)")
+def test_the_already_converted_refusal_names_the_real_block_size(conv):
+    with pytest.raises(dr.ConfigError, match="already converted") as err:
+        dr.convert(conv, "attnres", blocks=2, pipeline_stages=2)
+    assert "S=None" not in str(err.value) and conv.report().describe() in str(err.value)
+
+
+def test_converting_a_non_module_is_a_config_error():
+    with pytest.raises(dr.ConfigError, match="nn.Module"):
+        dr.convert(42, "attnres")
