@@ -134,7 +134,7 @@ def convert(
         )
     if is_converted(model):
         raise ConfigError(
-            f"this {type(model).__name__} is already converted ({model.report().config.describe()}); convert the "
+            f"this {type(model).__name__} is already converted ({model.report().describe()}); convert the "
             "original model (depthrewrite.convert(..., inplace=False) keeps the original)"
         )
     get_handler(config)  # an unregistered config class fails here, before anything is touched

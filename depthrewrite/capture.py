@@ -410,6 +410,46 @@ def _explain_export_error(model: nn.Module, e: BaseException, args: tuple, kwarg
     return f"torch.export could not capture {name}: {type(e).__name__}: {first}{at}\n{_GENERIC_ADVICE}"
 
 
+def drop_fake_state(model: nn.Module) -> list[str]:
+    """Remove the fake tensors ``torch.export`` left in Python-side state of the model's modules and return their
+    paths. A cache a module fills on first use (OLMo-core's RoPE sin/cos tables in a plain dict) is filled during the
+    trace with export's fake tensors; left there, every later eager call would compute with them. Dropped, the cache
+    is filled again with real tensors on the next call."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    dropped: list[str] = []
+    seen: set[int] = set()
+
+    def visit(obj: Any, path: str, depth: int) -> None:
+        if depth > 6 or id(obj) in seen or isinstance(obj, (nn.Module, torch.Tensor, type, str, bytes)):
+            return
+        seen.add(id(obj))
+        if isinstance(obj, dict):
+            for k in list(obj):
+                if isinstance(obj[k], FakeTensor):
+                    del obj[k]
+                    dropped.append(f"{path}[{k!r}]")
+                else:
+                    visit(obj[k], f"{path}[{k!r}]", depth + 1)
+        elif isinstance(obj, (list, tuple, set)):
+            for i, v in enumerate(obj):
+                visit(v, f"{path}[{i}]", depth + 1)
+        elif hasattr(obj, "__dict__") and not callable(obj):
+            visit(vars(obj), path, depth + 1)
+
+    for name, mod in model.named_modules():
+        for k, v in list(vars(mod).items()):
+            if k in ("_parameters", "_buffers", "_modules"):
+                continue
+            where = f"{name}.{k}" if name else k
+            if isinstance(v, FakeTensor):
+                delattr(mod, k)
+                dropped.append(where)
+            else:
+                visit(v, where, 0)
+    return dropped
+
+
 def capture(
     model: nn.Module,
     example_inputs: tuple | None = None,
@@ -480,6 +520,9 @@ def capture(
     except Exception as e:  # torch.export raises many types; all of them mean the same to our user
         raise CaptureError(_explain_export_error(model, e, args, kwargs)) from e
     else:
+        dropped = drop_fake_state(model)
+        if dropped:
+            log.info("capture: dropped fake tensors export left in %s", ", ".join(dropped[:4]))
         gm = ep.module()
         # eval mode only: dropout would make the two calls differ; never where the call writes state into the model
         # (a KV cache in its buffers): running it twice more would write it twice more

@@ -58,3 +58,28 @@ def test_inputs_that_do_not_fit_forward():
 
     with pytest.raises(CaptureError, match="do not fit GPT.forward"):
         capture(nanogpt(n_layer=1), (torch.zeros(2, 3, dtype=torch.long), torch.zeros(1)))
+
+
+def test_fake_tensors_left_in_a_python_side_cache_are_dropped():
+    """A module that fills a plain-dict cache on first use (OLMo-core's RoPE tables) gets export's fake tensors in
+    it during the capture; they are dropped, so eager calls afterwards compute with real tensors again."""
+    import torch.nn as nn
+    from depthrewrite import capture as _capture
+
+    class Cached(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.cache = {}
+
+        def forward(self, x):
+            if "scale" not in self.cache:
+                self.cache["scale"] = torch.ones(4) * 2
+            return self.lin(x) * self.cache["scale"]
+
+    m = Cached().eval()
+    x = torch.randn(2, 3, 4)
+    _capture(m, (x,), check=False)
+    out = m(x)
+    assert type(out) is torch.Tensor
+    torch.testing.assert_close(out, m.lin(x) * 2)
