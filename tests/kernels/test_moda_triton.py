@@ -58,12 +58,14 @@ def calls(monkeypatch):
     return n
 
 
-def make(B, Hq, Hk, T, S, n, d, *, mask=None, mask_shape=None, lam=None, dtype=torch.float32, seed=0):
-    """Inputs for one call; q, k, v, depth slots (and λ, a float mask) require grad."""
+def make(B, Hq, Hk, T, S, n, d, *, mask=None, mask_shape=None, lam=None, dtype=torch.float32, seed=0, dv=None):
+    """Inputs for one call; q, k, v, depth slots (and λ, a float mask) require grad. ``dv``: the value head dim
+    (default d; MLA's differs)."""
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g).to(DEVICE, dtype).requires_grad_()  # noqa: E731
-    q, k, v = r(B, Hq, T, d), r(B, Hk, S, d), r(B, Hk, S, d)
-    Kd, Vd = r(B, T, n, Hk, d), r(B, T, n, Hk, d)
+    dv = d if dv is None else dv
+    q, k, v = r(B, Hq, T, d), r(B, Hk, S, d), r(B, Hk, S, dv)
+    Kd, Vd = r(B, T, n, Hk, d), r(B, T, n, Hk, dv)
     m = None
     shape = mask_shape or (T, S)
     if mask == "bool":
@@ -89,7 +91,7 @@ def check(inputs, scale, causal, softcap, dtype=torch.float32):
         out = moda_attn(q, k, v, m, Kd, Vd, w, scale, causal, 0.0, None, softcap)
     ref_in = [_f32(t) for t in inputs]
     ref = moda_attn_ref(*ref_in[:6], ref_in[6], scale, causal, 0.0, None, softcap)
-    assert out.dtype == dtype and out.shape == q.shape and out.stride() == ref.stride()
+    assert out.dtype == dtype and out.shape == (*q.shape[:3], v.shape[3]) and out.stride() == ref.stride()
     torch.testing.assert_close(out.float(), ref, **TOL[dtype])
     go = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     leaves = [t for t in inputs if t is not None and t.requires_grad]
@@ -122,6 +124,16 @@ def test_fused_matches_reference(B, Hq, Hk, T, S, n, d, causal, mask, mask_shape
     inputs = make(B, Hq, Hk, T, S, n, d, mask=mask, mask_shape=mask_shape, lam=lam, seed=T * 7 + n)
     check(inputs, 1.0 / math.sqrt(d), causal, softcap)
     assert calls == {"fwd": 2, "bwd": 1}  # the kernel path ran both ways (the backward recomputes the LSE)
+
+
+@pytest.mark.parametrize("d, dv, mask, lam, softcap", [
+    (24, 16, "bool", "mixed", 0.0),  # MLA (DeepSeek-V3): query/key head dim 24, value head dim 16
+    (8, 20, "add", None, 3.0),  # values wider than the keys, padded to another power of two
+])
+def test_value_head_dim_differs_from_the_key_head_dim(d, dv, mask, lam, softcap, calls):
+    inputs = make(2, 4, 2, 11, 11, 3, d, mask=mask, mask_shape=(2, 1, 11, 11), lam=lam, seed=d + dv, dv=dv)
+    check(inputs, 1.0 / math.sqrt(d), True, softcap)
+    assert calls == {"fwd": 2, "bwd": 1}
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -288,7 +300,7 @@ def build(fn, ptrs, consts, warps, stages):
 for dt, d, G, mk in [("bf16", 128, 4, 0), ("bf16", 64, 4, 1), ("fp16", 128, 3, 2)]:
     c = F.block_config(G, d, getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[dt]))
     P, mptr = "*" + dt, {0: "*" + dt, 1: "*u8", 2: "*" + dt}[mk]
-    com = dict(GP=c["GP"], BD=c["BD"], MASK_KIND=mk, CAUSAL=mk != 1, SOFTCAP=mk == 1, DOT_PREC="tf32")
+    com = dict(GP=c["GP"], BD=c["BD"], BDV=c["BDV"], MASK_KIND=mk, CAUSAL=mk != 1, SOFTCAP=mk == 1, DOT_PREC="tf32")
     io = dict(Q=P, K=P, V=P, KD=P, VD=P, LAM="*fp32", MASK=mptr, LSE="*fp32", DELTA="*fp32", DO=P, DQ=P, DKD=P,
               DVD=P, DLAM="*fp32", DS="*fp32", DK=P, DV=P)
     stacks = [

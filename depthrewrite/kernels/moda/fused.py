@@ -141,9 +141,9 @@ def moda_attn_fwd_kernel(
     seb, set_, sen, seh, sed,
     smb, smh, smt, sms,
     sob, soh, sot, sod,
-    Hq, Hk, G, T, S, NSLOT, d,
+    Hq, Hk, G, T, S, NSLOT, d, dv,
     scale, softcap,
-    BMT: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+    BMT: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
     HAS_LAM: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr,
     STATS_ONLY: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
@@ -153,10 +153,13 @@ def moda_attn_fwd_kernel(
     tok64 = tok.to(tl.int64)
     head64 = head.to(tl.int64)
     qf = q.to(tl.float32)
+    offs_v = tl.arange(0, BDV)  # value head dims (MLA: narrower than the query/key head dim)
+    v_ok = offs_v < dv
+    ldv = row_ok[:, None] & v_ok[None, :]
 
     m_i = tl.full([BMT * GP], float("-inf"), tl.float32)
     l_i = tl.zeros([BMT * GP], tl.float32)
-    acc = tl.zeros([BMT * GP, BD], tl.float32)
+    acc = tl.zeros([BMT * GP, BDV], tl.float32)
 
     # λ enters as log λ on the depth logits (λ clamped at 0: log 0 = -inf drops the depth part exactly)
     if HAS_LAM:
@@ -168,7 +171,7 @@ def moda_attn_fwd_kernel(
 
     # ---- depth part: the n slots of the row's own token (same online state) ----
     kd_base = KD + b64 * sdb + tok64[:, None] * sdt + kvh.to(tl.int64) * sdh + offs_d[None, :] * sdd
-    vd_base = VD + b64 * seb + tok64[:, None] * set_ + kvh.to(tl.int64) * seh + offs_d[None, :] * sed
+    vd_base = VD + b64 * seb + tok64[:, None] * set_ + kvh.to(tl.int64) * seh + offs_v[None, :] * sed
     for i in range(0, NSLOT):
         kd = tl.load(kd_base + i * sdn, mask=ld, other=0.0).to(tl.float32)
         s = tl.sum(qf * kd, axis=1) * scale
@@ -181,7 +184,7 @@ def moda_attn_fwd_kernel(
         p = tl.exp(s - m_use)
         l_i = l_i * alpha + p
         if not STATS_ONLY:
-            vd = tl.load(vd_base + i * sen, mask=ld, other=0.0).to(tl.float32)
+            vd = tl.load(vd_base + i * sen, mask=ldv, other=0.0).to(tl.float32)
             acc = acc * alpha[:, None] + p[:, None] * vd
         m_i = m_new
 
@@ -195,7 +198,7 @@ def moda_attn_fwd_kernel(
         full = (S // BN) * BN
     offs_n0 = tl.arange(0, BN)
     k_base = K + b64 * skb + kvh.to(tl.int64) * skh + offs_d[:, None] * skd
-    v_base = V + b64 * svb + kvh.to(tl.int64) * svh + offs_d[None, :] * svd
+    v_base = V + b64 * svb + kvh.to(tl.int64) * svh + offs_v[None, :] * svd
     for phase in tl.static_range(2):
         if phase == 0:
             lo_p = 0
@@ -216,7 +219,7 @@ def moda_attn_fwd_kernel(
             p = tl.exp(s - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             if not STATS_ONLY:
-                vt = tl.load(v_base + offs_n.to(tl.int64)[:, None] * svs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+                vt = tl.load(v_base + offs_n.to(tl.int64)[:, None] * svs, mask=n_ok[:, None] & v_ok[None, :], other=0.0)
                 acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
             m_i = m_new
 
@@ -227,9 +230,9 @@ def moda_attn_fwd_kernel(
         # SDPA does, not 0/0 (the next layer's masked keys would carry the NaN into every real row through P·V)
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(
-            O + b64 * sob + head64[:, None] * soh + tok64[:, None] * sot + offs_d[None, :] * sod,
+            O + b64 * sob + head64[:, None] * soh + tok64[:, None] * sot + offs_v[None, :] * sod,
             o.to(O.dtype.element_ty),
-            mask=ld,
+            mask=ldv,
         )
 
 
@@ -256,9 +259,9 @@ def moda_attn_bwd_kernel_dq(
     seb, set_, sen, seh, sed,
     smb, smh, smt, sms,
     sgb, sgh, sgt, sgd,
-    Hq, Hk, G, T, S, NSLOT, d,
+    Hq, Hk, G, T, S, NSLOT, d, dv,
     scale, softcap,
-    BMT: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+    BMT: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
     HAS_LAM: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr,
     STORE_DS: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
@@ -268,7 +271,11 @@ def moda_attn_bwd_kernel_dq(
     tok64 = tok.to(tl.int64)
     head64 = head.to(tl.int64)
     kvh64 = kvh.to(tl.int64)
-    do = tl.load(DO + b64 * sgb + head64[:, None] * sgh + tok64[:, None] * sgt + offs_d[None, :] * sgd, mask=ld, other=0.0)
+    offs_v = tl.arange(0, BDV)
+    v_ok = offs_v < dv
+    ldv = row_ok[:, None] & v_ok[None, :]
+    do = tl.load(DO + b64 * sgb + head64[:, None] * sgh + tok64[:, None] * sgt + offs_v[None, :] * sgd, mask=ldv,
+                 other=0.0)
     qf = q.to(tl.float32)
     dof = do.to(tl.float32)
     row = (b64 * Hq + head64) * T + tok64
@@ -289,13 +296,15 @@ def moda_attn_bwd_kernel_dq(
     offs_t = t0 + tl.arange(0, BMT)
     t_ok = offs_t < T
     st = t_ok[:, None] & d_ok[None, :]
+    stv = t_ok[:, None] & v_ok[None, :]
     kd_base = KD + b64 * sdb + tok64[:, None] * sdt + kvh64 * sdh + offs_d[None, :] * sdd
-    vd_base = VD + b64 * seb + tok64[:, None] * set_ + kvh64 * seh + offs_d[None, :] * sed
-    # dKd / dVd are contiguous [B, T, n, Hk, d] (allocated by the launcher)
+    vd_base = VD + b64 * seb + tok64[:, None] * set_ + kvh64 * seh + offs_v[None, :] * sed
+    # dKd / dVd are contiguous [B, T, n, Hk, d] and [B, T, n, Hk, dv] (allocated by the launcher)
     gd_base = (((b64 * T + offs_t.to(tl.int64)[:, None]) * NSLOT) * Hk + kvh64) * d + offs_d[None, :]
+    gv_base = (((b64 * T + offs_t.to(tl.int64)[:, None]) * NSLOT) * Hk + kvh64) * dv + offs_v[None, :]
     for i in range(0, NSLOT):
         kd = tl.load(kd_base + i * sdn, mask=ld, other=0.0).to(tl.float32)
-        vd = tl.load(vd_base + i * sen, mask=ld, other=0.0).to(tl.float32)
+        vd = tl.load(vd_base + i * sen, mask=ldv, other=0.0).to(tl.float32)
         s = tl.sum(qf * kd, axis=1) * scale
         if SOFTCAP:
             s = softcap * _tanh(s / softcap)
@@ -311,9 +320,9 @@ def moda_attn_bwd_kernel_dq(
             ds = ds * (1.0 - t_ * t_)
         dq += ds[:, None] * kd
         dkd = tl.sum(tl.reshape(ds[:, None] * qf, (BMT, GP, BD)), axis=1) * scale
-        dvd = tl.sum(tl.reshape(p[:, None] * dof, (BMT, GP, BD)), axis=1)
+        dvd = tl.sum(tl.reshape(p[:, None] * dof, (BMT, GP, BDV)), axis=1)
         tl.store(DKD + gd_base + i * (Hk * d), dkd.to(DKD.dtype.element_ty), mask=st)
-        tl.store(DVD + gd_base + i * (Hk * d), dvd.to(DVD.dtype.element_ty), mask=st)
+        tl.store(DVD + gv_base + i * (Hk * dv), dvd.to(DVD.dtype.element_ty), mask=stv)
     if HAS_LAM:
         tl.store(DLAM + row, dlam, mask=row_ok)
 
@@ -339,8 +348,8 @@ def moda_attn_bwd_kernel_dq(
             n_ok = offs_n < S
             kn = tl.load(k_base + offs_n.to(tl.int64)[:, None] * sks + offs_d[None, :] * skd,
                          mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-            vt = tl.load(v_base + offs_n.to(tl.int64)[None, :] * svs + offs_d[:, None] * svd,
-                         mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+            vt = tl.load(v_base + offs_n.to(tl.int64)[None, :] * svs + offs_v[:, None] * svd,
+                         mask=v_ok[:, None] & n_ok[None, :], other=0.0)
             s_raw = tl.dot(q, tl.trans(kn), input_precision=DOT_PREC) * scale
             s = _seq_logits(s_raw, tok, head, row_ok, offs_n, b64, S, MASK, smb, smh, smt, sms, softcap,
                             SOFTCAP, MASK_KIND, CAUSAL, phase == 1)
@@ -371,9 +380,9 @@ def moda_attn_bwd_kernel_dkdv(
     svb, svh, svs, svd,
     smb, smh, smt, sms,
     sgb, sgh, sgt, sgd,
-    Hq, Hk, G, T, S, d,
+    Hq, Hk, G, T, S, d, dv,
     scale, softcap,
-    BMT: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+    BMT: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
     MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -388,12 +397,15 @@ def moda_attn_bwd_kernel_dkdv(
     offs_d = tl.arange(0, BD)
     d_ok = offs_d < d
     ldn = n_ok[:, None] & d_ok[None, :]
+    offs_v = tl.arange(0, BDV)
+    v_ok = offs_v < dv
+    ldnv = n_ok[:, None] & v_ok[None, :]
     kn = tl.load(K + b64 * skb + kvh64 * skh + offs_n.to(tl.int64)[:, None] * sks + offs_d[None, :] * skd,
                  mask=ldn, other=0.0)
-    vn = tl.load(V + b64 * svb + kvh64 * svh + offs_n.to(tl.int64)[:, None] * svs + offs_d[None, :] * svd,
-                 mask=ldn, other=0.0)
+    vn = tl.load(V + b64 * svb + kvh64 * svh + offs_n.to(tl.int64)[:, None] * svs + offs_v[None, :] * svd,
+                 mask=ldnv, other=0.0)
     dk = tl.zeros([BN, BD], tl.float32)
-    dv = tl.zeros([BN, BD], tl.float32)
+    dv_acc = tl.zeros([BN, BDV], tl.float32)
 
     if CAUSAL:
         m_lo = (n0 // BMT) * BMT  # the first query token that can see key n0 is n0 (top-left aligned)
@@ -406,8 +418,8 @@ def moda_attn_bwd_kernel_dkdv(
         ld = row_ok[:, None] & d_ok[None, :]
         q = tl.load(Q + b64 * sqb + head64[:, None] * sqh + tok64[:, None] * sqt + offs_d[None, :] * sqd,
                     mask=ld, other=0.0)
-        do = tl.load(DO + b64 * sgb + head64[:, None] * sgh + tok64[:, None] * sgt + offs_d[None, :] * sgd,
-                     mask=ld, other=0.0)
+        do = tl.load(DO + b64 * sgb + head64[:, None] * sgh + tok64[:, None] * sgt + offs_v[None, :] * sgd,
+                     mask=row_ok[:, None] & v_ok[None, :], other=0.0)
         row = (b64 * Hq + head64) * T + tok64
         lse = _bwd_lse(LSE, row, row_ok)
         delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
@@ -416,7 +428,7 @@ def moda_attn_bwd_kernel_dkdv(
         s = _seq_logits(s_raw, tok, head, row_ok, offs_n, b64, S, MASK, smb, smh, smt, sms, softcap,
                         SOFTCAP, MASK_KIND, CAUSAL, True)
         p = tl.where(row_ok[:, None], tl.exp(s - lse[:, None]), 0.0)
-        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PREC)
+        dv_acc += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PREC)
         dp = tl.dot(do, tl.trans(vn), input_precision=DOT_PREC)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
@@ -427,7 +439,8 @@ def moda_attn_bwd_kernel_dkdv(
     dk = dk * scale
     base = ((b64 * Hk + kvh64) * S + offs_n.to(tl.int64)[:, None]) * d + offs_d[None, :]
     tl.store(DK + base, dk.to(DK.dtype.element_ty), mask=ldn)
-    tl.store(DV + base, dv.to(DV.dtype.element_ty), mask=ldn)
+    base_v = ((b64 * Hk + kvh64) * S + offs_n.to(tl.int64)[:, None]) * dv + offs_v[None, :]
+    tl.store(DV + base_v, dv_acc.to(DV.dtype.element_ty), mask=ldnv)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -464,16 +477,16 @@ def moda_attn_fwd(
     their weighted values, all in one pass; no logits or probabilities reach HBM.
     """
     B, Hq, T, d = q.shape
-    Hk, S = k.shape[1], k.shape[2]
+    Hk, S, dv = k.shape[1], k.shape[2], v.shape[3]
     n = depth_k.shape[2]
     G = Hq // Hk
-    cfg = block_config(G, d, q.dtype, torch.cuda.get_device_capability(q.device)[0] if q.is_cuda else 9)
+    cfg = block_config(G, d, q.dtype, torch.cuda.get_device_capability(q.device)[0] if q.is_cuda else 9, dv=dv)
     lse = torch.empty(B, Hq, T, device=q.device, dtype=torch.float32)
     if stats_only:
         o = None
         o_arg, so = lse, (0, 0, 0, 0)
     else:
-        o = torch.empty(B, T, Hq, d, device=q.device, dtype=q.dtype).transpose(1, 2)
+        o = torch.empty(B, T, Hq, dv, device=q.device, dtype=q.dtype).transpose(1, 2)
         o_arg, so = o, tuple(o.stride())
     mask, kind, sm = _mask_args(attn_mask, B, Hq, T, S, q)
     lam = depth_weight.contiguous() if depth_weight is not None else lse
@@ -481,9 +494,9 @@ def moda_attn_fwd(
     moda_attn_fwd_kernel[grid](
         q, k, v, depth_k, depth_v, lam, mask, o_arg, lse,
         *q.stride(), *k.stride(), *v.stride(), *depth_k.stride(), *depth_v.stride(), *sm, *so,
-        Hq, Hk, G, T, S, n, d,
+        Hq, Hk, G, T, S, n, d, dv,
         float(scale), float(softcap) if softcap > 0 else 1.0,
-        BMT=cfg["fwd_BMT"], GP=cfg["GP"], BN=cfg["fwd_BN"], BD=cfg["BD"],
+        BMT=cfg["fwd_BMT"], GP=cfg["GP"], BN=cfg["fwd_BN"], BD=cfg["BD"], BDV=cfg["BDV"],
         HAS_LAM=depth_weight is not None, MASK_KIND=kind, CAUSAL=bool(is_causal), SOFTCAP=softcap > 0,
         STATS_ONLY=stats_only, DOT_PREC=dot_precision(q.dtype),
         num_warps=cfg["fwd_warps"], num_stages=cfg["fwd_stages"],
@@ -512,18 +525,18 @@ def moda_attn_bwd(
     both backward kernels; nothing but ``o`` and the inputs is kept from the forward.
     """
     B, Hq, T, d = q.shape
-    Hk, S = k.shape[1], k.shape[2]
+    Hk, S, dv = k.shape[1], k.shape[2], v.shape[3]
     n = depth_k.shape[2]
     G = Hq // Hk
-    cfg = block_config(G, d, q.dtype, torch.cuda.get_device_capability(q.device)[0] if q.is_cuda else 9)
+    cfg = block_config(G, d, q.dtype, torch.cuda.get_device_capability(q.device)[0] if q.is_cuda else 9, dv=dv)
     _, lse = moda_attn_fwd(q, k, v, attn_mask, depth_k, depth_v, depth_weight, scale, is_causal, softcap, True)
     delta = (out.float() * grad.float()).sum(-1).contiguous()  # [B, Hq, T]
     mask, kind, sm = _mask_args(attn_mask, B, Hq, T, S, q)
     dq = torch.empty(B, Hq, T, d, device=q.device, dtype=q.dtype)
     dk = torch.empty(B, Hk, S, d, device=q.device, dtype=k.dtype)
-    dv = torch.empty(B, Hk, S, d, device=q.device, dtype=v.dtype)
+    dv_ = torch.empty(B, Hk, S, dv, device=q.device, dtype=v.dtype)
     dkd = torch.empty(B, T, n, Hk, d, device=q.device, dtype=depth_k.dtype)
-    dvd = torch.empty(B, T, n, Hk, d, device=q.device, dtype=depth_v.dtype)
+    dvd = torch.empty(B, T, n, Hk, dv, device=q.device, dtype=depth_v.dtype)
     has_lam = depth_weight is not None
     dlam_rows = torch.empty(B, Hq, T, device=q.device, dtype=torch.float32) if has_lam else lse
     store_ds = bool(mask_grad and kind == 2)
@@ -536,20 +549,21 @@ def moda_attn_bwd(
         q, k, v, depth_k, depth_v, lam, mask, grad, lse, delta,
         dq, dkd, dvd, dlam_rows, ds,
         *q.stride(), *k.stride(), *v.stride(), *depth_k.stride(), *depth_v.stride(), *sm, *grad.stride(),
-        Hq, Hk, G, T, S, n, d,
+        Hq, Hk, G, T, S, n, d, dv,
         float(scale), cap,
-        BMT=cfg["dq_BMT"], GP=cfg["GP"], BN=cfg["dq_BN"], BD=cfg["BD"], HAS_LAM=has_lam, STORE_DS=store_ds,
+        BMT=cfg["dq_BMT"], GP=cfg["GP"], BN=cfg["dq_BN"], BD=cfg["BD"], BDV=cfg["BDV"], HAS_LAM=has_lam,
+        STORE_DS=store_ds,
         num_warps=cfg["dq_warps"], num_stages=cfg["dq_stages"], **common,
     )
     moda_attn_bwd_kernel_dkdv[(triton.cdiv(S, cfg["kv_BN"]), B * Hk)](
-        q, k, v, mask, grad, lse, delta, dk, dv,
+        q, k, v, mask, grad, lse, delta, dk, dv_,
         *q.stride(), *k.stride(), *v.stride(), *sm, *grad.stride(),
-        Hq, Hk, G, T, S, d,
+        Hq, Hk, G, T, S, d, dv,
         float(scale), cap,
-        BMT=cfg["kv_BMT"], GP=cfg["GP"], BN=cfg["kv_BN"], BD=cfg["BD"],
+        BMT=cfg["kv_BMT"], GP=cfg["GP"], BN=cfg["kv_BN"], BD=cfg["BD"], BDV=cfg["BDV"],
         num_warps=cfg["kv_warps"], num_stages=cfg["kv_stages"], **common,
     )
     dmask = ds.sum_to_size(attn_mask.shape).to(attn_mask.dtype) if store_ds else None
     dlam = dlam_rows.sum(dim=(0, 2)).to(depth_weight.dtype) if has_lam else None
-    return dq, dk, dv, dmask, dkd, dvd, dlam
+    return dq, dk, dv_, dmask, dkd, dvd, dlam
 

@@ -17,8 +17,9 @@ def covers(q, k, v, attn_mask, depth_k, depth_v, depth_weight, dropout_p) -> str
     """``None`` when the fused kernel takes this ``moda_attn`` call, else the reason it runs the reference.
 
     Covered: fp32/bf16/fp16 with q, k, v, depth_k, depth_v of one dtype (bf16 only on CUDA: Triton's interpreter
-    has no bf16), Hq a multiple of Hk, head dim <= 256 (padded to a power of two with masks), n >= 1 depth slots,
-    non-empty T and S, no mask or a boolean / floating mask broadcastable to ``[B, Hq, T, S]``, ``dropout_p == 0``.
+    has no bf16), Hq a multiple of Hk, query/key and value head dims <= 256 (each padded to a power of two with
+    masks; they may differ, as in MLA), n >= 1 depth slots, non-empty T and S, no mask or a boolean / floating mask
+    broadcastable to ``[B, Hq, T, S]``, ``dropout_p == 0``.
     """
     if dropout_p > 0.0:  # the reference's dropout masks come from torch.rand with a seed; a kernel cannot match them
         return f"dropout_p={dropout_p} > 0 (seeded torch.rand masks)"
@@ -30,18 +31,18 @@ def covers(q, k, v, attn_mask, depth_k, depth_v, depth_weight, dropout_p) -> str
     if any(t.dtype != q.dtype for t in (k, v, depth_k, depth_v)):
         return "mixed input dtypes"
     B, Hq, T, d = q.shape
-    Hk, S = k.shape[1], k.shape[2]
+    Hk, S, dv = k.shape[1], k.shape[2], v.shape[3]
     if Hk == 0 or Hq % Hk:
         return f"Hq={Hq} not a multiple of Hk={Hk}"
-    if d > MAX_HEAD_DIM:
-        return f"head dim {d} > MAX_HEAD_DIM={MAX_HEAD_DIM}"
-    if min(B, T, S, d) == 0:
+    if max(d, dv) > MAX_HEAD_DIM:
+        return f"head dim {max(d, dv)} > MAX_HEAD_DIM={MAX_HEAD_DIM}"
+    if min(B, T, S, d, dv) == 0:
         return "empty input"
-    if v.shape != k.shape or k.shape[0] != B or k.shape[3] != d:
+    if v.shape[:3] != k.shape[:3] or k.shape[0] != B or k.shape[3] != d:
         return "k/v shapes do not match q"
     n = depth_k.shape[2]
-    if n < 1 or depth_k.shape != (B, T, n, Hk, d) or depth_v.shape != depth_k.shape:
-        return "depth slots not [B, T, n >= 1, Hk, d]"
+    if n < 1 or depth_k.shape != (B, T, n, Hk, d) or depth_v.shape != (B, T, n, Hk, dv):
+        return "depth slots not [B, T, n >= 1, Hk, d] (keys) and [B, T, n, Hk, dv] (values)"
     if depth_weight is not None and (depth_weight.shape != (Hq,) or not depth_weight.is_floating_point()):
         return "depth_weight not a float [Hq] tensor"
     if attn_mask is not None:
@@ -87,11 +88,13 @@ _HALF_TILES_SM80 = (  # sm_80 (mma.sync: accumulators in registers): the sm_90 t
 )
 
 
-def block_config(G: int, d: int, dtype: torch.dtype, arch: int = 9) -> dict[str, int]:
-    """Block sizes and warps for head dim ``d``, group size ``G`` and compute capability major ``arch`` (8: sm_80's
-    table for fp16/bf16; 9 and above: Hopper's; tiny under the interpreter).
+def block_config(G: int, d: int, dtype: torch.dtype, arch: int = 9, dv: int | None = None) -> dict[str, int]:
+    """Block sizes and warps for head dim ``d`` (queries and keys), value head dim ``dv`` (default ``d``; MLA's is
+    narrower), group size ``G`` and compute capability major ``arch`` (8: sm_80's table for fp16/bf16; 9 and above:
+    Hopper's; tiny under the interpreter). The tiles are those of the larger of the two padded head dims.
 
-    Returns a dict: ``GP`` (G rounded up to a power of two), ``BD`` (head dim padded to a power of two, >= 16) and, per
+    Returns a dict: ``GP`` (G rounded up to a power of two), ``BD`` (head dim padded to a power of two, >= 16),
+    ``BDV`` (the same for the value head dim) and, per
     kernel (prefix ``fwd_``, ``dq_``, ``kv_``), ``rows`` (folded query rows per tile: ``rows / GP`` tokens × GP heads),
     ``bn`` (sequence keys per tile), ``warps`` and ``stages``. Chosen so that an AOT compile of every kernel for its
     arch (strides of 1 specialised, as the JIT does; ``bench.aot``) shows no register spills at d <= 128; fp32 (no
@@ -99,6 +102,7 @@ def block_config(G: int, d: int, dtype: torch.dtype, arch: int = 9) -> dict[str,
     """
     GP = pow2(G)
     BD = max(16, pow2(d))
+    BDV = BD if dv is None else max(16, pow2(dv))
     if interpreting():
         c = _INTERPRETER_TILES
     else:
@@ -106,8 +110,8 @@ def block_config(G: int, d: int, dtype: torch.dtype, arch: int = 9) -> dict[str,
             table = _FP32_TILES_SM80 if arch < 9 else _FP32_TILES
         else:
             table = _HALF_TILES_SM80 if arch < 9 else _HALF_TILES
-        c = next((tiles for limit, tiles in table if BD <= limit), table[-1][1])
-    out = dict(GP=GP, BD=BD)
+        c = next((tiles for limit, tiles in table if max(BD, BDV) <= limit), table[-1][1])
+    out = dict(GP=GP, BD=BD, BDV=BDV)
     for k, (rows, bn, warps, stages) in c.items():
         rows = max(rows, GP)  # at least one token per tile
         out.update({f"{k}_rows": rows, f"{k}_BMT": rows // GP, f"{k}_BN": bn, f"{k}_warps": warps, f"{k}_stages": stages})

@@ -61,8 +61,8 @@ def moda_attn(
 
 @moda_attn.register_fake
 def _(q, k, v, attn_mask, depth_k, depth_v, depth_weight, scale, is_causal, dropout_p, seed, softcap):
-    B, H, T, d = q.shape
-    return q.new_empty((B, T, H, d)).transpose(1, 2)  # SDPA's output layout
+    B, H, T, _ = q.shape
+    return q.new_empty((B, T, H, v.shape[-1])).transpose(1, 2)  # SDPA's output layout, the value head dim
 
 
 
@@ -130,9 +130,9 @@ def _reference_grads(grad, args, mask_grad: bool) -> list[torch.Tensor | None]:
         ds_d = ds_d * (1.0 - (cap_d / softcap) ** 2)
     dq = (ds_s @ kf + torch.einsum("bhtn,btnhd->bhtd", ds_d, Kd)) * scale
     dk = ((ds_s.transpose(-1, -2) @ qf) * scale).view(B, Hk, G, S, d).sum(2)
-    dv = (pz_s.transpose(-1, -2) @ do).view(B, Hk, G, S, d).sum(2)
+    dv = (pz_s.transpose(-1, -2) @ do).view(B, Hk, G, S, -1).sum(2)  # the value head dim (MLA: not d)
     dkd = (torch.einsum("bhtn,bhtd->btnhd", ds_d, qf) * scale).view(B, T, -1, Hk, G, d).sum(4)
-    dvd = torch.einsum("bhtn,bhtd->btnhd", pz_d, do).view(B, T, -1, Hk, G, d).sum(4)
+    dvd = torch.einsum("bhtn,bhtd->btnhd", pz_d, do).view(B, T, -1, Hk, G, do.shape[-1]).sum(4)
     return [dq, dk, dv, dmask, dkd, dvd, dlam]
 
 
@@ -169,9 +169,9 @@ def _cpu_flash_grads(grad, args) -> list[torch.Tensor | None]:
     dlam = (e_d * (dp_d - delta)).sum(dim=(0, 2, 3)) if depth_weight is not None else None
     dq = dq_s + torch.einsum("bhtn,btnhd->bhtd", ds_d, Kd) * scale
     dk = dk_e.view(B, Hk, G, S, d).sum(2) if G > 1 else dk_e
-    dv = dv_e.view(B, Hk, G, S, d).sum(2) if G > 1 else dv_e
+    dv = dv_e.view(B, Hk, G, S, -1).sum(2) if G > 1 else dv_e
     dkd = (torch.einsum("bhtn,bhtd->btnhd", ds_d, q) * scale).view(B, T, -1, Hk, G, d).sum(4)
-    dvd = torch.einsum("bhtn,bhtd->btnhd", p_d, do).view(B, T, -1, Hk, G, d).sum(4)
+    dvd = torch.einsum("bhtn,bhtd->btnhd", p_d, do).view(B, T, -1, Hk, G, do.shape[-1]).sum(4)
     return [dq, dk, dv, None, dkd, dvd, dlam]
 
 
@@ -279,7 +279,7 @@ register_kernel_info(
         "in one online softmax; no logits, probabilities or separate LSE merge in HBM",
         falls_back="dropout_p > 0 (seeded torch.rand masks); dtypes other than fp32/bf16/fp16 or mixed input "
         "dtypes; bf16 on CPU (the Triton interpreter has no bf16); "
-        f"head dim > {MAX_HEAD_DIM}; Hq not a multiple of Hk; empty "
+        f"a query/key or value head dim > {MAX_HEAD_DIM} (they may differ: MLA); Hq not a multiple of Hk; empty "
         "T or S; a mask that is neither bool nor floating or not broadcastable to [B, Hq, T, S]",
     )
 )

@@ -34,13 +34,15 @@ def cpu_flash_applies(
 ) -> bool:
     """Whether the sequence part can run PyTorch's CPU flash-attention kernel (which also returns the log-sum-exp the
     merge needs): CPU fp32/fp64 tensors of one dtype (the math is then fp32/fp64 throughout, as the explicit path's),
-    no dropout, no soft-cap, a mask that is absent, boolean or of q's dtype, non-empty sequences."""
+    no dropout, no soft-cap, a mask that is absent, boolean or of q's dtype, non-empty sequences, and one head dim for
+    q, k and v (the kernel's own condition: MLA's narrower values take the explicit path)."""
     return (
         q.device.type == "cpu"
         and q.dtype in (torch.float32, torch.float64)
         and k.dtype == q.dtype
         and v.dtype == q.dtype
         and q.dim() == 4
+        and v.shape[-1] == q.shape[-1]
         and dropout_p <= 0.0
         and softcap <= 0.0
         and (attn_mask is None or attn_mask.dtype in (torch.bool, q.dtype))
@@ -185,10 +187,11 @@ def moda_attn_ref(
 
     Args:
         q (Tensor): ``[B, Hq, T, d]``.
-        k, v (Tensor): ``[B, Hk, S, d]`` sequence keys/values (Hq a multiple of Hk).
+        k, v (Tensor): ``[B, Hk, S, d]`` sequence keys and ``[B, Hk, S, dv]`` values (Hq a multiple of Hk; the value
+            head dim dv may differ from d, as in MLA).
         attn_mask (Tensor, optional): boolean (True = attend) or additive, broadcastable to ``[B, Hq, T, S]``;
             applies to the sequence part only.
-        depth_k, depth_v (Tensor): ``[B, T, n, Hk, d]`` token-major depth slots (n >= 1).
+        depth_k, depth_v (Tensor): ``[B, T, n, Hk, d]`` and ``[B, T, n, Hk, dv]`` token-major depth slots (n >= 1).
         depth_weight (Tensor, optional): λ ``[Hq]``, clamped at 0 (straight-through); None means λ = 1 (the paper).
         scale (float): the attention scale, shared by both parts.
         is_causal (bool): causal sequence mask (lower-triangular, top-left aligned, as SDPA's ``is_causal``).
@@ -197,7 +200,7 @@ def moda_attn_ref(
         softcap (float): logit soft-capping ``c·tanh(x/c)`` on both parts (Gemma2); 0 disables it. Default: 0.
 
     Returns:
-        Tensor ``[B, Hq, T, d]`` in q's dtype, laid out like SDPA's output (``[B, T, Hq, d]`` in memory), since
+        Tensor ``[B, Hq, T, dv]`` in q's dtype, laid out like SDPA's output (``[B, T, Hq, d]`` in memory), since
         model code may ``view`` the transposed output without a ``contiguous()``.
     """
     acc = torch.promote_types(q.dtype, torch.float32)

@@ -21,7 +21,7 @@ def naive_joint(q, k, v, mask, Kd, Vd, lam, scale, causal, softcap=0.0):
     """Concatenated logits, one softmax (moda.md §2), query head h -> KV head h // G, written with loops."""
     B, Hq, T, d = q.shape
     G = Hq // k.shape[1]
-    out = torch.empty(B, Hq, T, d, dtype=torch.float64)
+    out = torch.empty(B, Hq, T, v.shape[-1], dtype=torch.float64)
     for b in range(B):
         for h in range(Hq):
             g = h // G
@@ -45,20 +45,21 @@ def naive_joint(q, k, v, mask, Kd, Vd, lam, scale, causal, softcap=0.0):
 
 
 @pytest.mark.parametrize(
-    "Hq, Hk, T, n, causal, with_mask, lam, softcap",
+    "Hq, Hk, T, n, causal, with_mask, lam, softcap, dv",
     [
-        pytest.param(2, 2, 5, 1, True, False, False, 0.0, id="mha-one-slot"),  # G=1, n=1
-        pytest.param(4, 2, 7, 3, True, False, True, 0.0, id="gqa2-lambda"),  # odd T, λ
-        pytest.param(8, 2, 3, 4, False, True, False, 0.0, id="gqa4-noncausal-mask"),  # ViT-like + padding mask
-        pytest.param(8, 1, 4, 2, True, False, False, 5.0, id="mqa-softcap"),  # G=8, Gemma2 soft-capping
+        pytest.param(2, 2, 5, 1, True, False, False, 0.0, 3, id="mha-one-slot"),  # G=1, n=1
+        pytest.param(4, 2, 7, 3, True, False, True, 0.0, 3, id="gqa2-lambda"),  # odd T, λ
+        pytest.param(8, 2, 3, 4, False, True, False, 0.0, 3, id="gqa4-noncausal-mask"),  # ViT-like + padding mask
+        pytest.param(8, 1, 4, 2, True, False, False, 5.0, 3, id="mqa-softcap"),  # G=8, Gemma2 soft-capping
+        pytest.param(4, 2, 5, 2, True, True, True, 0.0, 2, id="mla-value-dim"),  # MLA: value head dim 2 != 3
     ],
 )
-def test_op_matches_naive_joint_softmax(Hq, Hk, T, n, causal, with_mask, lam, softcap):
+def test_op_matches_naive_joint_softmax(Hq, Hk, T, n, causal, with_mask, lam, softcap, dv):
     g = torch.Generator().manual_seed(T)
     d, B = 3, 2
     r = lambda *s: torch.randn(*s, dtype=torch.float64, generator=g, requires_grad=True)  # noqa: E731
-    q, k, v = r(B, Hq, T, d), r(B, Hk, T, d), r(B, Hk, T, d)
-    Kd, Vd = r(B, T, n, Hk, d), r(B, T, n, Hk, d)
+    q, k, v = r(B, Hq, T, d), r(B, Hk, T, d), r(B, Hk, T, dv)
+    Kd, Vd = r(B, T, n, Hk, d), r(B, T, n, Hk, dv)
     lam_t = (torch.rand(Hq, dtype=torch.float64, generator=g) * 2 - 0.5).requires_grad_() if lam else None
     mask = torch.rand(T, T, generator=g) > 0.3 if with_mask else None
     if mask is not None:
