@@ -1,7 +1,8 @@
 """MoDA: mixture-of-depths attention as a rewrite of each attention operator of the detected chain.
 
     slots    attention sublayer l writes its own (K, V) exactly as fed to attention (after RoPE / qk-norm, Hk heads);
-             MLP sublayer l writes kv_proj(Norm(h)) (a new Linear D -> 2·Hk·d, biased iff the k projection is), its keys
+             MLP sublayer l writes kv_proj(Norm(h)) (a new Linear D -> Hk·(d + dv), 2·Hk·d unless the value head dim
+             differs (MLA); biased iff the k projection is), its keys
              replayed through the block attention's key path (k-norm, RoPE; read from the graph, ``ffn_keys``); the last
              writer nothing reads is skipped
     site l   every attention after the first: one joint softmax over its causal sequence keys and the same token's
@@ -10,8 +11,9 @@
 
 Zhu et al., *Mixture-of-Depths Attention*, arXiv:2603.15619; spec: shared/specs/moda.md (§2, §8 Q1/Q8/Q9/Q10).
 Recognised attention forms: ``aten.scaled_dot_product_attention`` (GQA as an unsqueeze/expand/reshape repeat of K/V,
-or ``enable_gqa=True``) and the eager form ``matmul(q, kᵀ) · s (+ mask | masked_fill(mask, -inf)) -> softmax -> (dropout)
--> matmul(·, v)`` (HF eager, minGPT / nanoGPT without flash; a lower-triangular buffer mask is read as causal).
+litgpt's repeat_interleave, or ``enable_gqa=True``) and the eager form ``matmul(q, kᵀ) · s (+ mask | masked_fill(mask, -inf)) -> softmax -> (dropout)
+-> matmul(·, v)`` (HF eager, minGPT / nanoGPT without flash, litgpt's soft-capped Gemma-2; kᵀ is any op that transposes
+k's last two dims: transpose, mT, permute, t; a lower-triangular buffer mask is read as causal).
 Why post-RoPE slots are right: a slot is only read at its own position t, and (R_t q)·(R_t k) = q·k.
 """
 
@@ -81,7 +83,7 @@ class MoDAConfig(SchemeConfig):
 class AttentionOp:
     """One attention operator recovered from the graph."""
 
-    node: fx.Node  # the node whose output is the attention output [B, Hq, T, d]
+    node: fx.Node  # the node whose output is the attention output [B, Hq, T, dv]
     q: fx.Node
     k: fx.Node  # before any GQA repeat: [B, Hk, S, d]
     v: fx.Node
@@ -92,14 +94,28 @@ class AttentionOp:
     softcap: float
     hq: int
     hk: int
-    d: int
+    d: int  # the query/key head dim
     form: str  # "sdpa" | "eager"
     fill: fx.Node | None = None  # a masked_fill mask (True = masked) to negate into the sequence mask
+    dv: int = -1  # the value head dim (MLA: DeepSeek's v_head_dim differs from its q/k head dim); -1: d
+
+    @property
+    def dims(self) -> tuple[int, int]:
+        """(query/key head dim, value head dim)."""
+        return self.d, self.d if self.dv < 0 else self.dv
 
 
 def _unrepeat(x: fx.Node) -> fx.Node:
-    """K/V before HF's repeat_kv (``k[:, :, None].expand(..).reshape(..)``: unsqueeze -> full slices -> expand ->
-    reshape), else ``x``. The head count is checked against the shapes."""
+    """K/V before a GQA repeat of the heads that maps query head h to KV head h // G, else ``x``: HF's repeat_kv
+    (``k[:, :, None].expand(..).reshape(..)``: unsqueeze -> full slices -> expand -> reshape) or litgpt's
+    ``k.repeat_interleave(G, dim=1)``. The head count is checked against the shapes."""
+    if op_name(x) == "repeat_interleave" and len(x.args) >= 2 and isinstance(x.args[0], fx.Node) \
+            and isinstance(x.args[1], int):
+        dim = x.args[2] if len(x.args) > 2 else x.kwargs.get("dim")
+        base, full = _shape(x.args[0]), _shape(x)
+        if len(base) == len(full) == 4 and dim in (1, -3) and _static_int(base[1]) > 0 \
+                and _static_int(full[1]) == _static_int(base[1]) * x.args[1]:
+            return x.args[0]
     if op_name(x) in ("reshape", "view", "_unsafe_view"):
         e = x.args[0]
         if isinstance(e, fx.Node) and op_name(e) == "expand":
@@ -131,7 +147,8 @@ def _this_call_tokens(x: fx.Node, q: fx.Node) -> fx.Node:
     raise ConfigError(
         f"MoDA: the keys/values `{x.name}` of the attention at `{q.name}`'s reader span {kx[-2]} positions where its "
         f"queries span {kq[-2]}, and they are not a KV cache's cat([cached, new], dim=-2): the depth slots need this "
-        "call's own tokens. Call without a KV cache (use_cache=False)."
+        "call's own tokens. Call without the KV cache (HF: use_cache=False; a model-managed cache: clear it / don't "
+        "set it)."
     )
 
 
@@ -157,7 +174,7 @@ def _from_sdpa(n: fx.Node) -> AttentionOp:
     return AttentionOp(
         node=n, q=q, k=k, v=v, mask=a.get("attn_mask"), scale=float(scale) if scale is not None else 1.0 / math.sqrt(d),
         is_causal=bool(a.get("is_causal", False)), dropout_p=float(a.get("dropout_p", 0.0) or 0.0), softcap=0.0, hq=hq,
-        hk=hk, d=d, form="sdpa",
+        hk=hk, d=d, form="sdpa", dv=_static_int(_shape(v)[-1]),
     )
 
 
@@ -205,6 +222,47 @@ def _is_causal_buffer_mask(gm: fx.GraphModule, fill: fx.Node) -> bool:
         return False
     b = buf.reshape(-1, *buf.shape[-2:])
     return bool((b == torch.ones_like(b[0]).tril()).all())
+
+
+#: ops that return their input unchanged as far as the scores are concerned (no data movement that matters)
+_SAME = ("alias", "contiguous", "clone", "detach")
+
+
+def _through_same(n):
+    while isinstance(n, fx.Node) and op_name(n) in _SAME and n.args and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
+    return n
+
+
+def _transpose_of_last_two(kt) -> fx.Node | None:
+    """The tensor ``kt`` is a transpose of over its last two dims (read from the op and its arguments, not from how
+    the model spelled it): ``transpose(x, a, b)`` / ``swapaxes`` / ``swapdims`` with {a, b} the last two dims,
+    ``x.mT``, ``x.mH`` of a real tensor, ``permute(x, dims)`` that swaps only the last two, ``x.t()`` of a 2-D x;
+    aliases, ``contiguous()`` and clones on either side are looked through. None otherwise."""
+    kt = _through_same(kt)
+    if not isinstance(kt, fx.Node) or not kt.args or not isinstance(kt.args[0], fx.Node):
+        return None
+    x, name = kt.args[0], op_name(kt) or (kt.target if kt.op == "call_method" else None)
+    nd = len(_shape(kt)) or len(_shape(x))
+    if nd < 2:
+        return None
+    last_two = {nd - 2, nd - 1}
+    norm = lambda i: i % nd if isinstance(i, int) else None  # noqa: E731
+    found = False
+    if name in ("transpose", "swapaxes", "swapdims") and len(kt.args) >= 3:
+        found = {norm(kt.args[1]), norm(kt.args[2])} == last_two
+    elif name == "mT":
+        found = True
+    elif name in ("mH", "adjoint"):
+        v = tensor_val(x)
+        found = v is not None and not v.is_complex()
+    elif name == "permute":
+        dims = kt.args[1] if len(kt.args) > 1 else kt.kwargs.get("dims")
+        if isinstance(dims, (list, tuple)) and len(dims) == nd and all(isinstance(i, int) for i in dims):
+            found = [norm(i) for i in dims] == [*range(nd - 2), nd - 1, nd - 2]
+    elif name in ("t", "numpy_T"):
+        found = nd == 2
+    return _through_same(x) if found else None
 
 
 def _from_eager(sm: fx.Node, gm: fx.GraphModule) -> AttentionOp:
@@ -277,9 +335,15 @@ def _from_eager(sm: fx.Node, gm: fx.GraphModule) -> AttentionOp:
     if op_name(m1) != "matmul" or len(m1.args) < 2:
         raise _Mismatch(m1, "the scores as matmul(q, kᵀ) (torch.matmul / @)")
     q, kt = m1.args[0], m1.args[1]
-    if not isinstance(kt, fx.Node) or op_name(kt) != "transpose":
-        raise _Mismatch(m1, "the scores as q @ k.transpose(-2, -1): the second operand is not a transpose of k")
-    k = _unrepeat(kt.args[0])
+    k = _transpose_of_last_two(kt) if isinstance(kt, fx.Node) else None
+    if k is None:
+        got = f"`{kt.name}` ({kt.target})" if isinstance(kt, fx.Node) else repr(kt)
+        raise _Mismatch(m1, "the scores as q @ kᵀ with kᵀ a transpose of k's last two dims (k.transpose(-2, -1), k.mT, "
+                            f"k.permute(..., -1, -2)): the second operand {got} is not one")
+    if len(_shape(q)) != 4 or len(_shape(k)) != 4:
+        raise _Mismatch(m1, f"q and k as [B, H, T, d] (4-d) tensors; here q is {tuple(_shape(q))} and k "
+                            f"{tuple(_shape(k))}")
+    k = _unrepeat(k)
     p, dropout = sm, 0.0
     while True:
         users = [u for u in p.users if tensor_val(u) is not None or op_of(u) in ("dropout", "matmul", "cast")]
@@ -301,7 +365,7 @@ def _from_eager(sm: fx.Node, gm: fx.GraphModule) -> AttentionOp:
     hq, d, hk = _static_int(_shape(q)[1]), _static_int(_shape(q)[-1]), _static_int(_shape(k)[1])
     return AttentionOp(node=m2, q=q, k=k, v=v, mask=mask if isinstance(mask, fx.Node) else None, scale=scale,
                        is_causal=causal, dropout_p=dropout, softcap=softcap, hq=hq, hk=hk, d=d, form="eager",
-                       fill=None if causal else fill)
+                       fill=None if causal else fill, dv=_static_int(_shape(v)[-1]))
 
 
 def _chain_up(n: fx.Node, limit: int = 6):
@@ -359,10 +423,10 @@ def find_attention(ed: ChainEditor, branch: Branch) -> AttentionOp:
             f"the attention branch{where} cannot be rewritten by MoDA: {detail}. MoDA recognises {_EAGER_FORM}. {hint}",
             node=bad.name,
         )
-    if min(found.hq, found.hk, found.d) <= 0 or found.hq % found.hk:
+    if min(found.hq, found.hk, *found.dims) <= 0 or found.hq % found.hk:
         raise AttentionPatternError(
-            f"attention `{found.node.name}` in {branch.module}: cannot read static head counts from q {_shape(found.q)} "
-            f"and k {_shape(found.k)} (need [B, H, T, d] with Hq a multiple of Hk)",
+            f"attention `{found.node.name}` in {branch.module}: cannot read static head counts from q {_shape(found.q)}, "
+            f"k {_shape(found.k)} and v {_shape(found.v)} (need [B, H, T, d] with Hq a multiple of Hk)",
             node=found.node.name,
         )
     return found
@@ -580,14 +644,16 @@ def _rotation(gm: fx.GraphModule, kp: KeyPath | None, memo: dict):
 
 
 class _KVProj(nn.Module):
-    """The FFN depth-KV projection D -> 2·Hk·d, with a bias iff the model's k projection has one."""
+    """The FFN depth-KV projection D -> Hk·d (keys) + Hk·dv (values), keys first (2·Hk·d when dv = d), with a bias
+    iff the model's k projection has one."""
 
-    def __init__(self, D: int, hk: int, d: int, bias: bool, dtype, device):
+    def __init__(self, D: int, hk: int, d: int, bias: bool, dtype, device, dv: int | None = None):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(2 * hk * d, D, dtype=dtype, device=device))
+        width = hk * (d + (d if dv is None else dv))
+        self.weight = nn.Parameter(torch.empty(width, D, dtype=dtype, device=device))
         nn.init.normal_(self.weight, std=D ** -0.5)
         if bias:
-            self.bias = nn.Parameter(torch.zeros(2 * hk * d, dtype=dtype, device=device))
+            self.bias = nn.Parameter(torch.zeros(width, dtype=dtype, device=device))
 
 
 def _key_site(k: int, attn_sites: list[int], mode: str) -> int:
@@ -612,10 +678,11 @@ def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassR
     attn = {k: find_attention(ed, b) for k, s in enumerate(chain.sublayers) for b in s.branches if b.kind == "attention"}
     if len(attn) < 2:
         raise ConfigError(f"MoDA needs at least two attention sublayers to add depth slots; this model has {len(attn)}")
-    shapes = {(a.hq, a.hk, a.d) for a in attn.values()}
+    shapes = {(a.hq, a.hk, *a.dims) for a in attn.values()}
     if len(shapes) != 1:
-        raise ConfigError(f"MoDA needs one attention shape (Hq, Hk, d) across layers; found {sorted(shapes)}")
-    hq, hk, d = shapes.pop()
+        raise ConfigError(f"MoDA needs one attention shape (Hq, Hk, d, dv) across layers; found {sorted(shapes)}")
+    hq, hk, d, dv = shapes.pop()  # dv: the value head dim (MLA's differs from the query/key head dim d)
+    kv_width = hk * (d + dv)  # one slot's K and V values per token
     stream = tensor_val(ed.nodes[chain.source])
     if config.ffn_kv and (stream is None or stream.dim() != 3):
         shape = tuple(stream.shape) if stream is not None else "unknown"
@@ -674,12 +741,12 @@ def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassR
             inherit_meta(new, a.node, NodeRole("moda_attn", k, config.name))
             a.node.replace_all_uses_with(new)
             n = len(slots_k)
-            flops = 4 * hq * d * n
+            flops = 2 * hq * (d + dv) * n  # depth QKᵀ and PV
             changes.append(Change(
                 site=k, module=s.module, created=(Kd.name, Vd.name, new.name), replaced=a.node.name,
                 sources=tuple(labels), params=name if config.preserve_init else None,
-                detail=f"{a.form}; +{flops:,} FLOPs/token; depth KV {n * 2 * hk * d:,} values/token",
-                state_elements=n * 2 * hk * d,
+                detail=f"{a.form}; +{flops:,} FLOPs/token; depth KV {n * kv_width:,} values/token",
+                state_elements=n * kv_width,
             ))
         if k >= last_reader:
             continue  # nothing after this sublayer reads a slot
@@ -710,15 +777,24 @@ def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassR
             if anchor is raw_src:
                 anchor = src
             name = f"kv_proj_{k}"
-            ed.site_module(name, lambda: _KVProj(D, hk, d, bias, ed.dtype, ed.device))
+            ed.site_module(name, lambda: _KVProj(D, hk, d, bias, ed.dtype, ed.device, dv=dv))
             with graph.inserting_before(anchor.next):  # after the normed input (and the key path's inputs)
                 w = ed.get_attr(f"{name}.weight")
                 lin_args = (src, w, ed.get_attr(f"{name}.bias")) if bias else (src, w)
                 kv = graph.call_function(aten.linear.default, lin_args)
-                kv5 = graph.call_function(aten.unflatten.int, (kv, -1, [2, hk, d]))  # [B, T, 2, Hk, d]
-                k_tok = graph.call_function(aten.select.int, (kv5, -3, 0))  # [B, T, Hk, d]
-                vf = graph.call_function(aten.transpose.int, (graph.call_function(aten.select.int, (kv5, -3, 1)), 1, 2))
-                made = [kv, kv5, k_tok, vf]
+                if dv == d:
+                    kv5 = graph.call_function(aten.unflatten.int, (kv, -1, [2, hk, d]))  # [B, T, 2, Hk, d]
+                    k_tok = graph.call_function(aten.select.int, (kv5, -3, 0))  # [B, T, Hk, d]
+                    v_tok = graph.call_function(aten.select.int, (kv5, -3, 1))
+                    made = [kv, kv5, k_tok, v_tok]
+                else:  # keys [.., :Hk·d], values [.., Hk·d:] of another head dim (MLA)
+                    k_flat = graph.call_function(aten.slice.Tensor, (kv, -1, 0, hk * d))
+                    v_flat = graph.call_function(aten.slice.Tensor, (kv, -1, hk * d, kv_width))
+                    k_tok = graph.call_function(aten.unflatten.int, (k_flat, -1, [hk, d]))  # [B, T, Hk, d]
+                    v_tok = graph.call_function(aten.unflatten.int, (v_flat, -1, [hk, dv]))  # [B, T, Hk, dv]
+                    made = [kv, k_flat, v_flat, k_tok, v_tok]
+                vf = graph.call_function(aten.transpose.int, (v_tok, 1, 2))
+                made.append(vf)
                 if kp is None:
                     kf = graph.call_function(aten.transpose.int, (k_tok, 1, 2))
                     made.append(kf)
@@ -753,19 +829,22 @@ def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassR
             changes.append(Change(
                 site=k, module=b.module or module_path_of(src), created=(kv.name, kf.name, vf.name), replaced=None,
                 sources=(), params=name,
-                detail=f"writes slot ffn{k}: kv_proj {D} -> 2·{hk}·{d}{' + bias' if bias else ''}; {keys}; "
-                f"+{2 * D * 2 * hk * d:,} FLOPs/token",
+                detail=f"writes slot ffn{k}: kv_proj {D} -> {f'2·{hk}·{d}' if dv == d else f'{hk}·({d} + {dv})'}"
+                f"{' + bias' if bias else ''}; {keys}; +{2 * D * kv_width:,} FLOPs/token",
             ))
     mixed = _rotation_mismatches(changes, rot_of, rot_name)
     result = ed.finish(changes)
     n_max = len(slots_k)
-    extra = sum(4 * hq * d * len(c.sources) for c in changes if c.sources) + sum(4 * D * hk * d for c in changes if not c.sources)
+    extra = (sum(2 * hq * (d + dv) * len(c.sources) for c in changes if c.sources)
+             + sum(2 * D * kv_width for c in changes if not c.sources))
     base = 2 * sum(p.numel() for n, p in gm.named_parameters() if not n.startswith("depthrewrite."))
     notes = (
         f"extra FLOPs per token: {extra:,} (+{100 * extra / max(1, base):.2f}% of the original's ~2·params = {base:,}, "
         "attention scores excluded)",
-        f"depth slots are token-major [B, T, n, Hk={hk}, d={d}] and transient (same-token only): the persistent KV "
-        "cache is unchanged",
+        (f"depth slots are token-major [B, T, n, Hk={hk}, d={d}]" if dv == d else
+         f"depth slots are token-major [B, T, n, Hk={hk}, d={d}] (keys) and [B, T, n, Hk={hk}, dv={dv}] (values: the "
+         "attention's value head dim differs from its query/key head dim, as in MLA)")
+        + " and transient (same-token only): the persistent KV cache is unchanged",
     )
     if raw_sites:
         notes += ("FFN-slot keys stored raw (no k-norm/RoPE: depth scores of these slots depend on position): "
@@ -776,7 +855,7 @@ def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassR
         notes += ("no FFN slots were written although ffn_kv=True: the chain has no MLP sublayer or MLP branch before the "
                   "last attention (an MLP inside the attention branch, as in Falcon's parallel attention + MLP read as "
                   "one branch, is not a separate writer); only attention slots are mixed",)
-    return PassResult(result.graph_module, result.changes, notes, state=(n_max * 2 * hk * d, "transient depth KV"))
+    return PassResult(result.graph_module, result.changes, notes, state=(n_max * kv_width, "transient depth KV"))
 
 
 def _rotation_mismatches(changes: list[Change], rot_of: dict, rot_name: dict, limit: int = 12) -> str | None:
