@@ -19,6 +19,7 @@ from .api import convert, inspect
 from .model import is_converted
 from .saving import from_pretrained
 from .capture import capture
+from .equivalence import Equivalence, check_equivalence, unconvert
 from .errors import (
     CaptureError,
     CaptureGuardError,
@@ -29,6 +30,7 @@ from .errors import (
     ModuleTreeChangedError,
     NoResidualChainError,
     NotPreNormError,
+    NotFunctionPreservingWarning,
 )
 from .views.explain import Explanation, explain
 from .passes.analyse.chain import Branch, Chain, Sublayer, detect_chain
@@ -68,6 +70,9 @@ __all__ = [
     "convert",
     "is_converted",
     "from_pretrained",
+    "check_equivalence",
+    "Equivalence",
+    "unconvert",
     "explain",
     "Explanation",
     "SchemeConfig",
@@ -95,4 +100,5 @@ __all__ = [
     "CaptureGuardError",
     "AttentionPatternError",
     "KernelError",
+    "NotFunctionPreservingWarning",
 ]

@@ -16,7 +16,7 @@ import torch.nn as nn
 from .blocks import block_paths, blocks_for_capture, unwrapped_path
 from .capture import CONTINUATION_META, capture, example_inputs_for, is_cache, state_writes
 from .converted import as_converted, drop_dead_code
-from .errors import CaptureError, ConfigError, DepthRewriteError
+from .errors import CaptureError, ConfigError, DepthRewriteError, NotFunctionPreservingWarning
 from .passes.analyse.chain import detect_chain
 from .passes.rewrite import SchemeConfig, get_handler, scheme_config
 from .passes.rewrite import scheme as scheme_record
@@ -187,6 +187,7 @@ def convert(
         split(model, pipeline_stages)
     log.info("converted %s: %d mixing sites, %d new parameters", original.__name__, len(st.report.sites),
              st.report.new_params)
+    _not_exact_warning(config)
     return model
 
 
@@ -296,6 +297,33 @@ def history_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict) -> list[str]:
     return [tensors[index[id(t)]].name for t in wanted]
 
 
+def _block_notes(config: SchemeConfig, num_sublayers: int) -> tuple[str, ...]:
+    """A note when a block form was asked for but the model is too shallow for it (S = 1 is the Full scheme)."""
+    blocks, size = getattr(config, "blocks", None), getattr(config, "block_size", None)
+    if (blocks is None and size is None) or block_size_for(config, num_sublayers) != 1:
+        return ()
+    asked = f"blocks={blocks}" if blocks is not None else f"block_size={size}"
+    return (f"{asked} on {num_sublayers} sublayers gives one sublayer per block (S = 1): this is the Full form of "
+            f"the scheme; use fewer blocks (blocks <= {max(num_sublayers // 2, 1)}) for a Block form",)
+
+
+def _not_exact_warning(config: SchemeConfig) -> None:
+    """Warn when the options chosen make the converted model another function than the original at init."""
+    import warnings
+
+    record = scheme_record(config)
+    off = {k: (getattr(config, k), v) for k, v in record.exact.items() if getattr(config, k, v) != v}
+    if off:
+        chosen = ", ".join(f"{k}={a!r}" for k, (a, _) in off.items())
+        exact = ", ".join(f"{k}={b!r}" for k, (_, b) in off.items())
+        warnings.warn(
+            f"depthrewrite: {record.title} with {chosen} is not the original function at initialisation (the new "
+            f"parameters change the outputs from the first call; a pretrained checkpoint will not behave as before "
+            f"until trained). Pass {exact} for a function-preserving conversion.",
+            NotFunctionPreservingWarning, stacklevel=3,
+        )
+
+
 def _report(model: nn.Module, gm: fx.GraphModule, chain: Any, result: Any, config: SchemeConfig) -> ConvertReport:
     box = getattr(gm, PARAM_PREFIX)
     sites = []
@@ -317,7 +345,7 @@ def _report(model: nn.Module, gm: fx.GraphModule, chain: Any, result: Any, confi
         stored_sources=len(sites[-1].sources),
         bytes_per_element=ref.element_size() if ref is not None else 4,
         block_size=block_size_for(config, len(chain)),
-        notes=result.notes,
+        notes=result.notes + _block_notes(config, len(chain)),
         state_elements=result.state[0] if result.state else None,
         state_label=result.state[1] if result.state else "stored depth state",
     )

@@ -18,6 +18,7 @@ __all__ = [
     "KernelError",
     "PipelineError",
     "TrainingError",
+    "NotFunctionPreservingWarning",
 ]
 
 
@@ -102,3 +103,9 @@ class TrainingError(DepthRewriteError, FloatingPointError):
     def __init__(self, message: str, variant: str | None = None, step: int | None = None):
         super().__init__(message)
         self.variant, self.step = variant, step
+
+
+class NotFunctionPreservingWarning(UserWarning):
+    """Warned by :func:`depthrewrite.convert` when the options chosen (default MoDA, mHC with ``alpha_init`` > 0)
+    make the converted model another function than the original at initialisation; the scheme's ``exact`` options
+    (``depthrewrite.scheme(name).exact``) give a function-preserving conversion."""

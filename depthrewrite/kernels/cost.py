@@ -320,10 +320,10 @@ def mhc_collapse_flop(X: Shape, mode: str = "mean", *args: Any, out_shape: Any =
 # ---- MoDA ----------------------------------------------------------------------------------------------------------
 
 
-def _moda_dims(q: Shape, depth_k: Shape) -> tuple[int, int, int]:
-    """(query rows R = B·Hq·T, depth slots n, head dim d)."""
+def _moda_dims(q: Shape, depth_k: Shape, depth_v: Shape) -> tuple[int, int, int, int]:
+    """(query rows R = B·Hq·T, depth slots n, query/key head dim d, value head dim dv: MLA's differs from d)."""
     B, Hq, T, d = q
-    return B * Hq * T, depth_k[2], d
+    return B * Hq * T, depth_k[2], d, depth_v[-1]
 
 
 def moda_attn_flop(q: Shape, k: Shape, v: Shape, attn_mask: Shape | None, depth_k: Shape, depth_v: Shape,
@@ -331,15 +331,15 @@ def moda_attn_flop(q: Shape, k: Shape, v: Shape, attn_mask: Shape | None, depth_
                    seed: Shape | None = None, softcap: float = 0.0, *args: Any, out_shape: Any = None,
                    **kwargs: Any) -> int:
     """The sequence part as torch counts SDPA; the depth slots and the log-sum-exp merge term by term."""
-    R, n, d = _moda_dims(q, depth_k)
+    R, n, d, dv = _moda_dims(q, depth_k, depth_v)
     depth = (
         2 * R * n * d + R * n  # q · Kd, · scale
         + (3 * R * n if softcap > 0 else 0)  # c · tanh(x / c)
         + _lse(R * n, R)
         + 2 * R * n  # exp(dlog − lse_d)
-        + 2 * R * n * d  # o_d
+        + 2 * R * n * dv  # o_d
     )
-    merge = 5 * R + (R if depth_weight is not None else 0) + 4 * R * d + R
+    merge = 5 * R + (R if depth_weight is not None else 0) + 4 * R * dv + R
     return flop_counter.sdpa_flop_count(q, k, v) + depth + merge
 
 
@@ -349,21 +349,21 @@ def moda_attn_backward_flop(grad: Shape, q: Shape, k: Shape, v: Shape, attn_mask
                             softcap: float = 0.0, mask_grad: bool = False, *args: Any, out_shape: Any = None,
                             **kwargs: Any) -> int:
     """The sequence part as torch counts SDPA's backward; the depth part recomputed, then its gradients."""
-    R, n, d = _moda_dims(q, depth_k)
+    R, n, d, dv = _moda_dims(q, depth_k, depth_v)
     lam = depth_weight is not None
     cap = softcap > 0
     depth = (
         2 * R * n * d + R * n + (3 * R * n if cap else 0)  # recompute depth logits
         + _lse(R * n, R) + 5 * R + (R if lam else 0) + 2 * R  # lse_d, merge weights, joint LSE
         + 2 * R * n + (R * n if lam else 0)  # e_d, p_d
-        + 2 * R * d  # δ = rowsum(do · o)
-        + 2 * R * n * d  # dP_d = do · Vd
+        + 2 * R * dv  # δ = rowsum(do · o)
+        + 2 * R * n * dv  # dP_d = do · Vd
         + 2 * R * n  # dS_d = p_d (dP_d − δ)
         + (3 * R * n if lam else 0)  # dλ
         + (4 * R * n if cap else 0)  # soft-cap chain rule
         + 2 * R * n * d + 2 * R * d  # dq += dS_d Kd, · scale
         + 3 * R * n * d  # dKd (with scale)
-        + 2 * R * n * d  # dVd
+        + 2 * R * n * dv  # dVd
     )
     return flop_counter.sdpa_backward_flop_count(grad, q, k, v) + depth
 

@@ -123,7 +123,7 @@ class ChainReport:
         kinds = ", ".join(f"{n} {k}" for k, n in counts.items())
         head = [
             f"{self.model_class}: {self.num_sublayers} sublayers ({kinds}), hidden size {c.hidden_size}, {c.ir} graph",
-            f"stream source: `{c.source}` ({c.source_module or 'graph input'})",
+            f"stream source: `{c.source}` ({c.source_module or ('graph input' if c.source_is_input else 'computed in the root forward, not a graph input')})",
             f"final norm:    {c.final_norm.module or c.final_norm.output} ({c.final_norm.label})",
         ]
         rows = self.rows()

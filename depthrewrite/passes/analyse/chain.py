@@ -105,6 +105,8 @@ class Chain:
     ir: str  # "export" | "dynamo"
     source_module: str | None = None
     notes: tuple[str, ...] = field(default=())
+    #: whether the stream source is an input of the graph (inputs_embeds) rather than computed by it
+    source_is_input: bool = False
     #: paths[j]: the nodes between stream value h_j and the value its readers read, in graph order (reshapes that keep
     #: every element, OPT; for j = L also token slicing and mean pooling before a pooled final norm, timm
     #: ``global_pool="avg"``). Empty (or ``()`` for every j) for a plain chain.
@@ -220,6 +222,7 @@ def detect_chain(gm: fx.GraphModule) -> Chain:
         ir=ir,
         source_module=module_path_of(source),
         notes=tuple(notes),
+        source_is_input=source.op == "placeholder",
         paths=((),) + tuple(paths),
     )
 
