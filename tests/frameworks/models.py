@@ -122,7 +122,11 @@ def example_inputs(model: nn.Module, *, batch: int = BATCH, seq: int = SEQ, seed
     """``(args, kwargs)`` for one forward of a model :func:`build` made: token ids ``[batch, seq]`` in its vocab."""
     vocab = getattr(model, "_test_vocab", VOCAB)
     g = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, vocab, (batch, seq), generator=g),), {}
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    if getattr(model, "_test_flex", False):  # torchtitan with FlexAttention: positions and their (causal) BlockMask
+        positions = torch.arange(seq).expand(batch, seq)
+        return (ids,), {"positions": positions, "attention_masks": model.get_attention_masks(positions)}
+    return (ids,), {}
 
 
 # ---- litgpt ---------------------------------------------------------------------------------------------------------
@@ -236,6 +240,7 @@ def _torchtitan(name: str, attention: str = "sdpa") -> nn.Module:
     cfg = _titan_attention(_TITAN[name]("flex"), attention)
     model = cfg.build()
     model.init_states()
+    model._test_flex = attention == "flex"
     return model
 
 
@@ -299,7 +304,8 @@ def build(framework: str, name: str, *, seed: int = 0, **kw: Any) -> tuple[nn.Mo
     for one forward that returns logits ``[BATCH, SEQ, VOCAB]``. Skips the calling test when the framework is
     missing. ``kw`` go to the framework's config (litgpt: ``Config.from_name``; torchtune: the model builder;
     OLMo-core: ``TransformerConfig.llama_like``) or, for torchtitan, ``attention="sdpa"`` (default: causal SDPA,
-    CPU-trainable) or ``"flex"`` (the registry's FlexAttention, whose backward has no CPU kernel)."""
+    CPU-trainable) or ``"flex"`` (the registry's FlexAttention, whose backward has no CPU kernel; the example kwargs
+    then carry ``positions`` and the model's own ``get_attention_masks(positions)`` BlockMask)."""
     if framework not in _BUILDERS:
         raise KeyError(f"unknown framework {framework!r}; known: {sorted(_BUILDERS)}")
     fn, names = _BUILDERS[framework]
