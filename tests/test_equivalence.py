@@ -94,3 +94,16 @@ def test_stream_source_computed_in_the_root_is_not_called_a_graph_input():
     text = str(dr.inspect(Root(), example_inputs=(torch.randint(0, 50, (2, 8)),)))
     line = next(ln for ln in text.splitlines() if ln.startswith("stream source"))
     assert "graph input" not in line.split("(")[-1] or "not a graph input" in line, line
+
+
+@pytest.mark.parametrize("scheme", ["block-attnres", "block-msar"])
+def test_block_outputs_are_not_views(scheme):
+    """FSDP2 warns for a block returning a view (an in-place op on it would skip the all-gather): the depth ops'
+    references return tensors of their own."""
+    conv = dr.convert(hf_model("llama", layers=4).train(), scheme)
+    views = []
+    for layer in conv.model.layers:
+        layer.register_forward_hook(lambda m, i, o: views.extend(
+            t._is_view() for t in (o if isinstance(o, (tuple, list)) else (o,)) if isinstance(t, torch.Tensor)))
+    conv(input_ids=torch.randint(0, 100, (2, 16)))
+    assert views and not any(views)

@@ -56,8 +56,10 @@ def depth_attn_ref(
     u = gain.to(acc) * query.to(acc)  # [D]
     s = (v.reshape(M * K, D) @ u).reshape(M, K) * _rsqrt_rms(v, eps)  # [M, K]
     a = torch.softmax(s, dim=-1)
-    h = (a.unsqueeze(-2) @ v).squeeze(-2) * scale  # [M, D]
-    return h.reshape(sources[0].shape).to(sources[0].dtype)
+    # reshaped before the scale, so the result is a tensor of its own, not a view (a block returning a view makes
+    # FSDP2 warn that an in-place op on it would skip its all-gather)
+    h = (a.unsqueeze(-2) @ v).reshape(sources[0].shape) * scale
+    return h.to(sources[0].dtype)
 
 
 # ---- two-phase computation (attnres spec §7) --------------------------------------------------------------------------

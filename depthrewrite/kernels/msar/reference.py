@@ -195,4 +195,4 @@ def msar_mix_ref(
         h = (g.unsqueeze(-1) * Zs).sum(-2)
     else:
         h = Zs.sum(-2) * (1.0 / m)
-    return (h * scale).reshape(*lead, T, D).to(sources[0].dtype)
+    return (h.reshape(*lead, T, D) * scale).to(sources[0].dtype)  # a tensor of its own, not a view (FSDP2 warns)
