@@ -380,7 +380,8 @@ def _user_frame(e: BaseException) -> str | None:
                 name = tb.tb_frame.f_code.co_name
                 where = f"{type(owner).__name__}.{name}" if isinstance(owner, nn.Module) else name
                 line = (traceback.extract_tb(tb, limit=1)[0].line or "").strip()
-                best = f"{f}:{tb.tb_lineno} in {where}" + (f": `{line}`" if line else "")
+                short = f.split("site-packages" + os.sep)[-1]  # torchtune/modules/kv_cache.py: the package's path
+                best = f"{short}:{tb.tb_lineno} in {where}" + (f": `{line}`" if line else "")
             tb = tb.tb_next
         e = e.__cause__ or e.__context__
     return best
