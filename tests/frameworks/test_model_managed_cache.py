@@ -1,5 +1,6 @@
 """A KV cache the model keeps in its own buffers (litgpt's ``set_kv_cache``: calls with ``input_pos``, the cache
-updated in place). Schemes that mix each token's own values (AttnRes, mHC) decode exactly with it; MSAR, whose convs
+updated in place). Schemes that mix each token's own values (AttnRes, mHC, MoDA: its depth slots are the new tokens
+written by the cache's ``index_copy_``) decode exactly with it; MSAR, whose convs
 read earlier positions, starts a sequence exactly and refuses to continue one (issue: never a continuation computed
 as a fresh sequence). On litgpt's own GPT class, built tiny from its own config."""
 
@@ -17,7 +18,8 @@ from depthrewrite.errors import ConfigError
 litgpt = pytest.importorskip("litgpt")
 from litgpt.generate.base import generate as litgpt_generate  # noqa: E402
 
-SCHEMES = {"block-attnres": ("attnres", {"blocks": 2}), "mhc": ("mhc", {}), "block-msar": ("msar", {"blocks": 2})}
+SCHEMES = {"block-attnres": ("attnres", {"blocks": 2}), "mhc": ("mhc", {}), "block-msar": ("msar", {"blocks": 2}),
+           "moda": ("moda", {"preserve_init": True})}
 PROMPT = 6
 
 
@@ -47,7 +49,7 @@ def _fresh_cache(conv):
     conv.set_kv_cache(batch_size=1)
 
 
-@pytest.mark.parametrize("key", ["block-attnres", "mhc"])
+@pytest.mark.parametrize("key", ["block-attnres", "mhc", "moda"])
 def test_per_token_schemes_decode_exactly_with_the_models_cache(key):
     conv, ids = converted(key)
     with torch.no_grad():

@@ -144,6 +144,12 @@ def _this_call_tokens(x: fx.Node, q: fx.Node) -> fx.Node:
         last = c.args[0][-1]
         if dim in (-2, len(kx) - 2) and isinstance(last, fx.Node) and str(_shape(last)[-2:-1]) == str(kq[-2:-1]):
             return last
+    if op_name(c) in ("index_copy_", "index_copy") and len(c.args) >= 4 and isinstance(c.args[3], fx.Node):
+        # a cache the model keeps in a buffer, written in place at this call's positions (litgpt's KVCache):
+        # buffer.index_copy_(seq_dim, input_pos, new); the new part is this call's own tokens
+        dim, new = c.args[1], c.args[3]
+        if dim in (-2, len(kx) - 2) and str(_shape(new)[-2:-1]) == str(kq[-2:-1]):
+            return new
     raise ConfigError(
         f"MoDA: the keys/values `{x.name}` of the attention at `{q.name}`'s reader span {kx[-2]} positions where its "
         f"queries span {kq[-2]}, and they are not a KV cache's cat([cached, new], dim=-2): the depth slots need this "
