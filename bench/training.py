@@ -1,6 +1,7 @@
 """Training at scale, per block: activation memory with checkpointing, and torch.compile whole-model vs per block.
 
-    python -m bench.training memory  [--layers 16 32] [--hidden 256] [--seq 256]
+    python -m bench.training memory  [--configs zoo issue issue-nocache] [--layers 16 32] [--hidden 256] [--seq 256]
+    python -m bench.training memory  --breakdown [--configs issue]       # what each saved tensor is, largest first
     python -m bench.training compile [--layers 4] [--hidden 256] [--seq 256] [--batch 2]
 
 ``memory``: bytes autograd saves for backward in one training step (``loss = model(ids, labels=ids).loss``),
@@ -9,7 +10,14 @@ and every scheme, without and with activation checkpointing (HF's ``activation_c
 converted model calls its blocks as modules, so the same switch recomputes each block in backward). Counted: every
 storage a saved tensor uses plus the inputs of every block call (a checkpointed block keeps its inputs to recompute
 itself; autograd's hooks do not see those), each storage once however often it is saved (a block summary that every
-later block reads is one tensor); parameters are not counted (they are kept anyway).
+later block reads is one tensor); parameters are not counted (they are kept anyway). Separately ("returned"): the
+storages the step's output holds beyond those (a returned KV cache, alive while a training loop keeps the output).
+
+One row group per model config (:data:`CONFIGS`): ``zoo`` is the zoo's Llama (head_dim 16, no KV cache in its
+config), ``issue`` a Llama with head_dim 32 whose config turns the KV cache on (as ``transformers.LlamaConfig`` does
+by default), ``issue-nocache`` the same with the cache off. ``--breakdown`` prints, per config and model (with
+checkpointing), the counted storages grouped by what kept them: the op that saved them (with the line of the block
+program or runner that ran it) or the block call they are an input of, with their shapes.
 
 ``compile``: ``torch.compile`` of the whole model (the converted one with ``backend="depthrewrite"``) against
 ``.compile()`` on each block module, for the original and every scheme: the first training step (compile included)
@@ -20,6 +28,7 @@ and the best of 5 later steps, every row in the same run; Dynamo is reset betwee
 from __future__ import annotations
 
 import argparse
+import contextlib
 import platform
 import time
 from datetime import date
@@ -38,62 +47,188 @@ def _variants() -> list[tuple[str, str | None, dict]]:
     return out
 
 
-def _build(layers: int, hidden: int, seq: int, key: str | None, options: dict) -> torch.nn.Module:
+#: model configs of the memory table: the zoo's Llama (``hf_model("llama", hidden=d)``: d/16 heads of 16, half as many
+#: KV heads, intermediate 2d, vocab 256, ``use_cache`` off) with overrides. ``issue`` is the config the 1.75x report came
+#: from (HF Llama, hidden 128, 4 heads of 32, 2 KV heads, intermediate 256, 8 layers, sequence 128) with its
+#: config's KV cache on, as ``transformers.LlamaConfig`` defaults to (a training call then returns a cache and
+#: captures a cached graph); ``issue-nocache`` the same with it off.
+CONFIGS: dict[str, dict] = {
+    "zoo": dict(layers=(16, 32), hidden=256, seq=256, overrides={}),
+    "issue": dict(layers=(8,), hidden=128, seq=128, overrides=dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=256, use_cache=True)),
+    "issue-nocache": dict(layers=(8,), hidden=128, seq=128, overrides=dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=256, use_cache=False)),
+}
+
+
+def _build(layers: int, hidden: int, seq: int, key: str | None, options: dict,
+           overrides: dict | None = None) -> torch.nn.Module:
     torch.manual_seed(0)
     model = hf_model("llama", layers=layers, hidden=hidden, max_position_embeddings=seq + 8,
-                     attention_dropout=0.0).train()
+                     attention_dropout=0.0, **(overrides or {})).train()
     if key is None:
         return model
     ids = torch.randint(3, model.config.vocab_size, (1, seq))
     return dr.convert(model, key, example_inputs=(ids,), **options)
 
 
-def saved_bytes(model: torch.nn.Module, ids: torch.Tensor) -> int:
-    """Bytes saved for backward by one ``model(ids, labels=ids).loss`` (warmed up first: captures happen there)."""
+def _tensors(obj, depth: int = 0):
+    """The tensors an output holds: its fields, and a KV cache's per-layer keys and values."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth < 4 and isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v, depth + 1)
+    elif depth < 4 and isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v, depth + 1)
+    elif depth < 4 and hasattr(obj, "layers"):  # transformers' Cache
+        for layer in obj.layers:
+            for name in ("keys", "values"):
+                yield from _tensors(getattr(layer, name, None), depth + 1)
+
+
+def _program_line() -> str:
+    """The line of generated FX code (a block program, the runner) running now, for the breakdown."""
+    import linecache
+    import sys
+
+    f = sys._getframe(2)
+    while f is not None:
+        name = f.f_code.co_filename
+        if name.startswith("<eval_with_key"):
+            return linecache.getline(name, f.f_lineno).strip()
+        f = f.f_back
+    return ""
+
+
+def saved_bytes(model: torch.nn.Module, ids: torch.Tensor, breakdown: list | None = None) -> int:
+    """Bytes saved for backward by one ``model(ids, labels=ids).loss`` (warmed up first: captures happen there).
+    ``breakdown``: a list that gets one ``(bytes, shape, dtype, kind, what)`` per storage counted (kind ``"saved"``: what
+    = the op and program line that saved it; ``"block input"``: what = the block's path), then the storages the output
+    holds beyond those (kind ``"returned"``)."""
+    return step_bytes(model, ids, breakdown)[0]
+
+
+def step_bytes(model: torch.nn.Module, ids: torch.Tensor, breakdown: list | None = None) -> tuple[int, int]:
+    """``(saved, returned)``: :func:`saved_bytes`, and the bytes of the storages the step's output holds beyond the
+    saved ones (a returned KV cache; parameters not counted)."""
+    from torch.overrides import TorchFunctionMode
+
     model(ids, labels=ids).loss.backward()
     storages: dict[tuple, int] = {}
     params = {(p.untyped_storage().data_ptr(), p.device) for p in model.parameters()}
+    current: list[str] = []
+
+    class _Op(TorchFunctionMode):  # which op is saving (only while a breakdown is asked for)
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            current.append(str(getattr(func, "__name__", func)))
+            try:
+                return func(*args, **(kwargs or {}))
+            finally:
+                current.pop()
+
+    def count(t, kind: str, what) -> bool:
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return False
+        s = t.untyped_storage()
+        key = (s.data_ptr(), t.device)
+        if key in params or key in storages:  # parameters exist anyway: activations only
+            return False
+        storages[key] = s.nbytes()
+        if breakdown is not None:
+            breakdown.append((s.nbytes(), tuple(t.shape), str(t.dtype).replace("torch.", ""), kind, what()))
+        return True
 
     def keep(t):
-        if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            s = t.untyped_storage()
-            key = (s.data_ptr(), t.device)
-            if key not in params:  # parameters exist anyway: activations only
-                storages[key] = s.nbytes()
+        count(t, "saved", lambda: f"{current[-1] if current else '?'}  {_program_line()}".strip())
         return t
 
     def block_inputs(module, args):  # what a checkpointed block keeps to recompute itself (its inputs)
+        path = getattr(args[0], "path", type(module).__name__) if args else type(module).__name__
         for a in args:
-            keep(a)
+            count(a, "block input", lambda: path)
 
     hooks = [blk.register_forward_pre_hook(block_inputs) for blk in model.model.layers]
+    mode = _Op() if breakdown is not None else contextlib.nullcontext()
     try:
-        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-            loss = model(ids, labels=ids).loss
+        with mode, torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            out = model(ids, labels=ids)
     finally:
         for h in hooks:
             h.remove()
-    loss.backward()
+    saved = sum(storages.values())
+    returned = 0
+    for t in _tensors(out):
+        if count(t, "returned", lambda: "the step's output"):
+            returned += t.untyped_storage().nbytes()
+    out.loss.backward()
+    del out
     model.zero_grad(set_to_none=True)
-    return sum(storages.values())
+    return saved, returned
 
 
-def memory_rows(layers: tuple[int, ...], hidden: int, seq: int) -> list[list]:
+def _configs(names: list[str] | None, layers: tuple[int, ...] | None, hidden: int | None,
+             seq: int | None) -> list[tuple[str, int, int, int, dict]]:
+    out = []
+    for name in names or ["zoo", "issue"]:
+        c = CONFIGS[name]
+        for L in layers or c["layers"]:
+            out.append((name, L, hidden or c["hidden"], seq or c["seq"], c["overrides"]))
+    return out
+
+
+def memory_rows(layers: tuple[int, ...] | None = None, hidden: int | None = None, seq: int | None = None,
+                configs: list[str] | None = None, schemes: list[str] | None = None) -> list[list]:
     rows = []
-    for L in layers:
+    for name, L, d, T, overrides in _configs(configs, layers, hidden, seq):
         base = {}
         for label, key, options in _variants():
-            model = _build(L, hidden, seq, key, options)
-            ids = torch.randint(3, model.config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(1))
-            plain = saved_bytes(model, ids)
+            if schemes and key is not None and key not in schemes and label not in schemes:
+                continue
+            model = _build(L, d, T, key, options, overrides)
+            ids = torch.randint(3, model.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(1))
+            plain, _ = step_bytes(model, ids)
             model.activation_checkpointing_enable()
-            ckpt = saved_bytes(model, ids)
+            ckpt, returned = step_bytes(model, ids)
             if key is None:
                 base = dict(plain=plain, ckpt=ckpt)
-            rows.append([L, label, f"{plain / 2**20:.1f}", f"{plain / base['plain']:.2f}", f"{ckpt / 2**20:.1f}",
-                         f"{ckpt / base['ckpt']:.2f}"])
+            rows.append([name, L, label, f"{plain / 2**20:.2f}", f"{plain / base['plain']:.2f}",
+                         f"{ckpt / 2**20:.2f}", f"{ckpt / base['ckpt']:.2f}", f"{returned / 2**20:.2f}"])
             print(*rows[-1], flush=True)
     return rows
+
+
+def memory_breakdown(layers: tuple[int, ...] | None = None, hidden: int | None = None, seq: int | None = None,
+                     configs: list[str] | None = None, schemes: list[str] | None = None, top: int = 12) -> str:
+    """Per config and model, with checkpointing: the counted storages grouped by (kind, op or block, shape, dtype)."""
+    import collections
+
+    lines = []
+    for name, L, d, T, overrides in _configs(configs, layers, hidden, seq):
+        for label, key, options in _variants():
+            if key is not None and (key not in (schemes or ["block-attnres", "block-msar"])
+                                    and label not in (schemes or ())):
+                continue
+            model = _build(L, d, T, key, options, overrides)
+            ids = torch.randint(3, model.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(1))
+            model.activation_checkpointing_enable()
+            rows: list = []
+            saved, returned = step_bytes(model, ids, rows)
+            groups: dict = collections.defaultdict(lambda: [0, 0, ""])
+            for nbytes, shape, dtype, kind, what in rows:
+                op = what.split("  ")[0] if kind == "saved" else ("block call" if kind == "block input" else what)
+                g = groups[(kind, op, shape, dtype)]
+                g[0] += nbytes
+                g[1] += 1
+                g[2] = g[2] or what
+            lines.append(f"{name}, {L} layers, {label}, ckpt: {saved / 2**20:.3f} MiB saved + block inputs in "
+                         f"{sum(k != 'returned' for *_, k, _ in rows)} storages; {returned / 2**20:.3f} MiB returned")
+            for (kind, op, shape, dtype), (nbytes, n, what) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]:
+                example = f"  e.g. {what[:100]}" if kind == "saved" and "  " in what else ""
+                lines.append(f"  {nbytes / 2**20:8.3f} MiB  {n:3d} x {kind:11s} {op:28s} {str(list(shape)):16s} "
+                             f"{dtype}{example}")
+    return "\n".join(lines)
 
 
 def _step(model: torch.nn.Module, ids: torch.Tensor) -> float:
@@ -141,23 +276,34 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=("memory", "compile"))
+    p.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=None,
+                   help="memory: the model configs (default: zoo issue)")
+    p.add_argument("--schemes", nargs="+", default=None, help="memory: only these variants (keys or labels)")
+    p.add_argument("--breakdown", action="store_true", help="memory: what the saved tensors are, per model")
     p.add_argument("--layers", type=int, nargs="+", default=None)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--hidden", type=int, default=None)
+    p.add_argument("--seq", type=int, default=None)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
+    import transformers
+
     head = (f"{date.today()}, {platform.machine()} {platform.processor() or ''}, torch {torch.__version__}, "
-            f"{a.threads} thread(s), hidden {a.hidden}, sequence {a.seq}")
+            f"transformers {transformers.__version__}, {a.threads} thread(s)")
     if a.what == "memory":
-        rows = memory_rows(tuple(a.layers or (16, 32)), a.hidden, a.seq)
+        layers = tuple(a.layers) if a.layers else None
+        if a.breakdown:
+            print(memory_breakdown(layers, a.hidden, a.seq, a.configs, a.schemes))
+            return
+        rows = memory_rows(layers, a.hidden, a.seq, a.configs, a.schemes)
         print(head)
-        print(tabulate(rows, headers=["layers", "model", "MiB saved", "ratio", "MiB saved, ckpt", "ratio, ckpt"],
-                       tablefmt="github"))
+        print(tabulate(rows, headers=["config", "layers", "model", "MiB saved", "ratio", "MiB saved, ckpt",
+                                      "ratio, ckpt", "MiB returned, ckpt"], tablefmt="github"))
     else:
-        rows = compile_rows((a.layers or [4])[0], a.hidden, a.seq, a.batch)
-        print(head + f", batch {a.batch}, {(a.layers or [4])[0]} layers")
+        hidden, seq = a.hidden or 256, a.seq or 256
+        rows = compile_rows((a.layers or [4])[0], hidden, seq, a.batch)
+        print(head + f", hidden {hidden}, sequence {seq}, batch {a.batch}, {(a.layers or [4])[0]} layers")
         print(tabulate(rows, headers=["model", "compile", "first step s", "step ms", "ratio to original"],
                        tablefmt="github"))
 
