@@ -8,6 +8,12 @@ Qin et al., *Multi-Stream Attention Residuals* (2026); spec: shared/specs/msar.m
 ``depthrewrite::msar_mix`` node. Blocks store single-stream summaries only: the views are expanded at the site
 (exact, the convs are linear), so the stored state per token is (N+1)·d, as for Block AttnRes.
 
+Decoding state (msar.md §4.9): a graph captured for a call that keeps a KV cache returns every source's last k−1
+positions (its conv history). With history coming in (a call after the first), :func:`.msar_decode.add_decode_state`
+gives the convs their left context; the first call (prefill, and every training call of a model whose config turns
+the cache on) has none, so its mixes read the sources as an uncached graph does (the convs' own zero padding is that
+left context) and only the history is added (:func:`_prefill_history`): the same graph, the same block state.
+
 Padding (msar.md §4.4): with a 2-D padding mask among the graph's inputs (``padding_mask="auto"``: the input named
 ``attention_mask``), every source is stored with its pad positions zeroed (``where(mask != 0, v, 0)``, once per source
 as it is created; partial sums add zeroed values), which equals masking the stacked sources before the convs.
@@ -30,7 +36,7 @@ from ..meta import NodeRole, inherit_meta
 from ..result import PassResult
 from .blocks import DepthMixConfig, mix_site_anchor, mix_site_labels, rewrite_depth_mix, stored_sources_state
 from .editor import ChainEditor
-from .msar_decode import DECODE_META, add_decode_state, cut_mask_to_new_tokens
+from .msar_decode import DECODE_META, HISTORY_META, _return_history, add_decode_state, cut_mask_to_new_tokens
 from .registry import DEFAULT_BLOCKS, Scheme, SchemeVariant, register
 
 __all__ = ["MSARConfig"]
@@ -211,6 +217,39 @@ def _masked_store(mask: fx.Node, scheme: str, decoding: bool = False):
     return store
 
 
+def _prefill_history(gm: fx.GraphModule, k1: int, scheme: str) -> int:
+    """A cached call without history (the first, prefill, call; a training call of a model whose config turns the
+    cache on): the history every source leaves for the next call, ``pad(v, k1 zeros before)[-k1:]`` (its last k1
+    positions, zeros before the start), returned as :func:`.msar_decode.add_decode_state` returns it, in the same
+    order (distinct sources in the order the ``msar_mix`` ops read them). The mixes are left as they are: with no
+    history their left context is the convs' own zero padding, so they read the sources, not padded copies, and the
+    block split is that of an uncached graph (no padded copy of every source crossing into later blocks, and the mix
+    that feeds a block's first sublayer still runs inside that block). Each history is a copy of its k1 positions,
+    not a view: a view would keep the whole padded source alive in the returned cache. Returns their number."""
+    graph = gm.graph
+    sources: list[fx.Node] = []
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target is torch.ops.depthrewrite.msar_mix.default:
+            sources.extend(s for s in n.args[0] if s not in sources)
+    if not sources or k1 <= 0:
+        return 0
+    hist = []
+    for s in sources:
+        at = s
+        for target, args in ((torch.ops.aten.constant_pad_nd.default, lambda x: (x, [0, 0, k1, 0])),
+                             (torch.ops.aten.slice.Tensor, lambda x: (x, -2, -k1, 2**63 - 1)),
+                             (torch.ops.aten.clone.default, lambda x: (x,)),
+                             (torch.ops.aten.unsqueeze.default, lambda x: (x, 1))):
+            with graph.inserting_after(at):
+                new = graph.call_function(target, args(at))
+            inherit_meta(new, s, NodeRole("msar_history", None, scheme), copy_val=False)
+            at = new
+        hist.append(at)
+    _return_history(gm, hist)
+    gm.meta[HISTORY_META] = len(hist)
+    return len(hist)
+
+
 def _rewrite_msar(gm: fx.GraphModule, chain: Chain, config: MSARConfig) -> PassResult:
     stream = tensor_val(_node(gm, chain.source))
     if stream is None or stream.dim() != 3:
@@ -233,7 +272,11 @@ def _rewrite_msar(gm: fx.GraphModule, chain: Chain, config: MSARConfig) -> PassR
     store = _masked_store(mask, config.name, decoding) if mask is not None else None
     result = rewrite_depth_mix(gm, chain, config, emit, store)
     if decoding:
-        add_decode_state(gm, max(config.kernels, default=1) - 1, config.name)
+        k1 = max(config.kernels, default=1) - 1
+        if gm.meta[DECODE_META]:  # history comes in: the convs read it as their left context
+            add_decode_state(gm, k1, config.name)
+        else:
+            _prefill_history(gm, k1, config.name)
         gm.recompile()
     return dataclasses.replace(result, notes=result.notes + (note,)) if note else result
 
