@@ -600,6 +600,17 @@ def _own_hooks(fn: Any) -> bool:
     return hook_owner(fn).startswith("transformers.")
 
 
+def hf_checkpointing_drops_cache(model: nn.Module) -> bool:
+    """Whether HF's activation checkpointing turns the KV cache off in a call of ``model`` now: training, with
+    gradients, and a module's ``gradient_checkpointing`` flag on (transformers' ``GradientCheckpointingLayer`` then
+    passes ``use_cache=False, cache=None`` to its layers and ``merge_with_config_defaults`` sets ``use_cache=False``,
+    so the original returns no cache). :func:`blocks_for_capture` turns those flags off while capturing, so a capture
+    that should follow the original must be told (capture without the cache when this is True)."""
+    if not (model.training and torch.is_grad_enabled()):
+        return False
+    return any(m.__dict__.get("gradient_checkpointing") is True for m in model.modules())
+
+
 @contextlib.contextmanager
 def blocks_for_capture(model: nn.Module, paths: tuple[str, ...] | None) -> Iterator[None]:
     """While capturing: every block at ``paths`` is its original class in its container slot (wrappers such as
