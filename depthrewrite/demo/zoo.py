@@ -77,9 +77,19 @@ def _small_config(cfg_cls: type, kwargs: dict[str, Any], layers: int, hidden: in
             kwargs[key] = _small_config(type(sub), sub_kwargs, layers, hidden)
     try:
         return cfg_cls(**kwargs)
-    except (AttributeError, TypeError):  # a derived field (e.g. a read-only head_dim property)
-        kwargs = {k: v for k, v in kwargs.items() if k != "head_dim"}
+    except (AttributeError, TypeError, NotImplementedError):
+        # a derived field: a read-only head_dim property, or a property whose setter refuses any value (XLNet's
+        # max_position_embeddings raises NotImplementedError: it has no sequence length limit)
+        head_dim = kwargs.get("head_dim")
+        kwargs = {k: v for k, v in kwargs.items() if k != "head_dim" and not _is_property(cfg_cls, k)}
+        if head_dim is not None and "d_head" in (getattr(cfg_cls, "__dataclass_fields__", None) or {}):
+            kwargs.setdefault("d_head", head_dim)  # XLNet names it d_head and checks d_head == d_model // n_head
         return cfg_cls(**kwargs)
+
+
+def _is_property(cls: type, name: str) -> bool:
+    """``name`` is a property of the config class (derived from other fields), not a plain field to pass."""
+    return any(isinstance(vars(c).get(name), property) for c in cls.__mro__)
 
 
 def hf_model(model_type: str, layers: int = 4, hidden: int = 64, **overrides: Any) -> nn.Module:
