@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .blocks import block_paths, blocks_for_capture, unwrapped_path
+from .blocks import block_paths, blocks_for_capture, hf_checkpointing_drops_cache, unwrapped_path
 from .capture import CONTINUATION_META, capture, example_inputs_for, is_cache, state_writes
 from .converted import as_converted, drop_dead_code
 from .errors import CaptureError, ConfigError, DepthRewriteError, NotFunctionPreservingWarning
@@ -216,6 +216,9 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) ->
     # an HF model whose config turns the cache on returns one when the call does not say (the original does)
     implied = not explicit and "use_cache" not in kwargs and getattr(getattr(model, "config", None), "use_cache", False) is True \
         and hasattr(model, "main_input_name")
+    # ... unless HF's activation checkpointing turns it off (training with gradients: the original returns none then;
+    # blocks_for_capture turns the flags off while capturing, so the capture would keep it)
+    implied = implied and not hf_checkpointing_drops_cache(model)
     keep_cache = explicit or implied
     why = scheme_record(config).no_cached_decoding
     filled = [v for v in kwargs.values() if is_cache(v) and v.get_seq_length() > 0]

@@ -92,8 +92,6 @@ def test_hf_checkpointing_drops_cache_reads_the_flags_as_hf_does():
     assert not hf_checkpointing_drops_cache(model.eval())
 
 
-@pytest.mark.xfail(strict=True, reason="api.capture_and_rewrite keeps the config's cache under HF checkpointing "
-                   "(implied = ... and not hf_checkpointing_drops_cache(model) is the fix, in api.py)")
 def test_with_hf_checkpointing_a_training_call_returns_no_cache_as_the_original():
     base = _llama(True)
     base.activation_checkpointing_enable()
