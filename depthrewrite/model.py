@@ -1080,18 +1080,23 @@ def converted_class(original: type) -> type:
     def forward(self, *args, **kwargs):
         return state_of(self).call(self, args, kwargs)
 
+    cls = _subclass(original, (ConvertedModel, original), forward)
+    _CLASSES[original] = cls
+    return cls
+
+
+def _subclass(original: type, bases: tuple, forward: Any, **attrs: Any) -> type:
+    """A class with ``bases``, ``original``'s name, module and docs, and ``forward`` with the original signature."""
     try:
         forward.__signature__ = _inspect.signature(original.forward)
     except (TypeError, ValueError):
         pass
     forward.__doc__ = original.forward.__doc__
     forward.__qualname__ = f"{original.__qualname__}.forward"
-    cls = type(original.__name__, (ConvertedModel, original), {
+    return type(original.__name__, bases, {
         "forward": forward, "__module__": original.__module__, "__qualname__": original.__qualname__,
-        "__doc__": original.__doc__,
+        "__doc__": original.__doc__, **attrs,
     })
-    _CLASSES[original] = cls
-    return cls
 
 
 _CAPTURE_CLASSES: dict[type, type] = {}
@@ -1121,16 +1126,7 @@ def _capture_class(original: type) -> type:
             pass
         return self(*args, **kwargs)
 
-    try:
-        forward.__signature__ = _inspect.signature(original.forward)
-    except (TypeError, ValueError):
-        pass
-    forward.__doc__ = original.forward.__doc__
-    forward.__qualname__ = f"{original.__qualname__}.forward"
-    cls = type(original.__name__, (original,), {
-        "forward": forward, "__call__": __call__, "__module__": original.__module__,
-        "__qualname__": original.__qualname__, "__doc__": original.__doc__,
-    })
+    cls = _subclass(original, (original,), forward, __call__=__call__)
     _CAPTURE_CLASSES[original] = cls
     return cls
 
