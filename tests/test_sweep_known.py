@@ -23,3 +23,18 @@ def test_property_fields_still_pass_elsewhere():
     """The retry without property fields is only taken when the first try fails: llama keeps every small size."""
     cfg = hf_model("llama", layers=2).config
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.max_position_embeddings, cfg.head_dim) == (2, 64, 512, 16)
+
+
+def test_xlnet_convert_is_a_typed_refusal():
+    """XLNet is PostNorm: given token ids, convert refuses it with a DepthRewriteError, never a plain error. (Without
+    example inputs, capture.example_inputs_for reads max_position_embeddings == -1 as the length limit: see the sweep
+    report; once that is fixed this holds for convert(model, ...) alone.)"""
+    import torch
+
+    import depthrewrite as dr
+    from depthrewrite.errors import DepthRewriteError
+
+    model = hf_model("xlnet", layers=2)
+    ids = torch.randint(0, 256, (2, 8))
+    with pytest.raises(DepthRewriteError):
+        dr.convert(model, "attnres", example_kwargs={"input_ids": ids}, inplace=False)
