@@ -55,6 +55,7 @@ def example_inputs_for(model: nn.Module, batch: int = DEFAULT_BATCH, seq: int = 
         else:
             vocab = getattr(cfg, "vocab_size", None) or 2
             limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or seq
+            limit = limit if isinstance(limit, int) and limit > 0 else seq  # XLNet: -1, "no limit"
             g = torch.Generator().manual_seed(0)
             ids = torch.randint(0, vocab, (batch, min(seq, limit)), generator=g).to(device)
             kwargs[name] = ids

@@ -38,3 +38,14 @@ def test_xlnet_convert_is_a_typed_refusal():
     ids = torch.randint(0, 256, (2, 8))
     with pytest.raises(DepthRewriteError):
         dr.convert(model, "attnres", example_kwargs={"input_ids": ids}, inplace=False)
+
+
+@pytest.mark.parametrize("scheme", ["attnres", "mhc", "moda", "msar"])
+def test_xlnet_convert_without_inputs_is_a_typed_refusal(scheme):
+    """XLNet's max_position_embeddings is -1 ("no limit"): the example inputs take the default length, and convert
+    ends in the typed PostNorm refusal (was a RuntimeError on a tensor of negative size)."""
+    import depthrewrite as dr
+    from depthrewrite.errors import DepthRewriteError
+
+    with pytest.raises(DepthRewriteError):
+        dr.convert(hf_model("xlnet", layers=2), scheme)
