@@ -23,13 +23,6 @@ SKIP = re.compile(r"^<!--\s*skip-test\b.*-->\s*$")
 #: page -> why its blocks do not run as written yet (pages other sessions own; each needs a line building `model`, or
 #: a skip-test marker / a ```text fence for pseudo-code)
 FRAGMENTS = {
-    "docs/attnres.md": "the first block converts a `model` it never builds",
-    "docs/backend.md": "the block converts a `model` it never builds, and has a `...` line for the training step",
-    "docs/internals.md": "the block is pseudo-code (`config=<Config class>`)",
-    "docs/mhc.md": "the block converts a `model` it never builds, and `dr` is not imported",
-    "docs/moda.md": "the block is an excerpt of an attention forward (`q`, `k`, `self`)",
-    "docs/msar.md": "the blocks convert a `model` they never build (`ids`, `mask`, `pos` too)",
-    "docs/pipelines.md": "the blocks need torchrun (`rank`, `device`, `micro_batch_input_ids`)",
     "docs/training.md": "the block needs torchrun (fully_shard) and a `loader`",
 }
 
