@@ -299,6 +299,12 @@ def state_writes(gm: fx.GraphModule) -> list[StateWrite]:
                 continue
             index = None
             name = _aten_name(node)
+            # state per position (a cache): an indexed write, or a copy into a slice of the buffer. A whole-buffer
+            # update (BatchNorm's running statistics and counter) holds no sequence and is not counted
+            sliced = _aten_name(node.args[i]) in ("slice", "select", "narrow") if isinstance(node.args[i], fx.Node) \
+                else False
+            if name not in ("index_copy", "index_put", "scatter", "index_fill") and not (name == "copy" and sliced):
+                continue
             if name == "index_copy" and len(node.args) > 2:
                 index = node.args[2]
             elif name == "index_put" and len(node.args) > 1:

@@ -7,7 +7,7 @@ class back, without the depth mixing.
 
 from __future__ import annotations
 
-import contextlib
+import copy
 import dataclasses
 from typing import Any
 
@@ -43,9 +43,13 @@ class Equivalence:
 
 
 def _leaves(out: Any) -> list[torch.Tensor]:
+    """The floating-point output tensors, KV caches left out (a converted MSAR's cache also holds its conv history)."""
+    from .capture import is_cache
+
     if hasattr(out, "to_tuple"):  # transformers' ModelOutput
         out = out.to_tuple()
-    return [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    leaves = pytree.tree_leaves(out, is_leaf=is_cache)
+    return [x for x in leaves if isinstance(x, torch.Tensor) and x.is_floating_point()]
 
 
 def check_equivalence(converted: nn.Module, original: nn.Module, *args: Any, tol: float | None = None,
@@ -68,8 +72,9 @@ def check_equivalence(converted: nn.Module, original: nn.Module, *args: Any, tol
     try:
         converted.eval()
         original.eval()
-        with torch.no_grad():
-            a, b = _leaves(converted(*args, **kwargs)), _leaves(original(*args, **kwargs))
+        with torch.no_grad():  # each model gets its own copy of the inputs (a KV cache is extended in place)
+            a = _leaves(converted(*copy.deepcopy(args), **copy.deepcopy(kwargs)))
+            b = _leaves(original(*copy.deepcopy(args), **copy.deepcopy(kwargs)))
     finally:
         converted.train(modes[0])
         original.train(modes[1])
@@ -85,9 +90,11 @@ def check_equivalence(converted: nn.Module, original: nn.Module, *args: Any, tol
     for x, y in zip(a, b):
         d = (x.double() - y.double()).abs()
         scale = y.double().abs().clamp_min(1.0)
-        max_abs = max(max_abs, float(d.max()) if d.numel() else 0.0)
-        max_rel = max(max_rel, float((d / scale).max()) if d.numel() else 0.0)
-        same = same and bool((d <= tol * scale).all()) and not bool(torch.isnan(x).any() ^ torch.isnan(y).any())
+        if d.numel():  # NaN-aware: a NaN difference is reported as NaN, never as 0
+            m, r = float(d.max()), float((d / scale).max())
+            max_abs = m if m != m or max_abs != max_abs else max(max_abs, m)
+            max_rel = r if r != r or max_rel != max_rel else max(max_rel, r)
+        same = same and bool(((d <= tol * scale) | (torch.isnan(x) & torch.isnan(y))).all())
     return Equivalence(same=same, max_abs=max_abs, max_rel=max_rel, tol=tol, tensors=len(a))
 
 
@@ -107,9 +114,13 @@ def unconvert(model: nn.Module) -> nn.Module:
     if not is_converted(model):
         raise ConfigError(f"unconvert: this {type(model).__name__} is not a model converted by depthrewrite.convert()")
     st = state_of(model)
+    from .api import _is_fsdp
+
+    if any(_is_fsdp(m) for m in model.modules()):
+        raise ConfigError("unconvert: the model is sharded with FSDP; unconvert before fully_shard (the FSDP classes "
+                          "would be dropped)")
     own = model.__dict__.get("_old_forward")
-    with contextlib.suppress(AttributeError):
-        model.__class__ = st.original
+    model.__class__ = st.original
     model.__dict__.pop("_depthrewrite", None)
     model._modules.pop(PARAM_PREFIX, None)
     restore_blocks(model)

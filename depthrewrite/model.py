@@ -379,8 +379,14 @@ class _CaptureLock:
                 self._shared -= mine
                 self._waiting += 1
                 self._cond.notify_all()
-                while self._owner is not None or self._shared > 0:
-                    self._cond.wait()
+                try:
+                    while self._owner is not None or self._shared > 0:
+                        self._cond.wait()
+                except BaseException:  # interrupted while waiting: take the own holds back, give way again
+                    self._waiting -= 1
+                    self._shared += mine
+                    self._cond.notify_all()
+                    raise
                 self._waiting -= 1
                 self._owner = me
             self._depth += 1
@@ -671,14 +677,15 @@ class ConversionState:
         caches = [v for v in (*args, *kwargs.values()) if is_cache(v)]
         if caches:
             _check_cache(caches[0], self.original.__name__)
-        if torch.compiler.is_exporting():  # inside torch.export (pipelining's tracer): use a graph we have
+        exporting = torch.compiler.is_exporting() and _traced(args, kwargs)  # the flag is the process's, not ours
+        if exporting:  # inside torch.export (pipelining's tracer): use a graph we have
             entry, pos, kw = self.select(model, args, kwargs, capture=False)
-        elif torch.compiler.is_compiling():  # Dynamo: choose (and capture) eagerly, trace the chosen graph
+        elif torch.compiler.is_dynamo_compiling():  # Dynamo: choose (and capture) eagerly, trace the chosen graph
             entry, pos, kw = _select_eagerly(self, model, args, kwargs)
         else:
             entry, pos, kw = self.select(model, args, kwargs)
         guard = entry.module.meta.get(CONTINUATION_META)
-        if guard is not None:
+        if guard is not None and not exporting and not torch.compiler.is_dynamo_compiling():
             _check_continuation(guard, pos, kw, self.original.__name__)
         if caches and entry.module.meta.get(HISTORY_META) and caches[0].get_seq_length() > 0 \
                 and not caches[0].__dict__.get(_EXTRA):
@@ -688,9 +695,9 @@ class ConversionState:
                 "(the unconverted one?) or rebuilt from tensors. Fill it with the converted model (prefill with it), or "
                 "call with use_cache=False."
             )
-        tracing = torch.compiler.is_compiling() or torch.compiler.is_exporting()
+        tracing = exporting or torch.compiler.is_dynamo_compiling()
         try:
-            out = (entry.module if torch.compiler.is_exporting() else entry.run)(*pos, **kw)
+            out = (entry.module if exporting else entry.run)(*pos, **kw)
         except RuntimeError as e:
             # export's own input check (a relation between sizes our guards do not model, e.g. a cache length derived
             # from the new tokens at a sliding window's edge) fails before anything runs: this call gets its own graph
@@ -711,6 +718,18 @@ class ConversionState:
             store_history(target, history)
             target.__dict__[_SEEN] = target.get_seq_length()
         return out
+
+
+def _traced(args: tuple, kwargs: dict) -> bool:
+    """Whether this call is being traced (Dynamo, or torch.export with fake inputs) rather than run: per call, since
+    torch's is_exporting()/is_compiling() flags are the process's and are on while another thread captures."""
+    if torch.compiler.is_dynamo_compiling():
+        return True
+    if not torch.compiler.is_exporting():
+        return False
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return any(isinstance(x, FakeTensor) for x in pytree.tree_leaves((args, kwargs)))
 
 
 _WARNED: set = set()
@@ -816,7 +835,8 @@ def _check_continuation(guard: tuple, args: tuple, kwargs: dict, name: str) -> N
     indexed = [w for w in writes if w.positions_index is not None and w.positions_index < len(tensors)]
     if indexed and len(indexed) == len(writes):
         pos = tensors[indexed[0].positions_index]
-        if pos.numel() == 0 or int(pos.min()) == 0:
+        if pos.numel() == 0 or (pos.dim() == 0 and int(pos) == 0) or \
+                (pos.dim() > 0 and bool(pos.reshape(-1, pos.shape[-1])[:, 0].eq(0).all())):  # every row from 0
             return
         where = (f"at positions {indexed[0].positions} = {pos.flatten()[:4].tolist()}"
                  f"{'...' if pos.numel() > 4 else ''}, after earlier tokens")
@@ -981,7 +1001,7 @@ class ConvertedModel(nn.Module):
     def __call__(self, *args, **kwargs):
         # shared hold of the capture lock around the whole call, before nn.Module.__call__ (which a capture in another
         # thread may have patched): calls run concurrently, never during another thread's capture (_CaptureLock)
-        if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        if _traced(args, kwargs):
             return super().__call__(*args, **kwargs)
         with _LOCK.shared():
             return super().__call__(*args, **kwargs)

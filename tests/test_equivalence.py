@@ -107,3 +107,29 @@ def test_block_outputs_are_not_views(scheme):
             t._is_view() for t in (o if isinstance(o, (tuple, list)) else (o,)) if isinstance(t, torch.Tensor)))
     conv(input_ids=torch.randint(0, 100, (2, 16)))
     assert views and not any(views)
+
+
+def test_check_equivalence_leaves_caches_out_and_copies_the_inputs():
+    """With the KV cache on (LlamaConfig's default) a converted MSAR's cache also holds its conv history: outputs are
+    compared without caches."""
+    torch.manual_seed(0)
+    original = hf_model("llama", layers=2).eval()
+    conv = dr.convert(original, "msar", blocks=2, inplace=False)
+    ids = torch.randint(0, 100, (2, 7))
+    assert dr.check_equivalence(conv, original, input_ids=ids, use_cache=True)
+
+
+def test_batchnorm_running_statistics_are_not_a_cache():
+    """A whole-buffer update in training (BatchNorm) is state, but not per position: no continuation guard."""
+    from depthrewrite.capture import state_writes
+
+    class BN(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = torch.nn.BatchNorm1d(4)
+
+        def forward(self, x):
+            return self.bn(x)
+
+    gm = dr.capture(BN().train(), (torch.randn(3, 4),), dynamic=False, check=False)
+    assert state_writes(gm) == []
