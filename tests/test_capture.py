@@ -44,7 +44,9 @@ def test_capture_error_carries_export_message():
     with pytest.raises(CaptureError) as ei:
         capture(DataDependent(), (torch.randn(2, 3),))
     msg = str(ei.value)
-    assert "DataDependent" in msg and "What to try" in msg
+    # the cause first, at the model's own line, then export's message
+    assert "branches on a tensor's value" in msg and "in DataDependent.forward: `if x.sum() > 0:" in msg, msg
+    assert "GuardOnDataDependentSymNode" in msg
     assert ei.value.__cause__ is not None
 
 
