@@ -209,8 +209,6 @@ def test_examples_write_into_folders_of_their_own(example_help):
 # ---- refusals raised in api.py (owned elsewhere) --------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="api.py's refusal calls report().config.describe() without the block size; "
-                   "the fix is report().describe() there (ConvertReport.describe, views/report.py)")
 def test_the_already_converted_refusal_names_the_real_block_size(conv):
     with pytest.raises(dr.ConfigError, match="already converted") as err:
         dr.convert(conv, "attnres", blocks=2, pipeline_stages=2)
