@@ -93,6 +93,34 @@ def test_coeffs_forward_and_grads(n, D, lead, iters, dtype, calls):
     torch.testing.assert_close(got[2].sum(-1), torch.ones_like(got[2].sum(-1)), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("iters", [ITERS, 1], ids=["iters20", "iters1"])
+def test_exact_rows(iters, calls):
+    """exact_rows: the last row normalisation without eps. Kernel == reference (forward and every grad), each row of
+    H_res sums to 1 up to fp32 rounding (V4's eps leaves 1 - O(eps)), and the closed-form backward == autograd of
+    the plain reference function in fp64."""
+    X, phi, bias, alpha = _site(4, 13, (2, 9))
+    f = lambda *a: mhc_coeffs(*a, iters, EPS, True)  # noqa: E731
+    with kernel_backend("reference"):
+        want, gwant = _grads(f, (X, phi, bias, alpha))
+    with kernel_backend("triton"):
+        got, ggot = _grads(f, (X, phi, bias, alpha))
+    assert calls == ["mhc_coeffs_fwd", "mhc_coeffs_bwd"]
+    _close(got, want, TOL[torch.float32]["fwd"])
+    _close(ggot, gwant, TOL[torch.float32]["grad"])
+    for res in (want[2], got[2]):
+        assert (res.sum(-1) - 1).abs().max() <= 4e-7
+    v4 = mhc_coeffs_ref(X, phi, bias, alpha, iters, EPS)[2]
+    assert (v4.sum(-1) - 1).abs().max() > 5e-7  # the eps in every division is visible at fp32
+    Xd, pd, bd, ad = (t.double().cpu().requires_grad_() for t in (X, phi, bias, alpha))
+    with kernel_backend("reference"):
+        assert torch.autograd.gradcheck(lambda *a: mhc_coeffs(*a, iters, EPS, True), (Xd, pd, bd, ad), fast_mode=True)
+    auto = torch.autograd.grad(mhc_coeffs_ref(Xd, pd, bd, ad, iters, EPS, True)[2].pow(2).sum(), (Xd, pd, bd, ad))
+    with kernel_backend("reference"):
+        mine = torch.autograd.grad(mhc_coeffs(Xd, pd, bd, ad, iters, EPS, True)[2].pow(2).sum(), (Xd, pd, bd, ad))
+    for a, b in zip(mine, auto):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-8)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEV == "cuda" else []), ids=str)
 def test_half_precision_state(dtype, calls):
     """X (and y) in a half type: the coefficient GEMM's 2-MMA path, outputs in X's dtype, coefficients fp32."""

@@ -59,8 +59,10 @@ def _precision() -> str:
 
 @triton.jit
 def _norm_rows(A, eps):
-    """T_r: divide each row (fixed output i) by its sum over inputs j (+eps). A: [BT, NP, NP]."""
-    return A / (tl.sum(A, axis=2)[:, :, None] + eps)
+    """T_r: divide each row (fixed output i) by its sum over inputs j (+eps). A: [BT, NP, NP]. A padded row sums to 0
+    and stays 0 (eps may be 0: the last row normalisation with exact rows)."""
+    s = tl.sum(A, axis=2)[:, :, None] + eps
+    return A / tl.where(s > 0, s, 1.0)
 
 
 @triton.jit
@@ -78,6 +80,7 @@ def _pair(A, eps):
 def _norm_rows_bwd(A, G, eps):
     """Gradient through Y = A / (Σ_j A + eps) given the input A and dL/dY = G: (G − Σ_j G·Y) / (Σ_j A + eps)."""
     s = tl.sum(A, axis=2)[:, :, None] + eps
+    s = tl.where(s > 0, s, 1.0)
     Y = A / s
     return (G - tl.sum(G * Y, axis=2)[:, :, None]) / s
 
@@ -102,16 +105,17 @@ def _sinkhorn_start(L, valid, eps):
 
 
 @triton.jit
-def _sinkhorn_fwd(L, valid, eps, P):
+def _sinkhorn_fwd(L, valid, eps, reps, P):
+    """B0 = T_r(A0), B_{p+1} = T_r(T_c(B_p)) for p < P; the last T_r adds reps (eps, or 0 for exact rows)."""
     A0, p = _sinkhorn_start(L, valid, eps)
-    B = _norm_rows(A0, eps)
+    B = _norm_rows(A0, tl.where(P == 0, reps, eps))
     for _p in range(P):
-        B = _pair(B, eps)
+        B = _norm_rows(_norm_cols(B, eps), tl.where(_p == P - 1, reps, eps))
     return B
 
 
 @triton.jit
-def _sinkhorn_bwd(L, G, valid, eps, P, SEG: tl.constexpr):
+def _sinkhorn_bwd(L, G, valid, eps, reps, P, SEG: tl.constexpr):
     """dL/dlogits of the Sinkhorn projection, recomputing the iterates on chip.
 
     The forward is B0 = T_r(A0), B_{p+1} = T_r(T_c(B_p)) for p < P = max(iters − 1, 0). Backward walks the pairs in reverse
@@ -133,9 +137,10 @@ def _sinkhorn_bwd(L, G, valid, eps, P, SEG: tl.constexpr):
             for _q in range(cnt - 1 - qi):
                 Bp = _pair(Bp, eps)
             C = _norm_cols(Bp, eps)
-            G = tl.where(valid, _norm_rows_bwd(C, G, eps), 0.0)
+            last = start + cnt - 1 - qi == P - 1  # the last pair's T_r adds reps
+            G = tl.where(valid, _norm_rows_bwd(C, G, tl.where(last, reps, eps)), 0.0)
             G = tl.where(valid, _norm_cols_bwd(Bp, G, eps), 0.0)
-    G = tl.where(valid, _norm_rows_bwd(A0, G, eps), 0.0)
+    G = tl.where(valid, _norm_rows_bwd(A0, G, tl.where(P == 0, reps, eps)), 0.0)
     # softmax over outputs (axis 1): dL/dlogit = p·(G − Σ_i G·p); the +eps has unit derivative
     return tl.where(valid, p * (G - tl.sum(G * p, axis=1)[:, None, :]), 0.0)
 
@@ -225,7 +230,7 @@ def _coeffs_tile(X, PHI, ALPHA, T, K, M, eps, N: tl.constexpr, NP: tl.constexpr,
 
 
 @triton.jit(do_not_specialize=["P"])
-def mhc_coeffs_fwd_kernel(X, PHI, BIAS, ALPHA, PRE, POST, RES, T, K, M, eps, P,
+def mhc_coeffs_fwd_kernel(X, PHI, BIAS, ALPHA, PRE, POST, RES, T, K, M, eps, reps, P,
                        N: tl.constexpr, NP: tl.constexpr, PP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                        PREC: tl.constexpr, XEXACT: tl.constexpr):
     rows, rmask, cpp, cpp_ok, cr_ok, cr_col, acc_pp, acc_r, r, a0, a1, a2 = _coeffs_tile(
@@ -246,13 +251,13 @@ def mhc_coeffs_fwd_kernel(X, PHI, BIAS, ALPHA, PRE, POST, RES, T, K, M, eps, P,
     i3 = tl.arange(0, NP)[None, :, None]
     j3 = tl.arange(0, NP)[None, None, :]
     valid = (i3 < N) & (j3 < N)
-    H = _sinkhorn_fwd(L, valid, eps, P)
+    H = _sinkhorn_fwd(L, valid, eps, reps, P)
     rows3 = r64[:, None, None]
     tl.store(RES + rows3 * (N * N) + i3 * N + j3, H, mask=(rows3 < T) & valid)
 
 
 @triton.jit(do_not_specialize=["P"])
-def mhc_coeffs_bwd_kernel_coef(X, PHI, BIAS, ALPHA, GPRE, GPOST, GRES, GZ, CX, GB_PART, GA_PART, T, K, M, eps, P,
+def mhc_coeffs_bwd_kernel_coef(X, PHI, BIAS, ALPHA, GPRE, GPOST, GRES, GZ, CX, GB_PART, GA_PART, T, K, M, eps, reps, P,
                             N: tl.constexpr, NP: tl.constexpr, PP: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr,
                             BK: tl.constexpr, PREC: tl.constexpr, SEG: tl.constexpr, XEXACT: tl.constexpr):
     rows, rmask, cpp, cpp_ok, cr_ok, cr_col, acc_pp, acc_r, r, a0, a1, a2 = _coeffs_tile(
@@ -281,7 +286,7 @@ def mhc_coeffs_bwd_kernel_coef(X, PHI, BIAS, ALPHA, GPRE, GPOST, GRES, GZ, CX, G
     valid = (i3 < N) & (j3 < N)
     rows3 = r64[:, None, None]
     G = tl.load(GRES + rows3 * (N * N) + i3 * N + j3, mask=(rows3 < T) & valid, other=0.0)
-    gL = tl.reshape(_sinkhorn_bwd(L, G, valid, eps, P, SEG), BT, NP * NP)
+    gL = tl.reshape(_sinkhorn_bwd(L, G, valid, eps, reps, P, SEG), BT, NP * NP)
     gmix_r = a2 * gL
     # RMS-after-GEMM: g_z = g_mix·r, c = Σ(g_mix·mix)·r²/K
     c = (tl.sum(gmix_pp * mix_pp, axis=1) + tl.sum(gmix_r * mix_r, axis=1)) * r * r / K
@@ -354,7 +359,8 @@ def _colmap(n: int, device: torch.device) -> torch.Tensor:
 
 
 def mhc_coeffs_fwd(
-    X: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, iters: int, eps: float
+    X: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, iters: int, eps: float,
+    exact_rows: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused mHC coefficients (RMS of the flattened state, projection, σ / 2σ, Sinkhorn) in one kernel.
 
@@ -362,6 +368,7 @@ def mhc_coeffs_fwd(
         X: the n-stream state ``[..., n, D]`` (fp32/bf16/fp16).
         phi: ``[n·D, n²+2n]``; bias: ``[n²+2n]``; alpha: ``[3]`` (any of the three dtypes; read as fp32).
         iters: Sinkhorn iterations; eps: RMS epsilon, H_pre floor and Sinkhorn epsilon.
+        exact_rows: the last Sinkhorn row normalisation without eps (rows of H_res sum to 1).
 
     Returns:
         (pre ``[..., n]``, post ``[..., n]``, res ``[..., n, n]``), fp32. X is read once; only these are written.
@@ -378,7 +385,7 @@ def mhc_coeffs_fwd(
     PP, NP = coeff_layout(n)
     BT, BK = coeff_blocks(T, n, X.device)
     mhc_coeffs_fwd_kernel[(triton.cdiv(T, BT),)](
-        x, phi_c, bias_c, alpha_c, pre, post, res, T, K, M, float(eps), max(int(iters) - 1, 0),
+        x, phi_c, bias_c, alpha_c, pre, post, res, T, K, M, float(eps), 0.0 if exact_rows else float(eps), max(int(iters) - 1, 0),
         N=n, NP=NP, PP=PP, BT=BT, BK=BK, PREC=_precision(), XEXACT=X.dtype != torch.float32,
         num_warps=4, num_stages=3,
     )
@@ -388,7 +395,7 @@ def mhc_coeffs_fwd(
 def mhc_coeffs_bwd(
     X: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor,
     gpre: torch.Tensor, gpost: torch.Tensor, gres: torch.Tensor, iters: int, eps: float,
-    segments: int | None = None,
+    exact_rows: bool = False, segments: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of :func:`mhc_coeffs_fwd`: two kernels, two reads of X, one write of grad X.
 
@@ -398,7 +405,7 @@ def mhc_coeffs_bwd(
     and per-segment fp32 partials of grad φ ``[S, K, PP+NP²]``, summed with torch — no atomics, deterministic.
 
     Args:
-        X, phi, bias, alpha, iters, eps: as :func:`mhc_coeffs_fwd`.
+        X, phi, bias, alpha, iters, eps, exact_rows: as :func:`mhc_coeffs_fwd`.
         gpre, gpost: ``[..., n]``; gres: ``[..., n, n]`` — gradients of the three outputs.
         segments: token segments of kernel 2 (default: enough programs to fill the GPU twice).
 
@@ -424,7 +431,8 @@ def mhc_coeffs_bwd(
     ga_part = torch.empty(nblk, 4, device=dev, dtype=torch.float32)
     prec = _precision()
     mhc_coeffs_bwd_kernel_coef[(nblk,)](
-        x, phi_c, bias_c, alpha_c, gpre_c, gpost_c, gres_c, gz, cx, gb_part, ga_part, T, K, M, float(eps), max(int(iters) - 1, 0),
+        x, phi_c, bias_c, alpha_c, gpre_c, gpost_c, gres_c, gz, cx, gb_part, ga_part, T, K, M, float(eps),
+        0.0 if exact_rows else float(eps), max(int(iters) - 1, 0),
         N=n, NP=NP, PP=PP, MP=MP, BT=BT, BK=BK, PREC=prec, SEG=SEG, XEXACT=X.dtype != torch.float32,
         num_warps=4, num_stages=3,
     )

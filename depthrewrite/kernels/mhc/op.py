@@ -43,21 +43,23 @@ def _fused(X: torch.Tensor, *tensors: torch.Tensor, op: str):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _sinkhorn_backward_ref(logits: torch.Tensor, g: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+def _sinkhorn_backward_ref(logits: torch.Tensor, g: torch.Tensor, iters: int, eps: float, exact_rows: bool = False) -> torch.Tensor:
     """dL/dlogits of :func:`~depthrewrite.kernels.mhc.reference.sinkhorn`, storing the 2·iters − 1 iterates."""
     p = torch.softmax(logits, dim=-2)
     A = p + eps
     inputs = []
-    for dim in [-1] + [-2, -1] * max(iters - 1, 0):
-        inputs.append((A, dim))
-        A = A / (A.sum(dim, keepdim=True) + eps)
-    for A, dim in reversed(inputs):
-        s = A.sum(dim, keepdim=True) + eps
+    steps = [-1] + [-2, -1] * max(iters - 1, 0)
+    for i, dim in enumerate(steps):
+        e = 0.0 if exact_rows and i == len(steps) - 1 else eps  # the last row normalisation (exact_rows: no eps)
+        inputs.append((A, dim, e))
+        A = A / (A.sum(dim, keepdim=True) + e)
+    for A, dim, e in reversed(inputs):
+        s = A.sum(dim, keepdim=True) + e
         g = (g - (g * (A / s)).sum(dim, keepdim=True)) / s
     return p * (g - (g * p).sum(-2, keepdim=True))
 
 
-def _coeffs_backward_ref(X, phi, bias, alpha, gpre, gpost, gres, iters: int, eps: float) -> Tensors4:
+def _coeffs_backward_ref(X, phi, bias, alpha, gpre, gpost, gres, iters: int, eps: float, exact_rows: bool = False) -> Tensors4:
     acc = torch.promote_types(X.dtype, torch.float32)
     n = X.shape[-2]
     xf = X.flatten(-2).to(acc)
@@ -71,7 +73,7 @@ def _coeffs_backward_ref(X, phi, bias, alpha, gpre, gpost, gres, iters: int, eps
     g_pre = gpre.to(acc) * s_pre * (1 - s_pre)  # grads of the σ / Sinkhorn arguments
     g_post = 2 * gpost.to(acc) * s_post * (1 - s_post)
     logits = (a[2] * m_res + b[2 * n :]).unflatten(-1, (n, n))
-    g_res = _sinkhorn_backward_ref(logits, gres.to(acc), iters, eps).flatten(-2)
+    g_res = _sinkhorn_backward_ref(logits, gres.to(acc), iters, eps, exact_rows).flatten(-2)
     g_arg = torch.cat([g_pre, g_post, g_res], -1)
     gmix = torch.cat([a[0] * g_pre, a[1] * g_post, a[2] * g_res], -1)
     gbias = g_arg.reshape(-1, g_arg.shape[-1]).sum(0)
@@ -111,16 +113,17 @@ def _post_backward_ref(X, res, post, y, gout) -> Tensors4:
 
 @torch.library.custom_op("depthrewrite::mhc_coeffs", mutates_args=())
 def mhc_coeffs(
-    X: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, iters: int, eps: float
+    X: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, iters: int, eps: float,
+    exact_rows: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     k = _fused(X, phi, bias, alpha, op="mhc_coeffs")
     if k is not None:
-        return k.mhc_coeffs_fwd(X, phi, bias, alpha, iters, eps)
-    return mhc_coeffs_ref(X, phi, bias, alpha, iters, eps)
+        return k.mhc_coeffs_fwd(X, phi, bias, alpha, iters, eps, exact_rows)
+    return mhc_coeffs_ref(X, phi, bias, alpha, iters, eps, exact_rows)
 
 
 @mhc_coeffs.register_fake
-def _(X, phi, bias, alpha, iters, eps):
+def _(X, phi, bias, alpha, iters, eps, exact_rows=False):
     acc = torch.promote_types(X.dtype, torch.float32)
     n = X.shape[-2]
     lead = X.shape[:-2]
@@ -171,17 +174,17 @@ def _(X, mode):
 @torch.library.custom_op("depthrewrite::mhc_coeffs_backward", mutates_args=())
 def mhc_coeffs_backward(
     X: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor,
-    gpre: torch.Tensor, gpost: torch.Tensor, gres: torch.Tensor, iters: int, eps: float,
+    gpre: torch.Tensor, gpost: torch.Tensor, gres: torch.Tensor, iters: int, eps: float, exact_rows: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad X, grad φ, grad bias, grad α) of :func:`mhc_coeffs` from the grads of (pre, post, res)."""
     k = _fused(X, phi, bias, alpha, gpre, gpost, gres, op="mhc_coeffs_backward")
     if k is not None:
-        return k.mhc_coeffs_bwd(X, phi, bias, alpha, gpre, gpost, gres, iters, eps)
-    return _coeffs_backward_ref(X, phi, bias, alpha, gpre, gpost, gres, iters, eps)
+        return k.mhc_coeffs_bwd(X, phi, bias, alpha, gpre, gpost, gres, iters, eps, exact_rows)
+    return _coeffs_backward_ref(X, phi, bias, alpha, gpre, gpost, gres, iters, eps, exact_rows)
 
 
 @mhc_coeffs_backward.register_fake
-def _(X, phi, bias, alpha, gpre, gpost, gres, iters, eps):
+def _(X, phi, bias, alpha, gpre, gpost, gres, iters, eps, exact_rows=False):
     return torch.empty_like(X), torch.empty_like(phi), torch.empty_like(bias), torch.empty_like(alpha)
 
 
@@ -235,15 +238,16 @@ def _need(ctx, grads: tuple) -> tuple:
 
 def _coeffs_bw(ctx, gpre, gpost, gres):
     X, phi, bias, alpha = ctx.saved_tensors
-    iters, eps = ctx.static
+    iters, eps, *rest = ctx.static
+    exact_rows = bool(rest[0]) if rest else False
     n, lead = X.shape[-2], X.shape[:-2]
     acc = torch.promote_types(X.dtype, torch.float32)
     z = lambda *s: X.new_zeros((*lead, *s), dtype=acc)  # noqa: E731 - an unused output's grad
     gpre = z(n) if gpre is None else gpre
     gpost = z(n) if gpost is None else gpost
     gres = z(n, n) if gres is None else gres
-    grads = mhc_coeffs_backward(X, phi, bias, alpha, gpre, gpost, gres, iters, eps)
-    return _need(ctx, grads) + (None, None)
+    grads = mhc_coeffs_backward(X, phi, bias, alpha, gpre, gpost, gres, iters, eps, exact_rows)
+    return _need(ctx, grads) + (None,) * len(ctx.static)
 
 
 def _pre_bw(ctx, gu):

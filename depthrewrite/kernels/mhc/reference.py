@@ -4,7 +4,7 @@
     mix    = (x⃗ @ φ) · r                                   φ: [n·d, n²+2n], columns [pre (n) | post (n) | res (n²)]
     H_pre  = σ(α_pre · mix_pre + b_pre) + ε                 (+ε as DeepSeek-V4)
     H_post = 2σ(α_post · mix_post + b_post)
-    H_res  = Sinkhorn(α_res · mix_res + b_res)              [n_out, n_in], 20 iterations, rows end exact
+    H_res  = Sinkhorn(α_res · mix_res + b_res)              [n_out, n_in], 20 iterations (rows exact: exact_rows)
     u      = Σ_i H_pre[i] X_i        X' = H_res X + H_postᵀ y
 
 Xie et al., *mHC: Manifold-Constrained Hyper-Connections*, arXiv:2512.24880, Eqs. 3, 7-9; numerics of DeepSeek-V4
@@ -19,19 +19,26 @@ import torch
 __all__ = ["sinkhorn", "mhc_coeffs_ref", "mhc_pre_ref", "mhc_post_ref", "mhc_collapse_ref"]
 
 
-def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+def sinkhorn(logits: torch.Tensor, iters: int, eps: float, exact_rows: bool = False) -> torch.Tensor:
     """Doubly-stochastic projection of ``exp(logits)`` (``[..., n_out, n_in]``), V4 numerics in paper orientation:
-    softmax over outputs, then alternate row / column normalisation; the last step normalises rows."""
+    softmax over outputs, then alternate row / column normalisation; the last step normalises rows.
+
+    Every division adds ``eps`` (DeepSeek-V4), so rows end summing to ``S / (S + eps)``, 1 − O(eps). With
+    ``exact_rows`` the last row normalisation divides by the plain row sum (positive: every entry is >= eps before
+    it), so each row sums to 1 up to rounding — what makes mHC the original function at init (docs/mhc.md).
+    """
     M = torch.softmax(logits, dim=-2) + eps
-    M = M / (M.sum(-1, keepdim=True) + eps)
-    for _ in range(iters - 1):
+    last = iters <= 1
+    M = M / (M.sum(-1, keepdim=True) + (0.0 if exact_rows and last else eps))
+    for i in range(iters - 1):
         M = M / (M.sum(-2, keepdim=True) + eps)
-        M = M / (M.sum(-1, keepdim=True) + eps)
+        M = M / (M.sum(-1, keepdim=True) + (0.0 if exact_rows and i == iters - 2 else eps))
     return M
 
 
 def mhc_coeffs_ref(
-    X: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, iters: int, eps: float
+    X: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, iters: int, eps: float,
+    exact_rows: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The dynamic coefficients of one mHC site.
 
@@ -42,6 +49,7 @@ def mhc_coeffs_ref(
         alpha (Tensor): ``[3]`` = (α_pre, α_post, α_res).
         iters (int): Sinkhorn iterations.
         eps (float): RMS epsilon, H_pre floor and Sinkhorn epsilon.
+        exact_rows (bool): the last Sinkhorn row normalisation without ``eps`` (rows of H_res sum to 1).
 
     Returns:
         (H_pre ``[..., n]``, H_post ``[..., n]``, H_res ``[..., n, n]``), fp32 (or wider).
@@ -54,7 +62,7 @@ def mhc_coeffs_ref(
     pre = torch.sigmoid(a[0] * mix[..., :n] + b[:n]) + eps
     post = 2 * torch.sigmoid(a[1] * mix[..., n : 2 * n] + b[n : 2 * n])
     res = (a[2] * mix[..., 2 * n :] + b[2 * n :]).unflatten(-1, (n, n))
-    return pre, post, sinkhorn(res, iters, eps)
+    return pre, post, sinkhorn(res, iters, eps, exact_rows)
 
 
 def mhc_pre_ref(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,8 @@
 
 Xie et al., *mHC*, arXiv:2512.24880; spec: shared/specs/mhc.md (§5 collapse, §6 init, §7 real graphs). One site per
 residual add (a parallel block is one site whose y is the sum of its branches). Parameters per site:
-``depthrewrite.hc_{k}.{phi,bias,alpha}``. Init (spec §6): φ ~ N(0, 1e-4), α = 0.01, b_pre = -log(n-1),
-b_post = 0, b_res = -5·(1 - I): close to the original at init, exact with ``alpha_init=0``.
+``depthrewrite.hc_{k}.{phi,bias,alpha}``. Init (spec §6): φ ~ N(0, 1e-4), α = 0.01, b_pre = logit(1/n - ε)
+(the spec's -log(n-1) with V4's +ε floor taken out: Σ H_pre = 1), b_post = 0, b_res = -5·(1 - I): close to the original at init, exact with ``alpha_init=0``.
 """
 
 from __future__ import annotations
@@ -45,6 +45,10 @@ class MHCConfig(SchemeConfig):
         alpha_init (float): initial gating scalars α. Default: 0.01 (0 makes the converted model exact).
         phi_std (float): std of φ's random init (breaks the stream symmetry). Default: 1e-4.
         eps (float): RMS / H_pre / Sinkhorn epsilon. Default: 1e-6.
+        exact_rows (bool): the last Sinkhorn row normalisation divides by the plain row sum, so every row of H_res
+            sums to 1 up to rounding and identical streams stay the original's residual stream (what makes
+            ``alpha_init=0`` exact). ``False``: DeepSeek-V4's numerics, ε in every division (rows 1 − O(ε)).
+            Default: True.
     """
 
     streams: int = 4
@@ -53,6 +57,7 @@ class MHCConfig(SchemeConfig):
     alpha_init: float = 0.01
     phi_std: float = 1e-4
     eps: float = 1e-6
+    exact_rows: bool = True
 
     name = "mhc"
 
@@ -67,6 +72,8 @@ class MHCConfig(SchemeConfig):
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or isinstance(v, bool):
                 raise ConfigError(f"MHCConfig.{f} must be a number, got {v!r}")
+        if not isinstance(self.exact_rows, bool):
+            raise ConfigError(f"MHCConfig.exact_rows must be True or False, got {self.exact_rows!r}")
         if not self.eps > 0 or self.phi_std < 0:
             raise ConfigError(f"MHCConfig.eps must be > 0 and phi_std >= 0, got eps={self.eps!r}, phi_std={self.phi_std!r}")
 
@@ -83,7 +90,11 @@ class _HCSite(nn.Module):
         kw = dict(dtype=torch.float32, device=device)
         self.phi = nn.Parameter(torch.randn(n * d, n * n + 2 * n, **kw) * config.phi_std)
         b_res = -5.0 * (1.0 - torch.eye(n, **kw))
-        self.bias = nn.Parameter(torch.cat([torch.full((n,), -math.log(n - 1), **kw), torch.zeros(n, **kw), b_res.flatten()]))
+        # b_pre: σ(b_pre) + ε = 1/n, so H_pre sums to 1 with the +ε floor (the spec's −log(n−1), corrected for ε): the
+        # sublayer then reads the stream itself, not (1 + nε) times it (a norm with its own ε is not quite scale-free)
+        q = 1.0 / n - config.eps
+        b_pre = math.log(q / (1.0 - q)) if q > 0 else -math.log(n - 1)
+        self.bias = nn.Parameter(torch.cat([torch.full((n,), b_pre, **kw), torch.zeros(n, **kw), b_res.flatten()]))
         self.alpha = nn.Parameter(torch.full((3,), float(config.alpha_init), **kw))
 
 
@@ -106,7 +117,8 @@ def _rewrite_mhc(gm: fx.GraphModule, chain: Chain, config: MHCConfig) -> PassRes
         with graph.inserting_before(ed.readers_of(k)[0]):
             coeffs = graph.call_function(
                 ops.mhc_coeffs.default,
-                (X, ed.get_attr(f"{name}.phi"), ed.get_attr(f"{name}.bias"), ed.get_attr(f"{name}.alpha"), config.sinkhorn_iters, config.eps),
+                (X, ed.get_attr(f"{name}.phi"), ed.get_attr(f"{name}.bias"), ed.get_attr(f"{name}.alpha"), config.sinkhorn_iters, config.eps,
+                 config.exact_rows),
             )
             pre, post, res = (graph.call_function(operator.getitem, (coeffs, i)) for i in range(3))
             u = graph.call_function(ops.mhc_pre.default, (X, pre))

@@ -250,21 +250,22 @@ class MSARDecoder(Decoder):
 # ------------------------------------------------------------------------------------------- mHC (mhc.md §3, §8)
 
 
-def sinkhorn_ref(Lg, iters, eps):
+def sinkhorn_ref(Lg, iters, eps, exact_rows=True):
+    """2·iters − 1 normalisations after softmax over outputs, each dividing by (sum + eps) as V4 does; exact_rows: the
+    final row normalisation by the plain sum (the paper's exact row sums, docs/mhc.md)."""
+    steps = [-1] + [-2, -1] * (iters - 1)
     M = torch.softmax(Lg, dim=-2) + eps
-    M = M / (M.sum(-1, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        M = M / (M.sum(-2, keepdim=True) + eps)
-        M = M / (M.sum(-1, keepdim=True) + eps)
+    for i, dim in enumerate(steps):
+        M = M / (M.sum(dim, keepdim=True) + (0.0 if exact_rows and i == len(steps) - 1 else eps))
     return M
 
 
 class MHCDecoder(Decoder):
     """Decoder with n residual streams, one mHC site per sublayer, mean collapse before the final norm."""
 
-    def __init__(self, vocab=64, d=32, layers=3, heads=4, n=4, iters=20, eps=1e-6):
+    def __init__(self, vocab=64, d=32, layers=3, heads=4, n=4, iters=20, eps=1e-6, exact_rows=True):
         super().__init__(vocab, d, layers, heads, use_attnres=False)
-        self.n, self.iters, self.eps = n, iters, eps
+        self.n, self.iters, self.eps, self.exact_rows = n, iters, eps, exact_rows
         self.phi = nn.ParameterList([nn.Parameter(torch.zeros(n * d, n * n + 2 * n)) for _ in range(2 * layers)])
         self.b = nn.ParameterList([nn.Parameter(torch.zeros(n * n + 2 * n)) for _ in range(2 * layers)])
         self.a = nn.ParameterList([nn.Parameter(torch.zeros(3)) for _ in range(2 * layers)])
@@ -280,7 +281,7 @@ class MHCDecoder(Decoder):
             a, b = self.a[k], self.b[k]
             pre = torch.sigmoid(a[0] * mix[..., :n] + b[:n]) + self.eps
             post = 2 * torch.sigmoid(a[1] * mix[..., n : 2 * n] + b[n : 2 * n])
-            Hres = sinkhorn_ref((a[2] * mix[..., 2 * n :] + b[2 * n :]).view(B, T, n, n), self.iters, self.eps)
+            Hres = sinkhorn_ref((a[2] * mix[..., 2 * n :] + b[2 * n :]).view(B, T, n, n), self.iters, self.eps, self.exact_rows)
             u = torch.einsum("btn,btnd->btd", pre, X.float()).to(X.dtype)
             y = f(norm(u))
             X = (torch.einsum("btji,btid->btjd", Hres, X.float()) + post[..., None] * y.float()[:, :, None, :]).to(X.dtype)
