@@ -34,7 +34,7 @@ import time
 import traceback
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -138,8 +138,15 @@ def _deep_checks(conv: torch.nn.Module, args: tuple, kwargs: dict, row: dict[str
     return row
 
 
+def _not_built(schemes: list[str], e: BaseException, where: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
+    """A ``not built`` row per scheme: the zoo could not build the model, or the original failed on the inputs."""
+    row = {"status": "not built", "message": f"{where}{type(e).__name__}: {_first_line(e)}", "frames": _frames(e)}
+    for s in schemes:
+        yield s, dict(row)
+
+
 def sweep_type(model_type: str, schemes: list[str], layers: int, timeout: int, deep: bool,
-               done: set[str]) -> dict[str, dict[str, Any]]:
+               done: set[str]) -> Iterator[tuple[str, dict[str, Any]]]:
     """Rows for one model type (every scheme not in ``done``), yielded as they finish."""
     import depthrewrite as dr
     from depthrewrite.capture import example_inputs_for
@@ -157,9 +164,7 @@ def sweep_type(model_type: str, schemes: list[str], layers: int, timeout: int, d
         except _Timeout:
             raise
         except BaseException as e:  # noqa: BLE001
-            reason = f"{type(e).__name__}: {_first_line(e)}"
-            for s in todo:
-                yield s, {"status": "not built", "message": reason, "frames": _frames(e)}
+            yield from _not_built(todo, e)
             return
         try:
             args, kwargs = example_inputs_for(model)
@@ -178,9 +183,7 @@ def sweep_type(model_type: str, schemes: list[str], layers: int, timeout: int, d
         except _Timeout:
             raise
         except BaseException as e:  # noqa: BLE001
-            reason = f"original forward: {type(e).__name__}: {_first_line(e)}"
-            for s in todo:
-                yield s, {"status": "not built", "message": reason, "frames": _frames(e)}
+            yield from _not_built(todo, e, "original forward: ")
             return
     except _Timeout:
         for s in todo:
