@@ -422,11 +422,22 @@ def drop_fake_state(model: nn.Module) -> list[str]:
     """Remove the fake tensors ``torch.export`` left in Python-side state of the model's modules and return their
     paths. A cache a module fills on first use (OLMo-core's RoPE sin/cos tables in a plain dict) is filled during the
     trace with export's fake tensors; left there, every later eager call would compute with them. Dropped, the cache
-    is filled again with real tensors on the next call."""
+    is filled again with real tensors on the next call. An entry (module attribute, dict value, list item) that is a
+    fake tensor or a list / tuple of tensors holding one is dropped whole (a list item: the list is emptied, as a cache
+    list is refilled); fake tensors inside anything else cannot be restored: :class:`CaptureError`."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     dropped: list[str] = []
     seen: set[int] = set()
+
+    def fake(v: Any) -> bool:
+        """v is a fake tensor, or a (nested) list / tuple of tensors holding one."""
+        if isinstance(v, FakeTensor):
+            return True
+        if isinstance(v, (list, tuple)) and v:
+            leaves = torch.utils._pytree.tree_leaves(v)
+            return all(isinstance(x, torch.Tensor) for x in leaves) and any(isinstance(x, FakeTensor) for x in leaves)
+        return False
 
     def visit(obj: Any, path: str, depth: int) -> None:
         if depth > 6 or id(obj) in seen or isinstance(obj, (nn.Module, torch.Tensor, type, str, bytes)):
@@ -434,13 +445,21 @@ def drop_fake_state(model: nn.Module) -> list[str]:
         seen.add(id(obj))
         if isinstance(obj, dict):
             for k in list(obj):
-                if isinstance(obj[k], FakeTensor):
+                if fake(obj[k]):
                     del obj[k]
                     dropped.append(f"{path}[{k!r}]")
                 else:
                     visit(obj[k], f"{path}[{k!r}]", depth + 1)
+        elif isinstance(obj, list) and any(fake(v) for v in obj):
+            obj.clear()
+            dropped.append(f"{path}[:]")
         elif isinstance(obj, (list, tuple, set)):
             for i, v in enumerate(obj):
+                if fake(v):
+                    raise CaptureError(
+                        f"torch.export left a fake tensor in {path}[{i}] (inside a {type(obj).__name__}, which cannot "
+                        "be emptied): a Python-side cache the model filled while it was traced. Every later call would "
+                        "compute with it. Keep such caches in a dict, a list or a buffer, or fill them before converting.")
                 visit(v, f"{path}[{i}]", depth + 1)
         elif hasattr(obj, "__dict__") and not callable(obj):
             visit(vars(obj), path, depth + 1)
@@ -450,7 +469,10 @@ def drop_fake_state(model: nn.Module) -> list[str]:
             if k in ("_parameters", "_buffers", "_modules"):
                 continue
             where = f"{name}.{k}" if name else k
-            if isinstance(v, FakeTensor):
+            if isinstance(v, list) and fake(v):
+                v.clear()
+                dropped.append(f"{where}[:]")
+            elif fake(v):
                 delattr(mod, k)
                 dropped.append(where)
             else:

@@ -993,6 +993,21 @@ def as_original(model: nn.Module) -> Iterator[nn.Module]:
 # ---- the class ----------------------------------------------------------------------------------------------------
 
 
+def _report_of(st: ConversionState):
+    """:meth:`ConvertedModel.report` (under the graph mutex)."""
+    notes = st.report.notes
+    if st.blocks is None and st.blocks_note:
+        notes += (f"blocks are not called as modules (FSDP2 per block, checkpointing and compile per block do not "
+                  f"apply): {st.blocks_note}",)
+    if st.recaptures:
+        notes += (f"the module tree changed {st.recaptures} time(s) since conversion (a replaced submodule, a hook, "
+                  f"peft, .to(), a config attribute): every graph was dropped and recaptured; {st.captures} "
+                  "captured in all",)
+    return dataclasses.replace(st.report, notes=notes, blocks=st.block_infos, graphs=tuple(
+        (e.structure, e.seconds, e.calls) for e in st.entries()
+    ))
+
+
 class ConvertedModel(nn.Module):
     """What a converted model's class adds to the original class (``type(model).__mro__`` is ``(Converted,
     ConvertedModel, Original, ...)``; the class keeps the original's name and gets its ``forward`` from
@@ -1011,17 +1026,8 @@ class ConvertedModel(nn.Module):
     def report(self):
         """The :class:`~depthrewrite.views.report.ConvertReport` of this conversion, with the graphs captured so far."""
         st = state_of(self)
-        notes = st.report.notes
-        if st.blocks is None and st.blocks_note:
-            notes += (f"blocks are not called as modules (FSDP2 per block, checkpointing and compile per block do not "
-                      f"apply): {st.blocks_note}",)
-        if st.recaptures:
-            notes += (f"the module tree changed {st.recaptures} time(s) since conversion (a replaced submodule, a hook, "
-                      f"peft, .to(), a config attribute): every graph was dropped and recaptured; {st.captures} "
-                      "captured in all",)
-        return dataclasses.replace(st.report, notes=notes, blocks=st.block_infos, graphs=tuple(
-            (e.structure, e.seconds, e.calls) for e in st.entries()
-        ))
+        with _LOCK.mutex:  # another thread may be adding a graph
+            return _report_of(st)
 
     def graph_module(self, training: bool | None = None) -> fx.GraphModule:
         """The converted graph module the last call in ``training`` mode (default: the current mode) ran; the one
@@ -1029,9 +1035,10 @@ class ConvertedModel(nn.Module):
         mode yet."""
         st = state_of(self)
         mode = bool(self.training if training is None else training)
-        entry = st.last.get(mode)
-        if entry is None:
-            entry = next((e for k, es in st.graphs.items() if k[0] == mode for e in es), None)
+        with _LOCK.mutex:  # another thread may be adding a graph
+            entry = st.last.get(mode)
+            if entry is None:
+                entry = next((e for k, es in st.graphs.items() if k[0] == mode for e in list(es)), None)
         if entry is None:
             was = self.training
             try:

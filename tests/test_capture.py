@@ -85,3 +85,39 @@ def test_fake_tensors_left_in_a_python_side_cache_are_dropped():
     out = m(x)
     assert type(out) is torch.Tensor
     torch.testing.assert_close(out, m.lin(x) * 2)
+
+
+def test_fake_tensors_in_cache_lists_are_dropped_and_elsewhere_refused():
+    """A cache list (an attribute, or a dict value holding a list of tensors) filled during the capture is emptied; a
+    fake tensor in a tuple that is an item of a list cannot be taken out: CaptureError naming the path."""
+    import torch.nn as nn
+    from depthrewrite import capture as _capture
+    from depthrewrite.capture import drop_fake_state
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    class Cached(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.tables = []
+            self.cache = {}
+
+        def forward(self, x):
+            if not self.tables:
+                self.tables.append(torch.ones(4) * 2)
+            if "pair" not in self.cache:
+                self.cache["pair"] = [torch.ones(4), torch.zeros(4)]
+            return self.lin(x) * self.tables[0] + self.cache["pair"][1]
+
+    m = Cached().eval()
+    x = torch.randn(2, 3, 4)
+    _capture(m, (x,), check=False)
+    assert m.tables == [] and "pair" not in m.cache
+    torch.testing.assert_close(m(x), m.lin(x) * 2)
+
+    holder = nn.Module()
+    with FakeTensorMode():
+        fake = torch.ones(2)
+    holder.state = [(fake, "meta")]
+    with pytest.raises(CaptureError, match=r"state\[0\]"):
+        drop_fake_state(holder)
