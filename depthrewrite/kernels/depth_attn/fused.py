@@ -397,9 +397,11 @@ def depth_attn_fwd(
     D = sources[0].shape[-1]
     vs = [flat_rows(s, D) for s in sources]
     T = vs[0].shape[0]
-    out = torch.empty_like(vs[0])
+    # allocated in the result's shape (contiguous: the kernel's [T, D] rows), so the result is a tensor of its own,
+    # not a view of a [T, D] buffer (a block module returning a view makes FSDP2 warn)
+    out = torch.empty(sources[0].shape, device=vs[0].device, dtype=vs[0].dtype)
     if T == 0:
-        return out.view(sources[0].shape)
+        return out
     q, g = query.contiguous(), gain.contiguous()
     bt, bd, nw = row_config(vs[0].device, D)
     grid = (triton.cdiv(T, bt),)
@@ -416,7 +418,7 @@ def depth_attn_fwd(
             tuple(chunk), q, g, out, m, den, acc, T, D, float(eps), float(scale),
             NSRC=len(chunk), FIRST=c == 0, LAST=c == len(chunks) - 1, BT=bt, BD=bd, num_warps=nw,
         )  # fmt: skip
-    return out.view(sources[0].shape)
+    return out
 
 
 def _chunks(vs: list[torch.Tensor]) -> list[tuple[int, list[torch.Tensor]]]:
@@ -442,8 +444,10 @@ def _split_stats(vs, queries, gains, go, gscale, eps, cfg) -> tuple[torch.Tensor
     return r, dot * r, gv
 
 
-def _multi_bwd(go, glse, vs, queries, gains, eps, gscale) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Launch ``depth_attn_bwd_kernel_multi``; ``go`` ``[S, T, D]``, ``vs`` K tensors ``[T, D]``. Returns (dv list, du [S, D]).
+def _multi_bwd(go, glse, vs, queries, gains, eps, gscale, shapes) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Launch ``depth_attn_bwd_kernel_multi``; ``go`` ``[S, T, D]``, ``vs`` K tensors ``[T, D]``. Returns (dv list, du [S, D]):
+    each dv allocated contiguous in its source's shape (``shapes``; the kernel writes it as ``[T, D]`` rows), a
+    tensor of its own rather than a view of a ``[T, D]`` buffer.
 
     ``K ≤ MAX_SOURCES``: one fused launch. More: ``depth_attn_stats_kernel`` per chunk of sources (scores, ``go·v`` into
     ``[S, K, T]`` fp32 scratch), the softmax and the per-source coefficients with torch on those small tensors, then
@@ -451,7 +455,7 @@ def _multi_bwd(go, glse, vs, queries, gains, eps, gscale) -> tuple[list[torch.Te
     """
     S, D = queries.shape
     K, T = len(vs), vs[0].shape[0]
-    dvs = [torch.empty_like(v) for v in vs]
+    dvs = [torch.empty(shape, device=v.device, dtype=v.dtype) for v, shape in zip(vs, shapes)]
     if T == 0:
         return dvs, torch.zeros(S, D, device=go.device, dtype=torch.float32)
     cfg = chunk_config(go.device, S, min(K, MAX_SOURCES), D, T, vs[0].element_size())
@@ -505,11 +509,12 @@ def depth_attn_bwd(grad, sources, query, gain, eps, scale) -> list[torch.Tensor]
     D = sources[0].shape[-1]
     vs = [flat_rows(s, D) for s in sources]
     go = flat_rows(grad, D).unsqueeze(0)
-    dvs, du = _multi_bwd(go, None, vs, query.contiguous().view(1, D), gain.contiguous().view(1, D), eps, scale)
+    dvs, du = _multi_bwd(go, None, vs, query.contiguous().view(1, D), gain.contiguous().view(1, D), eps, scale,
+                         [s.shape for s in sources])
     du = du[0]
     gq = (gain.float() * du).to(query.dtype)
     gg = (query.float() * du).to(gain.dtype)
-    return [gq, gg, *[dv.view(s.shape) for dv, s in zip(dvs, sources)]]
+    return [gq, gg, *dvs]
 
 
 def depth_attn_partial_fwd(
@@ -535,10 +540,11 @@ def depth_attn_partial_fwd(
     vs = [flat_rows(s, D) for s in sources]
     T = vs[0].shape[0]
     K = len(vs)
-    o = torch.empty(S, T, D, device=vs[0].device, dtype=torch.float32)
-    lse = torch.empty(S, T, device=vs[0].device, dtype=torch.float32)
+    # allocated in the results' shapes (contiguous: the kernel's [S, T, D] and [S, T]): tensors of their own
+    o = torch.empty(S, *lead, D, device=vs[0].device, dtype=torch.float32)
+    lse = torch.empty(S, *lead, device=vs[0].device, dtype=torch.float32)
     if T == 0:
-        return o.view(S, *lead, D), lse.view(S, *lead)
+        return o, lse
     qs, gs = queries.contiguous(), gains.contiguous()
     cfg = chunk_config(vs[0].device, S, min(K, MAX_SOURCES), D, T, vs[0].element_size())
     sp, kp, bt, bdc, nw = cfg
@@ -548,16 +554,16 @@ def depth_attn_partial_fwd(
             tuple(vs), qs, gs, o, lse, o, S, T, D, float(eps), K, 0,
             NSRC=K, FUSED=True, ACCUM=False, SP=sp, KP=kp, BT=bt, BDC=bdc, num_warps=nw,
         )  # fmt: skip
-        return o.view(S, *lead, D), lse.view(S, *lead)
+        return o, lse
     _, sc, _ = _split_stats(vs, qs, gs, None, 1.0, eps, cfg)
-    lse = torch.logsumexp(sc, dim=1)
+    lse = torch.logsumexp(sc.reshape(S, K, *lead), dim=1)  # [S, ...]: the kernel reads it as [S, T]
     p = torch.softmax(sc, dim=1).contiguous()
     for j0, chunk in _chunks(vs):
         depth_attn_partial_fwd_kernel[grid](
             tuple(chunk), qs, gs, o, lse, p, S, T, D, float(eps), K, j0,
             NSRC=len(chunk), FUSED=False, ACCUM=j0 > 0, SP=sp, KP=pow2(len(chunk)), BT=bt, BDC=bdc, num_warps=nw,
         )  # fmt: skip
-    return o.view(S, *lead, D), lse.view(S, *lead)
+    return o, lse
 
 
 def depth_attn_partial_bwd(grad_o, grad_lse, sources, queries, gains, eps) -> list[torch.Tensor]:
@@ -579,10 +585,10 @@ def depth_attn_partial_bwd(grad_o, grad_lse, sources, queries, gains, eps) -> li
     T = vs[0].shape[0]
     go = grad_o.contiguous().view(S, T, D)
     glse = grad_lse.to(torch.float32).contiguous().view(S, T)
-    dvs, du = _multi_bwd(go, glse, vs, queries.contiguous(), gains.contiguous(), eps, 1.0)
+    dvs, du = _multi_bwd(go, glse, vs, queries.contiguous(), gains.contiguous(), eps, 1.0, [s.shape for s in sources])
     gq = (gains.float() * du).to(queries.dtype)
     gg = (queries.float() * du).to(gains.dtype)
-    return [gq, gg, *[dv.view(s.shape) for dv, s in zip(dvs, sources)]]
+    return [gq, gg, *dvs]
 
 
 def depth_attn_merge_fwd(o, lse, last, query, gain, eps, scale) -> torch.Tensor:
@@ -601,14 +607,14 @@ def depth_attn_merge_fwd(o, lse, last, query, gain, eps, scale) -> torch.Tensor:
     D = last.shape[-1]
     v = flat_rows(last, D)
     T = v.shape[0]
-    out = torch.empty_like(v)
+    out = torch.empty(last.shape, device=v.device, dtype=v.dtype)  # contiguous [T, D] rows; a tensor of its own
     if T > 0:
         bt, bd, nw = row_config(v.device, D)
         depth_attn_merge_fwd_kernel[(triton.cdiv(T, bt),)](
             flat_rows(o, D), lse.contiguous().view(-1), v, query.contiguous(), gain.contiguous(), out,
             T, D, float(eps), float(scale), BT=bt, BD=bd, num_warps=nw,
         )  # fmt: skip
-    return out.view(last.shape)
+    return out
 
 
 def depth_attn_merge_bwd(grad, o, lse, last, query, gain, eps, scale) -> list[torch.Tensor]:
@@ -628,9 +634,10 @@ def depth_attn_merge_bwd(grad, o, lse, last, query, gain, eps, scale) -> list[to
     D = last.shape[-1]
     v = flat_rows(last, D)
     T = v.shape[0]
-    g_o = torch.empty(T, D, device=v.device, dtype=torch.float32)
-    g_lse = torch.empty(T, device=v.device, dtype=torch.float32)
-    g_v = torch.empty_like(v)
+    # allocated in the inputs' shapes (contiguous: the kernel's [T, D] / [T] rows): tensors of their own, not views
+    g_o = torch.empty(o.shape, device=v.device, dtype=torch.float32)
+    g_lse = torch.empty(lse.shape, device=v.device, dtype=torch.float32)
+    g_v = torch.empty(last.shape, device=v.device, dtype=v.dtype)
     if T > 0:
         bt, bd, nw = row_config(v.device, D)
         n_tiles = triton.cdiv(T, bt)
@@ -645,4 +652,4 @@ def depth_attn_merge_bwd(grad, o, lse, last, query, gain, eps, scale) -> list[to
         du = torch.zeros(D, device=v.device, dtype=torch.float32)
     gq = (gain.float() * du).to(query.dtype)
     gg = (query.float() * du).to(gain.dtype)
-    return [g_o.view(o.shape).to(o.dtype), g_lse.view(lse.shape).to(lse.dtype), g_v.view(last.shape), gq, gg]
+    return [g_o.to(o.dtype), g_lse.to(lse.dtype), g_v, gq, gg]

@@ -459,6 +459,15 @@ def _mask_args(attn_mask: torch.Tensor | None, B: int, Hq: int, T: int, S: int, 
     return m, kind, tuple(m.stride())
 
 
+def _reduce_to(ds: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``ds`` summed to ``like``'s (broadcastable) shape as a tensor of its own: ``sum_to_size`` returns a view when
+    it drops leading dimensions; summing those away first (keepdim=False) does not."""
+    lead = ds.dim() - like.dim()
+    if lead > 0:
+        ds = ds.sum(dim=tuple(range(lead)))
+    return ds.sum_to_size(like.shape)
+
+
 def moda_attn_fwd(
     q, k, v, attn_mask, depth_k, depth_v, depth_weight, scale: float, is_causal: bool, softcap: float,
     stats_only: bool = False,
@@ -486,7 +495,8 @@ def moda_attn_fwd(
         o = None
         o_arg, so = lse, (0, 0, 0, 0)
     else:
-        o = torch.empty(B, T, Hq, dv, device=q.device, dtype=q.dtype).transpose(1, 2)
+        # SDPA's layout, allocated as such (not a transposed view of a [B, T, Hq, dv] buffer: a tensor of its own)
+        o = torch.empty_strided((B, Hq, T, dv), (T * Hq * dv, dv, Hq * dv, 1), device=q.device, dtype=q.dtype)
         o_arg, so = o, tuple(o.stride())
     mask, kind, sm = _mask_args(attn_mask, B, Hq, T, S, q)
     lam = depth_weight.contiguous() if depth_weight is not None else lse
@@ -563,7 +573,7 @@ def moda_attn_bwd(
         BMT=cfg["kv_BMT"], GP=cfg["GP"], BN=cfg["kv_BN"], BD=cfg["BD"], BDV=cfg["BDV"],
         num_warps=cfg["kv_warps"], num_stages=cfg["kv_stages"], **common,
     )
-    dmask = ds.sum_to_size(attn_mask.shape).to(attn_mask.dtype) if store_ds else None
+    dmask = _reduce_to(ds, attn_mask).to(attn_mask.dtype) if store_ds else None
     dlam = dlam_rows.sum(dim=(0, 2)).to(depth_weight.dtype) if has_lam else None
     return dq, dk, dv_, dmask, dkd, dvd, dlam
 

@@ -62,7 +62,8 @@ def moda_attn(
 @moda_attn.register_fake
 def _(q, k, v, attn_mask, depth_k, depth_v, depth_weight, scale, is_causal, dropout_p, seed, softcap):
     B, H, T, _ = q.shape
-    return q.new_empty((B, T, H, v.shape[-1])).transpose(1, 2)  # SDPA's output layout, the value head dim
+    dv = v.shape[-1]  # the value head dim; SDPA's output layout ([B, T, H, dv] in memory)
+    return q.new_empty_strided((B, H, T, dv), (T * H * dv, dv, H * dv, 1))
 
 
 
@@ -310,7 +311,7 @@ moda_slots.register_autograd(_slots_backward, setup_context=_slots_setup)
 register_kernel_info(
     KernelInfo(
         op="depthrewrite::moda_slots",
-        forward="none: a layout copy (torch.stack + permute into token-major [B, T, n, Hk, d])",
+        forward="none: a layout copy (one torch.stack of the slots' token-major views into [B, T, n, Hk, d])",
         backward="none: views of the incoming gradient",
         fuses="nothing (one strided copy; no arithmetic to fuse)",
         falls_back="always the PyTorch layout copy",

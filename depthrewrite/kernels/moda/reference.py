@@ -25,8 +25,10 @@ __all__ = [
 
 
 def moda_slots_ref(keys: list[torch.Tensor]) -> torch.Tensor:
-    """Token-major depth slots: n tensors ``[B, Hk, T, d]`` -> ``[B, T, n, Hk, d]`` (contiguous)."""
-    return torch.stack(keys, dim=0).permute(1, 3, 0, 2, 4).contiguous()
+    """Token-major depth slots: n tensors ``[B, Hk, T, d]`` -> ``[B, T, n, Hk, d]`` (contiguous, a tensor of its
+    own), written in one copy (stacked at the slot axis of the token-major views; a slot written as fed to attention
+    is often token-major in memory already: RoPE keeps the k projection's layout, V is a view of it)."""
+    return torch.stack([k.transpose(1, 2) for k in keys], dim=2).contiguous()  # contiguous(): a no-op, a guarantee
 
 
 def cpu_flash_applies(
@@ -258,5 +260,10 @@ def moda_attn_ref(
         lam = depth_weight.to(acc)
         lam = (lam + (lam.clamp_min(0.0) - lam).detach()).view(1, Hq, 1, 1)  # λ >= 0 forward, gradient unchanged
     a, b, empty, _ = merge_weights(lse_s, lse_d, lam)
+    # SDPA's layout ([B, T, Hq, dv] in memory) written by the merge itself: an elementwise op lays its output out as
+    # its first operand with full strides (TensorIterator), so `a` ([B, Hq, T, 1], B·Hq·T values) laid out as
+    # [B, T, Hq] makes every op below write that layout. No transpose-and-copy of the output, and the result is a
+    # tensor of its own, not a transposed view (FSDP2 warns about a block that returns a view)
+    a = a.transpose(1, 2).contiguous().transpose(1, 2)
     out = (a * o_s + b * o_d) / torch.where(empty, 1.0, a + b)  # an empty row (nothing visible): 0, as SDPA's
-    return out.to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
+    return out.to(q.dtype)  # a cast (when there is one) keeps the layout

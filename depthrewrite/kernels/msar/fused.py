@@ -831,8 +831,8 @@ def msar_bwd(
         if p.sigmoid:
             out += [
                 dphiT.t().to(phi.dtype).contiguous(),
-                db[: p.M].to(bias.dtype),
-                dalpha.reshape(alpha.shape).to(alpha.dtype),
+                db[: p.M].to(bias.dtype, copy=True),  # copies: tensors of their own, not views of the buffers
+                dalpha.reshape(alpha.shape).to(alpha.dtype, copy=True),
             ]
         else:
             out += [torch.zeros_like(phi), torch.zeros_like(bias), torch.zeros_like(alpha)]
