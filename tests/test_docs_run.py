@@ -40,9 +40,7 @@ SCRIPT_TIMEOUT = 300
 
 #: page -> why its blocks do not run as written yet (pages other sessions own; each needs a line building `model`, or
 #: a skip-test marker / a ```text fence for pseudo-code)
-FRAGMENTS: dict[str, str] = {
-    "docs/training.md": "the block needs torchrun (fully_shard) and a `loader`",
-}
+FRAGMENTS: dict[str, str] = {}
 
 
 def python_blocks(page: Path) -> list[tuple[int, str, bool | str]]:
