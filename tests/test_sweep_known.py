@@ -49,3 +49,53 @@ def test_xlnet_convert_without_inputs_is_a_typed_refusal(scheme):
 
     with pytest.raises(DepthRewriteError):
         dr.convert(hf_model("xlnet", layers=2), scheme)
+
+
+# ---- an unknown type, and types the zoo could not build before (issue #23) ----------------------------------------
+
+
+def test_an_unknown_hf_type_from_python_is_a_short_config_error():
+    """dr.inspect("hf:<unknown>") is the zoo's short typed error naming the type and the closest known ones, not
+    transformers' message listing every model type (several kB)."""
+    import depthrewrite as dr
+    from depthrewrite.errors import ConfigError
+
+    with pytest.raises(ConfigError) as ei:
+        dr.inspect("hf:nonexistent")
+    msg = str(ei.value)
+    assert "unknown Hugging Face model type 'nonexistent'" in msg and len(msg) < 400
+    with pytest.raises(ConfigError, match="did you mean llama") as ei:
+        hf_model("lama")
+    assert len(str(ei.value)) < 400
+
+
+def test_a_type_the_zoo_does_not_build_says_why():
+    """A draft (assistant) model is no language model alone: a ConfigError with the reason, not a ValueError out of
+    its forward."""
+    from depthrewrite.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="gemma4_assistant is not built: .*draft"):
+        hf_model("gemma4_assistant", layers=2)
+
+
+def test_mla_sizes_follow_the_tiny_head_dim():
+    """Multi-head latent attention (DeepSeek-V3): the rope / no-position parts of the query-key head, the low ranks and
+    the head_dim the rotary embedding reads are set together, and one MoE layer is kept in the 2-layer stack."""
+    cfg = hf_model("deepseek_v3", layers=2).config
+    assert (cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.head_dim) == (8, 8, 16, 8)
+    assert cfg.kv_lora_rank == cfg.q_lora_rank == 32 and cfg.num_key_value_heads == cfg.num_attention_heads
+    assert cfg.first_k_dense_replace == 1 and 4 // cfg.n_group >= 2
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "gpt_neo"])
+def test_newly_built_types_convert_exactly_with_attnres(model_type):
+    """Types the sweep had as "not built" (MLA's head sizes; GPT-Neo's attention_types for 24 layers) build tiny, and
+    attnres with its exact-at-init options is the same function."""
+    import depthrewrite as dr
+    from depthrewrite.capture import example_inputs_for
+
+    model = hf_model(model_type, layers=2)
+    args, kwargs = example_inputs_for(model)
+    conv = dr.convert(model, "attnres", **dict(dr.scheme("attnres").exact), inplace=False)
+    res = dr.check_equivalence(conv, model, *args, **kwargs)
+    assert res, str(res)
