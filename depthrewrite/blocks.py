@@ -247,6 +247,8 @@ def split_blocks(gm: fx.GraphModule, paths: tuple[str, ...], checkpoint: Callabl
     the reason it cannot be (then the flat graph runs). ``live(target)``: whether a ``get_attr`` target is the live
     model's (a block reads those itself; others, such as export's lifted constants, are passed in)."""
     graph = gm.graph
+    if _functionalise_fresh_writes(graph):
+        gm.recompile()
     index = {p: i for i, p in enumerate(paths)}
     prefixes = [(p + ".", i) for i, p in enumerate(paths)]
     nodes = list(graph.nodes)
@@ -261,6 +263,9 @@ def split_blocks(gm: fx.GraphModule, paths: tuple[str, ...], checkpoint: Callabl
             b = None
         if b is not None:
             block[n] = b
+    for n in nodes:  # a tensor of one module shared by several blocks (torchtune's one RoPE module): a side input
+        if n.op == "get_attr" and n in block and any(block.get(u, block[n]) != block[n] for u in n.users):
+            del block[n]
     if not block:
         return "no operation of the graph runs inside a block module"
     missing = [p for i, p in enumerate(paths) if i not in block.values()]
@@ -386,6 +391,43 @@ def _glue_levels(nodes: list[fx.Node], block: dict[fx.Node, int], after: dict[fx
             return (f"`{n.name}` ({n.target}) writes a tensor in place that other operations read: splitting at the "
                     "blocks reorders operations by their data only, which would move reads across the write")
     return {n: after[n] for n in nodes if n not in block}
+
+
+def _functionalise_fresh_writes(graph: fx.Graph) -> int:
+    """Turn an in-place write into its out-of-place form where nothing can tell: ``op_(x, ...)`` on a tensor ``x``
+    made in the graph by an operation that returns a new tensor, when every other reader of ``x`` comes before the
+    write and is no view of it (litgpt's ``mask = ones(T, T).triu(1); mask.masked_fill_(mask.bool(), -inf)``): the
+    readers before see ``x`` as it was, the readers after read the write's result already. Returns how many were
+    turned; the graph keeps its order, so the block split may then move reads freely."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    def storage(v: Any):
+        return StorageWeakRef(v.untyped_storage()) if isinstance(v, torch.Tensor) else None
+
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    turned = 0
+    for n in list(graph.nodes):
+        if n.op != "call_function" or not _mutates(n) or not n.args or not isinstance(n.args[0], fx.Node):
+            continue
+        x = n.args[0]
+        schema = getattr(n.target, "_schema", None)
+        make = getattr(x.target, "_schema", None)
+        if x.op != "call_function" or make is None or make.is_mutable or any(r.alias_info for r in make.returns):
+            continue  # not a fresh tensor: an input, a parameter, a view, or itself written in place
+        if schema is None or not schema.name.endswith("_") or sum(a.alias_info is not None and a.alias_info.is_write
+                                                                   for a in schema.arguments) != 1:
+            continue
+        packet = getattr(torch.ops.aten, schema.name.split("::")[-1][:-1], None)
+        functional = getattr(packet, n.target._overloadname, None) if packet is not None else None
+        if functional is None or functional._schema.is_mutable:
+            continue
+        sx = storage(x.meta.get("val"))
+        if sx is None or any(order[u] > order[n] or (u is not n and storage(u.meta.get("val")) == sx)
+                             for u in x.users if u is not n):
+            continue
+        n.target = functional
+        turned += 1
+    return turned
 
 
 def _mutates(n: fx.Node) -> bool:

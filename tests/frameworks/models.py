@@ -49,9 +49,13 @@ FRAMEWORKS = {"litgpt": "litgpt", "torchtitan": "torchtitan", "torchtune": "torc
 
 # torchtune also imports torchao (`torchao.dtypes.nf4tensor`, for QLoRA) at load; torchao 0.13 (the last with that
 # module) is older than peft accepts (peft refuses torchao < 0.16 when it is installed, and the LoRA tests need
-# peft), so CI does not install it: its stand-in answers torchtune's import, and no model built here uses NF4.
+# peft), so CI does not install it: its stand-in answers torchtune's import, and no model built here uses NF4 (nor
+# torchtune.training's quantizers, which import torchao.quantization: the tests use its checkpointing helper only).
 _STUBS = {
-    "torchtune": {"datasets": ("datasets.distributed",), "torchao": ("torchao.dtypes", "torchao.dtypes.nf4tensor")},
+    "torchtune": {"datasets": ("datasets.distributed",), "torchao": (
+        "torchao.dtypes", "torchao.dtypes.nf4tensor",  # the models (QLoRA's NF4)
+        "torchao.quantization", "torchao.quantization.qat", "torchao.quantization.qat.linear",  # torchtune.training
+    )},
     "olmo_core": {"cached_path": ("cached_path.schemes",)},
 }
 

@@ -1,0 +1,87 @@
+"""Blocks are modules on every framework model (issue: frameworks first-class, item 1): a tensor of one module that
+every block reads (torchtune's single RoPE module, shared by all layers) is a side input of the block programs, and an
+in-place write to a tensor made in the graph (litgpt Gemma-2's ``mask.masked_fill_``) is turned out of place before
+the split; then the frameworks' own activation checkpointing acts per block: fewer saved activations, same grads."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import depthrewrite as dr
+from depthrewrite.model import state_of
+from tests.frameworks.models import CASES, build, require
+
+
+def _convert(model, args, kwargs, scheme, **options):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return dr.convert(model, scheme, example_inputs=args, example_kwargs=kwargs, **options)
+
+
+@pytest.mark.parametrize("framework, name", CASES, ids=[f"{f}-{n}" for f, n in CASES])
+def test_no_model_runs_flat(framework, name):
+    model, args, kwargs = build(framework, name)
+    conv = _convert(model, args, kwargs, "attnres", blocks=2)
+    assert state_of(conv).blocks is not None, state_of(conv).blocks_note
+
+
+@pytest.mark.parametrize("scheme", ["msar", "moda", "mhc"])
+@pytest.mark.parametrize("framework, name", [("litgpt", "gemma-2-2b"), ("torchtune", "llama3")])
+def test_blocks_for_every_scheme(framework, name, scheme):
+    model, args, kwargs = build(framework, name)
+    model.eval()
+    with torch.no_grad():
+        want = model(*args, **kwargs)
+    conv = _convert(model, args, kwargs, scheme, **dr.scheme(scheme).exact)
+    assert state_of(conv).blocks is not None, state_of(conv).blocks_note
+    with torch.no_grad():
+        got = conv(*args, **kwargs)
+    torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=0)
+
+
+def _step(model, args, kwargs):
+    """Loss and grads of one training step, and the bytes autograd saved while the forward ran."""
+    saved = [0]
+
+    def pack(t):
+        saved[0] += t.numel() * t.element_size()
+        return t
+
+    model.zero_grad(set_to_none=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(*args, **kwargs).float().pow(2).mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, saved[0]
+
+
+def _checkpointing(framework: str):
+    """The framework's own helper: torchtune's set_activation_checkpointing, else torch's (litgpt's recipes use it)."""
+    if framework == "torchtune":
+        require("torchtune", "torchtune.training", "torchtune.modules")
+        from torchtune.modules import TransformerSelfAttentionLayer
+        from torchtune.training import set_activation_checkpointing
+
+        return lambda m: set_activation_checkpointing(m, auto_wrap_policy={TransformerSelfAttentionLayer})
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    from litgpt.model import Block
+
+    return lambda m: apply_activation_checkpointing(m, check_fn=lambda x: isinstance(x, Block))
+
+
+@pytest.mark.parametrize("framework, name", [("litgpt", "gemma-2-2b"), ("torchtune", "llama3")])
+def test_framework_checkpointing_acts_per_block(framework, name):
+    model, args, kwargs = build(framework, name)
+    model.train()
+    conv = _convert(model, args, kwargs, "msar", blocks=2, **dr.scheme("msar").exact)
+    loss0, grads0, saved0 = _step(conv, args, kwargs)
+    _checkpointing(framework)(conv)
+    loss1, grads1, saved1 = _step(conv, args, kwargs)
+    assert saved1 < 0.7 * saved0, (saved1, saved0)
+    torch.testing.assert_close(loss1, loss0)
+    strip = lambda n: n.replace("_checkpoint_wrapped_module.", "")  # noqa: E731 - the wrapper's extra path level
+    assert {strip(n) for n in grads1} == set(grads0)
+    for n, g in grads1.items():
+        torch.testing.assert_close(g, grads0[strip(n)], atol=1e-6, rtol=1e-5)
