@@ -12,7 +12,9 @@ contract's ``INIT_RTOL``). Each (type, scheme) row is one of:
 * ``ok``         converted, and the same function at init
 * ``refused``    a typed refusal: a :class:`depthrewrite.errors.DepthRewriteError` (class + first line)
 * ``UNTYPED``    any other exception out of depthrewrite (type, message, last 3 traceback frames)
-* ``MISMATCH``   converted, but the logits differ (max abs and relative diff)
+* ``MISMATCH``   converted, but the logits differ (max abs and relative diff) past the contract's tolerance and past
+                 ``ROUNDING_FACTOR`` times the original's own fp32 rounding (fp32 vs a float64 copy; such a row is
+                 ``ok`` with a note)
 * ``not built``  the zoo cannot build the model tiny, or the original model fails on the example inputs
 * ``timeout``    the row ran past ``--timeout`` seconds
 
@@ -145,6 +147,28 @@ def _not_built(schemes: list[str], e: BaseException, where: str = "") -> Iterato
         yield s, dict(row)
 
 
+#: a row past INIT_RTOL still counts as exact when it is within this many times the original's own fp32 rounding (the
+#: original in fp32 against itself in fp64): a model that amplifies rounding that much cannot be held to 1e-5 by a
+#: conversion that rounds differently (docs/mhc.md: cpmant)
+ROUNDING_FACTOR = 4
+
+
+def _own_rounding(model: torch.nn.Module, args: tuple, kwargs: dict, ref: torch.Tensor) -> float:
+    """max |Δ| / max |ref| of the original in fp32 (``ref``) against a float64 copy of it on the same inputs."""
+    import copy
+
+    from torch.utils._pytree import tree_map
+
+    wide = lambda x: x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
+    try:
+        m64 = copy.deepcopy(model).double().eval()
+        with torch.no_grad():
+            out = _logits(m64(*tree_map(wide, args), **tree_map(wide, kwargs)))
+        return _diff(out.float(), ref)[1] if out is not None else 0.0
+    except Exception:  # noqa: BLE001 - a model that does not run in fp64: no allowance
+        return 0.0
+
+
 def sweep_type(model_type: str, schemes: list[str], layers: int, timeout: int, deep: bool,
                done: set[str]) -> Iterator[tuple[str, dict[str, Any]]]:
     """Rows for one model type (every scheme not in ``done``), yielded as they finish."""
@@ -206,8 +230,12 @@ def sweep_type(model_type: str, schemes: list[str], layers: int, timeout: int, d
             if out is None:
                 raise TypeError("the converted model's output has no logits tensor")
             mx, rel = _diff(out, ref)
+            noise = _own_rounding(model, args, kwargs, ref) if rel > INIT_RTOL else 0.0
             if rel <= INIT_RTOL:
                 row = {"status": "ok"}
+            elif rel <= ROUNDING_FACTOR * noise:
+                row = {"status": "ok", "max_rel": rel, "own_fp32_rounding": noise,
+                       "note": f"past {INIT_RTOL:g}, within {ROUNDING_FACTOR}x the original's own fp32 rounding"}
             else:
                 row = {"status": "MISMATCH", "max_abs": mx, "max_rel": rel,
                        "shapes": [list(out.shape), list(ref.shape)]}
