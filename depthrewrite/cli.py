@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import difflib
 import sys
 from pathlib import Path
 
@@ -48,23 +47,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _check_hf_type(spec: str) -> None:
-    """For ``hf:<model_type>``: a short ConfigError with the closest known model types when transformers has no such
-    type (transformers' own message lists all of them, several kB)."""
+    """For ``hf:<model_type>``: :func:`depthrewrite.demo.zoo.check_hf_type` (a short ConfigError with the closest
+    known model types) before anything is built."""
     kind, _, model_type = spec.partition(":")
     if kind != "hf":
         return
     try:
-        from transformers import CONFIG_MAPPING
+        import transformers  # noqa: F401
     except ImportError:  # zoo.build says what to install
         return
-    known = list(CONFIG_MAPPING.keys())
-    if model_type in known:
-        return
-    close = difflib.get_close_matches(model_type.lower(), known, n=5, cutoff=0.7)
-    hint = ("did you mean " + ", ".join(close) + "?") if close else \
-        "tested types include llama, mistral, qwen2, qwen3, gemma, gpt2, phi, mixtral"
-    raise ConfigError(f"unknown Hugging Face model type {model_type!r}: {hint} (any of the installed transformers' "
-                      f"{len(known)} model types; docs/architectures.md lists the tested ones)")
+    zoo.check_hf_type(model_type)
 
 
 def _build(args: argparse.Namespace):
