@@ -89,6 +89,7 @@ def convert(
     pipeline_stages: int | None = None,
     inplace: bool = True,
     checkpoint: bool = False,
+    module_calls: bool = False,
     **options: Any,
 ) -> nn.Module:
     """Rewrite the PreNorm residual chain of ``model`` into ``scheme``, in place.
@@ -115,6 +116,10 @@ def convert(
             calls, for models that have no switch of their own. HF models' ``activation_checkpointing_enable()`` and
             torch's ``checkpoint_wrapper`` / ``apply_activation_checkpointing`` on the block modules work too: the
             converted model calls its blocks as modules (docs/training.md).
+        module_calls (bool): opt-in (issue #24, docs/design/module-calls.md): inside the block programs and the
+            runner, every ``nn.Linear`` / ``nn.Embedding`` the rewrite left intact is called as the live module
+            (its hooks fire, a tensor-subclass weight sees ``F.linear``) instead of running its inlined aten ops.
+            Default: False (the graphs run aten ops only, as before).
 
     Returns:
         The converted model: the original state-dict keys plus new parameters under ``depthrewrite.``; any call the
@@ -152,6 +157,8 @@ def convert(
         kwargs = dict(example_kwargs or {})
     st = ConversionState(original, config, (args, kwargs), signature)
     st.checkpoint = bool(checkpoint)
+    if module_calls:
+        st.module_calls = True
     own_forward = model.__dict__.get("forward")
     if own_forward is not None and "_old_forward" not in model.__dict__:
         raise ConfigError(
@@ -227,16 +234,18 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) ->
             f"the converted {name} ({config.name}) cannot decode with a filled KV cache: {why}. Call it without a "
             "cache (use_cache=False; generate(..., use_cache=False) recomputes the sequence at every step)."
         )
+    module_calls = getattr(st, "module_calls", False)
+    extra = {"module_calls": True} if module_calls else {}
     with as_original(model), blocks_for_capture(model, blocks):
         try:
-            gm = capture(model, args, kwargs, keep_cache=keep_cache)
+            gm = capture(model, args, kwargs, keep_cache=keep_cache, **extra)
         except CaptureError:
             if not implied:
                 raise
             log.warning("depthrewrite: %s could not be captured with the cache its config turns on; this call "
                         "structure returns no cache (pass use_cache=True to see why)", name)
             keep_cache = False
-            gm = capture(model, args, kwargs, keep_cache=False)
+            gm = capture(model, args, kwargs, keep_cache=False, **extra)
     if keep_cache:  # a scheme with decoding state of its own (MSAR) reads it from extra cache layers
         gm.meta[DECODE_META] = history_inputs(gm, args, kwargs)
     mixes_tokens = scheme_record(config).mixes_tokens
@@ -252,6 +261,14 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) ->
         gm._modules[PARAM_PREFIX] = box
     result = _run_pass(f"rewrite[{config.name}]", where, handler, gm, chain, config)
     _run_pass("drop_dead_code", where, drop_dead_code, gm)
+    if module_calls and isinstance(gm.meta["depthrewrite_blocks"], tuple):
+        # the graph the block runner splits: the flat one with a call of each intact Linear / Embedding
+        from .passes.lower.module_calls import LOWERED_META, lower_module_calls
+
+        lowered = _run_pass("module_calls", where, lower_module_calls, gm, gm.meta["depthrewrite_blocks"])
+        gm.meta[LOWERED_META] = lowered
+        log.info("module calls: %d called, %d inlined%s", len(lowered[1]), len(lowered[2]),
+                 "".join(f"; {p}: {w}" for p, w in lowered[2][:4]))
     if not result.modified:
         raise DepthRewriteError(f"{config.name}: the rewrite changed nothing on {name}; not returning an unconverted model")
     sites = tuple((c.site, tuple(c.sources)) for c in result.changes)

@@ -49,6 +49,10 @@ __all__ = [
 ]
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+#: node.meta key of a call_module made by the module-call lowering (depthrewrite.passes.lower.module_calls.CALL_META)
+_MODULE_CALL = "depthrewrite_module_call"
+#: gm.meta key of the lowering's ``(graph, called, refused)`` (module_calls.LOWERED_META), split in place of gm.graph
+_LOWERED = "depthrewrite_module_call_graph"
 #: attributes under which module wrappers keep the module they wrap: torch's checkpoint_wrapper, torch.compile's
 #: OptimizedModule
 _WRAPPED = ("_checkpoint_wrapped_module", "_orig_mod")
@@ -242,13 +246,18 @@ def _stack_paths(n: fx.Node) -> set[str]:
 
 
 def split_blocks(gm: fx.GraphModule, paths: tuple[str, ...], checkpoint: Callable[[nn.Module], bool],
-                 live: Callable[[str], bool] = lambda target: True) -> BlockSplit | str:
+                 live: Callable[[str], bool] = lambda target: True, graph: fx.Graph | None = None) -> BlockSplit | str:
     """Split the flat rewritten graph ``gm`` into a runner and one :class:`BlockProgram` per block at ``paths``; or
     the reason it cannot be (then the flat graph runs). ``live(target)``: whether a ``get_attr`` target is the live
-    model's (a block reads those itself; others, such as export's lifted constants, are passed in)."""
-    graph = gm.graph
-    if _functionalise_fresh_writes(graph):
-        gm.recompile()
+    model's (a block reads those itself; others, such as export's lifted constants, are passed in). ``graph``: the
+    graph to split in place of ``gm.graph`` (the module-call lowering's copy, whose ``call_module`` nodes of
+    called modules are placed by their module stack like operations; ``gm`` still resolves attributes)."""
+    if graph is None:
+        graph = gm.graph
+        if _functionalise_fresh_writes(graph):
+            gm.recompile()
+    else:
+        _functionalise_fresh_writes(graph)
     index = {p: i for i, p in enumerate(paths)}
     prefixes = [(p + ".", i) for i, p in enumerate(paths)]
     nodes = list(graph.nodes)
@@ -256,7 +265,7 @@ def split_blocks(gm: fx.GraphModule, paths: tuple[str, ...], checkpoint: Callabl
     for n in nodes:
         if n.op == "get_attr":
             b = next((i for pre, i in prefixes if n.target.startswith(pre)), None) if live(n.target) else None
-        elif n.op in ("call_function", "call_method"):
+        elif n.op in ("call_function", "call_method") or (n.op == "call_module" and _MODULE_CALL in n.meta):
             hits = [index[p] for p in _stack_paths(n) if p in index]
             b = max(hits) if hits else None
         else:
@@ -481,13 +490,21 @@ def _program(gm: fx.GraphModule, path: str, members: list[fx.Node], ins: list[fx
             new = g.get_attr(rel)
             new.meta = dict(n.meta)
             root[rel] = _shell(_resolve(gm, n.target))
+        elif n.op == "call_module":  # a called module of the block: resolved on the block (self) at call time
+            if not n.target.startswith(path + "."):
+                raise DepthRewriteError(f"depthrewrite: block {path!r} calls {n.target!r}, which it does not hold "
+                                        "(a bug in the module-call lowering: please report it)")
+            rel = n.target[cut:]
+            new = g.node_copy(n, env.__getitem__)
+            new.target = rel
+            root[rel] = nn.Module()  # a stand-in: the program's code reads self.<rel> from the live block
         else:
             new = g.node_copy(n, env.__getitem__)
         env[n] = new
     g.output(tuple(env[o] for o in outs))
     # names by position, so blocks of the same structure get the same code (torch.compile per block reuses it)
     for i, n in enumerate(g.nodes):
-        if n.op in ("call_function", "call_method"):
+        if n.op in ("call_function", "call_method", "call_module"):
             n._rename(f"v{i}")
     g.lint()
     return _traced_with_meta(fx.GraphModule(root, g, class_name="BlockProgram"))
@@ -599,7 +616,8 @@ def build_runner(gm: fx.GraphModule, model: nn.Module, paths: tuple[str, ...],
     the live model lacks (export's lifted constants, the programs); every other attribute it reads is the live
     model's (:meth:`~depthrewrite.converted.ConvertedGraphModule.__getattr__`), read at call time."""
     live = _live(model)
-    split = split_blocks(gm, paths, checkpoint, live)
+    lowered = gm.meta.pop(_LOWERED, None) if _LOWERED in gm.meta else None  # convert(..., module_calls=True)
+    split = split_blocks(gm, paths, checkpoint, live, graph=lowered[0] if lowered is not None else None)
     if isinstance(split, str):
         return None, split
     root: dict[str, Any] = {}
@@ -613,13 +631,15 @@ def build_runner(gm: fx.GraphModule, model: nn.Module, paths: tuple[str, ...],
         if n.op == "get_attr":
             root[n.target] = split.attrs[n.target] if n.target in split.attrs else _resolve(gm, n.target)
         elif n.op == "call_module":
-            root[n.target] = _get(model, n.target)
+            root[n.target] = _get(model, n.target)  # blocks and called modules: read from the live model
     runner = _traced_with_meta(fx.GraphModule(root, split.graph, class_name=type(gm).__name__))
     read_live(runner, model)  # the blocks and all else the model has are read from it; export's constants stay
     for a in ("_in_spec", "_out_spec", "range_constraints", "validate_inputs"):  # export's code and checks read them
         if a in gm.__dict__:
             runner.__dict__[a] = gm.__dict__[a]
     runner.meta.update(gm.meta)
+    if lowered is not None:
+        runner.meta["depthrewrite_module_calls"] = {"called": tuple(lowered[1]), "inlined": tuple(lowered[2])}
     runner.__dict__["_dr_programs"] = split.programs
     from .converted import _bind_inputs
 

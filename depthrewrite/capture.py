@@ -488,6 +488,7 @@ def capture(
     dynamic: bool = True,
     check: bool = True,
     keep_cache: bool = False,
+    module_calls: bool = False,
 ) -> fx.GraphModule:
     """Capture ``model`` as an FX ``GraphModule`` with ``torch.export`` (non-strict, training IR).
 
@@ -503,6 +504,10 @@ def capture(
         keep_cache (bool): capture with the model's KV cache as configured (the call passes ``use_cache=True`` or a
             ``past_key_values`` cache; a ``DynamicCache`` is taken and returned as tensors). Default: False, which
             captures with ``use_cache`` off in every config that turns it on.
+        module_calls (bool): also record the call signature of every ``nn.Linear`` and ``nn.Embedding`` (export's
+            ``preserve_module_call_signature``; a path export refuses is dropped and the export retried) and stamp
+            every node with its capture name and arguments, for the module-call lowering
+            (:mod:`depthrewrite.passes.lower.module_calls`). Default: False (opt-in, ``convert(..., module_calls=True)``).
 
     Returns:
         The unlifted ``GraphModule`` (parameters as ``get_attr`` with their original names). Its
@@ -544,7 +549,12 @@ def capture(
         level = quiet.level
         quiet.setLevel(logging.ERROR)
         try:
-            ep = torch.export.export(model, args, kwargs, dynamic_shapes=dyn, strict=False)
+            if module_calls:
+                from .passes.lower.module_calls import export_with_signatures
+
+                ep = export_with_signatures(model, args, kwargs, dyn)
+            else:
+                ep = torch.export.export(model, args, kwargs, dynamic_shapes=dyn, strict=False)
         finally:
             quiet.setLevel(level)
     except Exception as e:  # torch.export raises many types; all of them mean the same to our user
@@ -561,6 +571,10 @@ def capture(
     finally:
         for c in cache:
             c.use_cache = True
+    if module_calls:
+        from .passes.lower.module_calls import stamp
+
+        stamp(gm, ep)
     gm.meta["depthrewrite_inputs"] = (args, kwargs)
     gm.meta["depthrewrite_model_class"] = type(model).__name__
     return gm

@@ -429,6 +429,7 @@ class ConversionState:
         self.blocks: tuple[str, ...] | None = None  # the block modules' paths, once the graphs call them
         self.blocks_note: str | None = None  # why the flat graph runs instead (no block modules, pipeline stages)
         self.checkpoint = False  # convert(..., checkpoint=True): recompute every block in backward
+        self.module_calls = False  # convert(..., module_calls=True): Linear / Embedding called as modules (#24)
         self.ckpt_parents: list[nn.Module] = []  # ancestors of the blocks with an HF-style gradient_checkpointing flag
         self.block_infos: tuple = ()  # the report's block table (depthrewrite.blocks.BlockInfo), from the first runner
 
