@@ -88,7 +88,7 @@ def export_with_signatures(model: nn.Module, args: tuple, kwargs: dict, dynamic_
             if not paths:
                 raise
             text = str(e)
-            named = [p for p in paths if re.search(rf"(?<![\w.]){re.escape(p)}(?![\w])", text)]
+            named = _refused_path(e, paths) or [p for p in paths if re.search(rf"(?<![\w.]){re.escape(p)}(?![\w])", text)]
             why = f"{type(e).__name__}: {text.strip().splitlines()[0] if text.strip() else ''}"[:200]
             if named:
                 worst = max(named, key=len)
@@ -104,6 +104,27 @@ def export_with_signatures(model: nn.Module, args: tuple, kwargs: dict, dynamic_
     ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
     ep.__dict__["_dr_dropped"] = tuple(dropped) + tuple((p, "too many refusals") for p in paths)
     return ep
+
+
+def _refused_path(e: BaseException, paths: list[str]) -> list[str]:
+    """The preserved path whose call export's signature hooks (``torch/_export/wrappers.py``) refused in ``e``'s
+    tracebacks (a SymInt or another non-tensor leaf among its inputs or outputs)."""
+    seen: set[int] = set()
+    found: list[str] = []
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        tb = e.__traceback__
+        while tb is not None:
+            frame = tb.tb_frame
+            if frame.f_code.co_filename.replace("\\", "/").endswith("_export/wrappers.py"):
+                p = frame.f_locals.get("path")
+                if isinstance(p, str) and p.startswith("_export_root."):  # export wraps the model under this name
+                    p = p[len("_export_root."):]
+                if isinstance(p, str) and p in paths and p not in found:
+                    found.append(p)
+            tb = tb.tb_next
+        e = e.__cause__ or e.__context__
+    return found
 
 
 def _canon(n: fx.Node) -> fx.Node:
