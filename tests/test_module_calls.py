@@ -1,0 +1,266 @@
+"""convert(..., module_calls=True) (issue #24, docs/design/module-calls.md, steps 1-2): every nn.Linear /
+nn.Embedding the rewrite leaves intact runs as a call of the live module inside the block programs and the runner.
+Compared with the same conversion without module calls (module_calls=False, the default)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import depthrewrite as dr
+from depthrewrite.demo.zoo import hf_model
+from depthrewrite.testing import nanogpt
+
+aten = torch.ops.aten
+SCHEMES = ["attnres", "msar", "mhc", "moda"]
+
+
+def _llama():
+    torch.manual_seed(0)
+    m = hf_model("llama", layers=2).eval()
+    ids = torch.randint(0, m.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    return m, ((), {"input_ids": ids}), "model.layers.0.self_attn.q_proj"
+
+
+def _nanogpt():
+    m = nanogpt(2).eval()
+    ids = torch.randint(0, m.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    return m, ((ids,), {}), "transformer.h.0.attn.c_attn"
+
+
+MODELS = {"llama": _llama, "nanogpt": _nanogpt}
+
+
+def _logits(out):
+    return out.logits if hasattr(out, "logits") else out
+
+
+def _pair(model: str, scheme: str):
+    """(off, on, call inputs, hooked path): the same model converted without and with module calls, same params."""
+    m, (args, kwargs), hooked = MODELS[model]()
+    m2 = copy.deepcopy(m)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        off = dr.convert(m, scheme, example_inputs=args or None, example_kwargs=kwargs or None)
+        on = dr.convert(m2, scheme, example_inputs=args or None, example_kwargs=kwargs or None, module_calls=True)
+    on.load_state_dict(off.state_dict())
+    return off, on, (args, kwargs), hooked
+
+
+_CACHE: dict = {}
+
+
+def pair(model: str, scheme: str):
+    key = (model, scheme)
+    if key not in _CACHE:
+        _CACHE.clear()  # one pair alive at a time
+        _CACHE[key] = _pair(model, scheme)
+    return _CACHE[key]
+
+
+def _runner(c):
+    entries = c.__dict__["_depthrewrite"].entries()
+    assert entries and entries[0].runner is not None
+    return entries[0].runner
+
+
+def _original_linears(gm_graph) -> list[str]:
+    """aten.linear / aten.t / aten.mm / aten.embedding nodes reading a weight by get_attr (an original module's: the
+    new parameters reach the programs as inputs, and MoDA's own projections read model.depthrewrite)."""
+    out = []
+    for n in gm_graph.nodes:
+        if n.op == "call_function" and n.target in (aten.linear.default, aten.t.default, aten.mm.default,
+                                                      aten.embedding.default):
+            if any(a.op == "get_attr" and not str(a.target).startswith("depthrewrite.") for a in n.all_input_nodes):
+                out.append(n.name)
+    return out
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_logits_equal_and_modules_called(model, scheme):
+    off, on, (args, kwargs), hooked = pair(model, scheme)
+    with torch.no_grad():
+        a, b = _logits(off(*args, **kwargs)), _logits(on(*args, **kwargs))
+    assert (a - b).abs().max().item() <= 1e-6
+    runner = _runner(on)
+    calls = runner.meta["depthrewrite_module_calls"]
+    assert hooked in calls["called"], calls
+    assert "depthrewrite_module_calls" not in _runner(off).meta
+    assert not _original_linears(runner.graph)
+    for prog in runner.programs.values():
+        assert not _original_linears(prog.graph), prog.module.code
+        assert any(n.op == "call_module" for n in prog.graph.nodes)
+    # the off path's programs run the projections as aten ops
+    assert any(_original_linears(p.graph) for p in _runner(off).programs.values())
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.filterwarnings("ignore:depthrewrite. the hook")
+def test_forward_hook_fires_on_every_call(model, scheme):
+    off, on, (args, kwargs), hooked = pair(model, scheme)
+    counts = {"on": 0, "off": 0}
+    handles = []
+    for name, c in (("on", on), ("off", off)):
+        mod = c.get_submodule(hooked)
+        handles.append(mod.register_forward_hook(lambda *_, k=name: counts.__setitem__(k, counts[k] + 1)))
+    try:
+        with torch.no_grad():
+            for c in (on, off):
+                c(*args, **kwargs)  # a hook changes the module tree: this call recaptures (and traces the hook)
+            counts.update(on=0, off=0)
+            for _ in range(3):
+                on(*args, **kwargs)
+                off(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    assert counts["on"] == 3
+    assert counts["off"] == 0  # today's graphs inline the projection: the hook never runs
+
+
+class LinearOnly(torch.Tensor):
+    """A torchao-like weight: implements F.linear (torch function) and aten.linear / detach (dispatch) only."""
+
+    seen: list = []
+
+    @staticmethod
+    def __new__(cls, data):
+        return torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=data.dtype, device=data.device)
+
+    def __init__(self, data):
+        self._data = data
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            cls.seen.append("F.linear")
+            b = args[2] if len(args) > 2 else kwargs.get("bias")
+            return F.linear(args[0], args[1]._data, b)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is aten.detach.default:
+            return LinearOnly(args[0]._data.detach())
+        if func is aten.linear.default:
+            return aten.linear.default(args[0], args[1]._data, *args[2:])
+        raise NotImplementedError(f"LinearOnly does not implement {func}")
+
+
+def _block_linears(model: nn.Module, blocks) -> list[nn.Linear]:
+    return [m for p in blocks for m in model.get_submodule(p).modules() if isinstance(m, nn.Linear)]
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_weight_subclass_with_only_f_linear(model, scheme):
+    off, on, (args, kwargs), _ = pair(model, scheme)
+    with torch.no_grad():
+        ref = _logits(on(*args, **kwargs))
+    blocks = on.__dict__["_depthrewrite"].blocks
+    linears = _block_linears(on, blocks)
+    saved = [lin.weight for lin in linears]
+    try:
+        for lin in linears:
+            lin.weight = nn.Parameter(LinearOnly(lin.weight.detach()), requires_grad=False)
+        LinearOnly.seen.clear()
+        with torch.no_grad():  # the existing graphs, no recapture: the runner calls the live modules
+            out = _runner(on)(*args, **kwargs)
+        assert (_logits(out) - ref).abs().max().item() <= 1e-6
+        assert len(LinearOnly.seen) >= len(linears)
+    finally:
+        for lin, w in zip(linears, saved):
+            lin.weight = w
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_training_gradients_equal(model, scheme):
+    off, on, (args, kwargs), _ = pair(model, scheme)
+    grads = {}
+    for name, c in (("off", off), ("on", on)):
+        c.train()
+        c.zero_grad(set_to_none=True)
+        try:
+            _logits(c(*args, **kwargs)).float().pow(2).mean().backward()
+        finally:
+            c.eval()
+        grads[name] = {k: p.grad.clone() for k, p in c.named_parameters() if p.grad is not None}
+        c.zero_grad(set_to_none=True)
+    assert grads["on"].keys() == grads["off"].keys() and grads["on"]
+    for k, g in grads["off"].items():
+        assert (grads["on"][k] - g).abs().max().item() <= 1e-6, k
+    assert "depthrewrite_module_calls" in _runner_of_mode(on, True).meta
+
+
+def _runner_of_mode(c, training: bool):
+    e = next(e for e in c.__dict__["_depthrewrite"].entries() if e.module.training == training)
+    return e.runner
+
+
+def test_off_by_default_captures_no_signatures():
+    from depthrewrite.passes.lower.module_calls import SIGNATURES_META
+
+    off, _, _, _ = pair("nanogpt", "attnres")
+    st = off.__dict__["_depthrewrite"]
+    assert st.module_calls is False
+    entry = st.entries()[0]
+    assert SIGNATURES_META not in entry.module.meta
+    assert all("depthrewrite_capture" not in n.meta for n in entry.module.graph.nodes)
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_signatures_leave_the_captured_graph_as_it_was(model):
+    import collections
+
+    from depthrewrite.capture import capture
+    from depthrewrite.passes.lower.module_calls import SIGNATURES_META
+
+    m, (args, kwargs), hooked = MODELS[model]()
+    plain = capture(m, args or None, kwargs or None)
+    signed = capture(m, args or None, kwargs or None, module_calls=True)
+
+    def ops(gm):
+        return collections.Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+
+    assert ops(plain) == ops(signed)
+    info = signed.meta[SIGNATURES_META]
+    assert hooked in info.signatures and not info.dropped
+    assert all("depthrewrite_capture" in n.meta for n in signed.graph.nodes)
+
+
+class _SizedLinear(nn.Linear):
+    def forward(self, x, n):  # n: the sequence length, a SymInt under dynamic shapes
+        return super().forward(x)[:, :n]
+
+
+def test_a_path_export_refuses_is_dropped_and_inlined():
+    from depthrewrite.testing import MLP
+
+    class SizedMLP(MLP):
+        def forward(self, x):
+            return self.dropout(self.c_proj(self.gelu(self.c_fc(x, x.shape[1]))))
+
+    m, (args, _), _ = _nanogpt()
+    m.transformer.h[0].mlp.__class__ = SizedMLP
+    m.transformer.h[0].mlp.c_fc.__class__ = _SizedLinear
+    m2 = copy.deepcopy(m)
+    off = dr.convert(m, "attnres", example_inputs=args)
+    on = dr.convert(m2, "attnres", example_inputs=args, module_calls=True)
+    on.load_state_dict(off.state_dict())
+    with torch.no_grad():
+        assert (off(*args) - on(*args)).abs().max().item() <= 1e-6
+    calls = _runner(on).meta["depthrewrite_module_calls"]
+    inlined = dict(calls["inlined"])
+    assert "transformer.h.0.mlp.c_fc" in inlined and "flattened inputs" in inlined["transformer.h.0.mlp.c_fc"]
+    assert "transformer.h.0.mlp.c_fc" not in calls["called"]
+    assert {"transformer.h.0.mlp.c_proj", "transformer.h.1.mlp.c_fc", "lm_head"} <= set(calls["called"])
