@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import re
 
 import torch
@@ -678,6 +679,143 @@ class _Lambda(nn.Module):
         self.depth_weight = nn.Parameter(torch.zeros(hq, dtype=dtype, device=device))
 
 
+def _viewed(n: fx.Node) -> fx.Node | None:
+    """The tensor ``n`` is a view of (the input its op's schema says the output aliases, read-only: view, reshape,
+    transpose, slice, select, unflatten, expand, ..., or an element of split / chunk / unbind), else None."""
+    if n.op != "call_function" or not n.args or not isinstance(n.args[0], fx.Node):
+        return None
+    if n.target is operator.getitem:
+        parent = n.args[0]
+        return parent if _aliasing_schema(parent, list_return=True) else None
+    return n.args[0] if _aliasing_schema(n, list_return=False) or _aliasing_schema(n, list_return=True) else None
+
+
+def _aliasing_schema(n: fx.Node, list_return: bool) -> bool:
+    schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+    if schema is None or not schema.arguments or len(schema.returns) != 1:
+        return False
+    arg, ret = schema.arguments[0].alias_info, schema.returns[0]
+    if arg is None or arg.is_write or ret.alias_info is None or ret.alias_info.is_write:
+        return False
+    is_list = isinstance(ret.type, torch.ListType)
+    return is_list if list_return else (not is_list and bool(ret.alias_info.before_set & arg.before_set))
+
+
+_MODULE_KEYS = ("nn_module_stack", "source_fn_stack")
+#: ops without an alias annotation whose result can still be a view at run time: ``linear`` of a 3-d contiguous input
+#: with a bias is ``addmm(b, x.view(B·T, D), wᵀ).view(B, T, N)`` (GPT-2 / nanoGPT's c_attn, Qwen2's biased k/v
+#: projections, the biased kv_proj), ``matmul`` / ``einsum`` may return a reshaped or permuted product
+_MAY_VIEW = {"linear", "matmul", "einsum", "tensordot", "bilinear"}
+
+
+def _own_alias(graph: fx.Graph, x: fx.Node, made: dict[fx.Node, fx.Node]) -> fx.Node:
+    """``x``, or where ``x`` may be a view at run time (:data:`_MAY_VIEW`), ``aten._unsafe_view(x, x.shape)`` right
+    after it in its block: the same storage and values, not a view (no copy; its gradient is the incoming one
+    reshaped), as aten's own matmul returns its folded products. Made once per ``x`` (``made``)."""
+    if x in made:
+        return made[x]
+    val = tensor_val(x)
+    if op_name(x) not in _MAY_VIEW or val is None:
+        return x
+    with graph.inserting_before(x.next):  # right after x, in this order
+        sizes = _sizes(graph, x, val.dim())
+        for n in sizes:
+            if isinstance(n, fx.Node):
+                inherit_meta(n, x, copy_val=False)
+        own = graph.call_function(aten._unsafe_view.default, (x, sizes))
+    inherit_meta(own, x)
+    made[x] = own
+    return own
+
+
+def _sizes(graph: fx.Graph, x: fx.Node, ndim: int) -> list:
+    """The first ``ndim`` sizes of ``x``: the static ones as ints, the others as ``aten.sym_size`` nodes (inserted at
+    the current point) that read them at run time."""
+    val = tensor_val(x)
+    out: list = []
+    for i in range(ndim):
+        size = val.shape[i] if val is not None else None
+        if isinstance(size, int):
+            out.append(size)
+        else:
+            out.append(graph.call_function(aten.sym_size.int, (x, i)))
+            if size is not None:
+                out[-1].meta["val"] = size
+    return out
+
+
+def _slots_leave_as_their_own(graph: fx.Graph) -> None:
+    """Make every depth slot cross out of its block as a tensor of its own, not a view.
+
+    A slot is typically a view of what its block computed (the attention's V is ``v_proj(x).view(..).transpose(1,
+    2)``, an FFN slot a slice of ``kv_proj``'s output), and a block module returning a view makes FSDP2 warn (an
+    in-place op on it would skip the pre-backward all-gather). No copy is made: the layout ops between the slot and
+    the tensor it views (its base) are given to the readers of the slot (the ``moda_slots`` stacks, which run between
+    the blocks): ops only the slot's readers use lose their module stack, so the block split places them outside the
+    block; ops the block itself also reads (its own attention reads its K and V) are copied for the readers. The block
+    then returns the base (a tensor of its own), and the readers see the same strided views as before, so values and
+    gradients are unchanged (up to the order in which a base's two gradient contributions are summed)."""
+    stacks = [n for n in graph.nodes if depth_op_name(n) == "moda_slots"]
+    slots = dict.fromkeys(x for n in stacks for x in n.args[0])
+    made: dict[fx.Node, fx.Node] = {}
+    for slot in slots:
+        chain, x = [], slot  # the slot, then each tensor the one before views, up to the base (excluded)
+        while (p := _viewed(x)) is not None:
+            chain.append(x)
+            x = p
+        base = _own_alias(graph, x, made)
+        if not chain:
+            if base is not x:
+                for n in stacks:
+                    if slot in n.args[0]:
+                        n.replace_input_with(slot, base)
+            continue
+        readers, keep = {n for n in stacks if slot in n.args[0]}, 0
+        for c in chain:  # the top of the chain that only the slot's readers use moves out as it is
+            if not set(c.users) <= readers:
+                break
+            readers, keep = {c}, keep + 1
+        for c in chain[:keep]:
+            for k in _MODULE_KEYS:
+                c.meta.pop(k, None)
+        shared = chain[keep:]
+        if not shared:
+            if base is not x:
+                chain[-1].replace_input_with(x, base)
+            continue
+        env: dict[fx.Node, fx.Node] = {x: base}
+        with graph.inserting_before(shared[0].next):
+            for c in reversed(shared):
+                env[c] = graph.node_copy(c, lambda a: env.get(a, a))
+                for k in _MODULE_KEYS:
+                    env[c].meta.pop(k, None)
+        if keep:
+            chain[keep - 1].replace_input_with(shared[0], env[shared[0]])
+        else:
+            for n in stacks:
+                if slot in n.args[0]:
+                    n.replace_input_with(slot, env[slot])
+
+
+def _erase_dead(graph: fx.Graph, node: fx.Node) -> None:
+    """Erase ``node`` (no readers left) and what only it read. ``eliminate_dead_code`` keeps an op tagged
+    nondeterministic_seeded (SDPA, dropout: they may draw random numbers), so the replaced attention of every site
+    (and, in the eager form, its scores, softmax and dropout) would still run, unread."""
+    stack, erased = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in erased or n.users or n.op != "call_function" or _writes(n):
+            continue
+        stack.extend(n.all_input_nodes)
+        graph.erase_node(n)
+        erased.add(n)
+
+
+def _writes(n: fx.Node) -> bool:
+    schema = getattr(n.target, "_schema", None)
+    return schema is None and n.target is not operator.getitem or bool(schema is not None and schema.is_mutable)
+
+
 def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassResult:
     ed = ChainEditor(gm, chain, config.name)
     graph = ed.graph
@@ -746,6 +884,7 @@ def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassR
                 )
             inherit_meta(new, a.node, NodeRole("moda_attn", k, config.name))
             a.node.replace_all_uses_with(new)
+            _erase_dead(graph, a.node)
             n = len(slots_k)
             flops = 2 * hq * (d + dv) * n  # depth QKᵀ and PV
             changes.append(Change(
@@ -788,17 +927,23 @@ def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassR
                 w = ed.get_attr(f"{name}.weight")
                 lin_args = (src, w, ed.get_attr(f"{name}.bias")) if bias else (src, w)
                 kv = graph.call_function(aten.linear.default, lin_args)
+                pre = []
+                if bias:  # linear of a 3-d input with a bias returns a view of addmm's [B·T, N] product at run time:
+                    # alias it as a tensor of its own (no copy), so the FFN slots' base crosses the block as one
+                    sizes = _sizes(graph, src, 2)
+                    pre = [kv, *(x for x in sizes if isinstance(x, fx.Node))]
+                    kv = graph.call_function(aten._unsafe_view.default, (kv, [*sizes, kv_width]))
                 if dv == d:
                     kv5 = graph.call_function(aten.unflatten.int, (kv, -1, [2, hk, d]))  # [B, T, 2, Hk, d]
                     k_tok = graph.call_function(aten.select.int, (kv5, -3, 0))  # [B, T, Hk, d]
                     v_tok = graph.call_function(aten.select.int, (kv5, -3, 1))
-                    made = [kv, kv5, k_tok, v_tok]
+                    made = [*pre, kv, kv5, k_tok, v_tok]
                 else:  # keys [.., :Hk·d], values [.., Hk·d:] of another head dim (MLA)
                     k_flat = graph.call_function(aten.slice.Tensor, (kv, -1, 0, hk * d))
                     v_flat = graph.call_function(aten.slice.Tensor, (kv, -1, hk * d, kv_width))
                     k_tok = graph.call_function(aten.unflatten.int, (k_flat, -1, [hk, d]))  # [B, T, Hk, d]
                     v_tok = graph.call_function(aten.unflatten.int, (v_flat, -1, [hk, dv]))  # [B, T, Hk, dv]
-                    made = [kv, k_flat, v_flat, k_tok, v_tok]
+                    made = [*pre, kv, k_flat, v_flat, k_tok, v_tok]
                 vf = graph.call_function(aten.transpose.int, (v_tok, 1, 2))
                 made.append(vf)
                 if kp is None:
@@ -839,6 +984,8 @@ def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassR
                 f"{' + bias' if bias else ''}; {keys}; +{2 * D * kv_width:,} FLOPs/token",
             ))
     mixed = _rotation_mismatches(changes, rot_of, rot_name)
+    graph.eliminate_dead_code()  # the slot readers below are then the only readers left of what only they read
+    _slots_leave_as_their_own(graph)
     result = ed.finish(changes)
     n_max = len(slots_k)
     extra = (sum(2 * hq * (d + dv) * len(c.sources) for c in changes if c.sources)
