@@ -252,6 +252,7 @@ def split_blocks(gm: fx.GraphModule, paths: tuple[str, ...], checkpoint: Callabl
     model's (a block reads those itself; others, such as export's lifted constants, are passed in). ``graph``: the
     graph to split in place of ``gm.graph`` (the module-call lowering's copy, whose ``call_module`` nodes of
     called modules are placed by their module stack like operations; ``gm`` still resolves attributes)."""
+    lowered = graph is not None
     if graph is None:
         graph = gm.graph
         if _functionalise_fresh_writes(graph):
@@ -301,6 +302,9 @@ def split_blocks(gm: fx.GraphModule, paths: tuple[str, ...], checkpoint: Callabl
         if not moved:
             break
     _move_to_readers(nodes, block)
+    for n, b in block.items() if lowered else ():  # a module call runs with its block as self: its own module
+        if n.op == "call_module" and not n.target.startswith(paths[b] + "."):
+            return f"`{n.name}` calls {n.target!r} inside block {paths[b]!r}, which does not hold it"
     after = _after(nodes, block)
     for n, b in block.items():
         for x in n.all_input_nodes:
