@@ -273,8 +273,9 @@ def split_blocks(gm: fx.GraphModule, paths: tuple[str, ...], checkpoint: Callabl
             b = None
         if b is not None:
             block[n] = b
-    for n in nodes:  # a tensor of one module shared by several blocks (torchtune's one RoPE module): a side input
-        if n.op == "get_attr" and n in block and any(block.get(u, block[n]) != block[n] for u in n.users):
+    for n in nodes:  # a buffer of one module shared by several blocks (torchtune's one RoPE module): a side input
+        if (n.op == "get_attr" and n in block and any(block.get(u, block[n]) != block[n] for u in n.users)
+                and not isinstance(_resolve(gm, n.target), nn.Parameter)):  # a parameter stays its block's (FSDP2)
             del block[n]
     if not block:
         return "no operation of the graph runs inside a block module"
