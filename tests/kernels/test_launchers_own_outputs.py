@@ -95,3 +95,17 @@ def test_moda_launchers_and_reference(mask):
     slots = moda_slots_ref([_r(B, Hk, T, d, seed=9), _r(B, T, Hk, d, seed=10).transpose(1, 2)])
     assert slots.shape == (B, T, 2, Hk, d) and slots.is_contiguous()
     _own([slots])
+
+
+def test_mhc_launchers():
+    from depthrewrite.kernels.mhc import fused as mh
+
+    lead, n, D = (2, 3), 4, 8
+    X, y = _r(*lead, n, D, seed=1), _r(*lead, D, seed=2)
+    phi, bias, alpha = _r(n * D, n * n + 2 * n, seed=3) * 0.1, _r(n * n + 2 * n, seed=4), _r(3, seed=5).abs()
+    pre, post, res = mh.mhc_coeffs_fwd(X, phi, bias, alpha, 5, 1e-6)
+    _own([pre, post, res])
+    _own(mh.mhc_coeffs_bwd(X, phi, bias, alpha, _r(*lead, n, seed=6), _r(*lead, n, seed=7), _r(*lead, n, n, seed=8),
+                           5, 1e-6))
+    _own([mh.mhc_pre_fwd(X, pre), *mh.mhc_pre_bwd(X, pre, _r(*lead, D, seed=9))])
+    _own([mh.mhc_post_fwd(X, res, post, y), *mh.mhc_post_bwd(X, res, post, y, _r(*lead, n, D, seed=10))])

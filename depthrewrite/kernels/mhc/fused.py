@@ -379,9 +379,10 @@ def mhc_coeffs_fwd(
     T, K = x.shape
     phi_c, bias_c, alpha_c = phi.contiguous(), bias.contiguous(), alpha.contiguous()
     M = n * n + 2 * n
-    pre = torch.empty(T, n, device=X.device, dtype=torch.float32)
-    post = torch.empty(T, n, device=X.device, dtype=torch.float32)
-    res = torch.empty(T, n, n, device=X.device, dtype=torch.float32)
+    # outputs in their final shapes (contiguous: the kernel's flat [T, ...] indexing), not views of [T, ...] buffers
+    pre = torch.empty(*lead, n, device=X.device, dtype=torch.float32)
+    post = torch.empty(*lead, n, device=X.device, dtype=torch.float32)
+    res = torch.empty(*lead, n, n, device=X.device, dtype=torch.float32)
     PP, NP = coeff_layout(n)
     BT, BK = coeff_blocks(T, n, X.device)
     mhc_coeffs_fwd_kernel[(triton.cdiv(T, BT),)](
@@ -389,7 +390,7 @@ def mhc_coeffs_fwd(
         N=n, NP=NP, PP=PP, BT=BT, BK=BK, PREC=_precision(), XEXACT=X.dtype != torch.float32,
         num_warps=4, num_stages=3,
     )
-    return pre.reshape(*lead, n), post.reshape(*lead, n), res.reshape(*lead, n, n)
+    return pre, post, res
 
 
 def mhc_coeffs_bwd(
@@ -443,7 +444,7 @@ def mhc_coeffs_bwd(
     S = max(1, min(int(S), nblk2))
     bps = triton.cdiv(nblk2, S)
     S = triton.cdiv(nblk2, bps)
-    gx = torch.empty_like(x)
+    gx = torch.empty(X.shape, device=dev, dtype=X.dtype)  # X's shape, contiguous: the kernel's [T, K] layout
     gphi_part = torch.empty(S, K, MP, device=dev, dtype=torch.float32)
     mhc_coeffs_bwd_kernel_x[(nk, S)](
         x, phi_c, gz, cx, gx, gphi_part, T, K, M, bps,
@@ -453,8 +454,8 @@ def mhc_coeffs_bwd(
     cols = _colmap(n, dev)
     gphi = gphi_part.sum(0).index_select(1, cols).to(phi.dtype)
     gbias = gb_part.sum(0).index_select(0, cols).to(bias.dtype)
-    galpha = ga_part.sum(0)[:3].to(alpha.dtype)
-    return gx.reshape(X.shape), gphi, gbias, galpha
+    galpha = ga_part.sum(0)[:3].to(alpha.dtype, copy=True)  # a tensor of its own, not a slice of the sum
+    return gx, gphi, gbias, galpha
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -583,10 +584,10 @@ def mhc_pre_fwd(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         u ``[..., D]`` in X's dtype.
     """
     n, D, T, x, w = _pre_inputs(X, pre)
-    u = torch.empty(T, D, device=X.device, dtype=X.dtype)
+    u = torch.empty(*X.shape[:-2], D, device=X.device, dtype=X.dtype)  # final shape: no view of a [T, D] buffer
     NP, BT, BD = apply_blocks(T, D, n)
     mhc_pre_fwd_kernel[(triton.cdiv(T, BT), triton.cdiv(D, BD))](x, w, u, T, D, N=n, NP=NP, BT=BT, BD=BD, num_warps=4)
-    return u.reshape(*X.shape[:-2], D)
+    return u
 
 
 def mhc_pre_bwd(X: torch.Tensor, pre: torch.Tensor, gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -600,11 +601,11 @@ def mhc_pre_bwd(X: torch.Tensor, pre: torch.Tensor, gu: torch.Tensor) -> tuple[t
     """
     n, D, T, x, w = _pre_inputs(X, pre)
     g = gu.contiguous().reshape(T, D)
-    gx = torch.empty_like(x)
-    gw = torch.empty(T, n, device=X.device, dtype=torch.float32)
+    gx = torch.empty(X.shape, device=X.device, dtype=X.dtype)
+    gw = torch.empty(pre.shape, device=X.device, dtype=torch.float32)
     NP, BT, BD = apply_blocks(T, D, n)
     mhc_pre_bwd_kernel[(triton.cdiv(T, BT),)](x, w, g, gx, gw, T, D, N=n, NP=NP, BT=BT, BD=BD, num_warps=4)
-    return gx.reshape(X.shape), gw.to(pre.dtype).reshape(pre.shape)
+    return gx, gw.to(pre.dtype)
 
 
 def mhc_post_fwd(X: torch.Tensor, res: torch.Tensor, post: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -617,12 +618,12 @@ def mhc_post_fwd(X: torch.Tensor, res: torch.Tensor, post: torch.Tensor, y: torc
         X' ``[..., n, D]`` in X's dtype (fp32 accumulation).
     """
     n, D, T, x, r, p, yy = _post_inputs(X, res, post, y)
-    out = torch.empty_like(x)
+    out = torch.empty(X.shape, device=X.device, dtype=X.dtype)
     NP, BT, BD = apply_blocks(T, D, n)
     mhc_post_fwd_kernel[(triton.cdiv(T, BT), triton.cdiv(D, BD))](
         x, r, p, yy, out, T, D, N=n, NP=NP, BT=BT, BD=BD, num_warps=4
     )
-    return out.reshape(X.shape)
+    return out
 
 
 def mhc_post_bwd(
@@ -639,11 +640,11 @@ def mhc_post_bwd(
     """
     n, D, T, x, r, p, yy = _post_inputs(X, res, post, y)
     go = gout.contiguous().reshape(T, n, D)
-    gx = torch.empty_like(x)
-    gy = torch.empty_like(yy)
-    gr = torch.empty(T, n, n, device=X.device, dtype=torch.float32)
-    gp = torch.empty(T, n, device=X.device, dtype=torch.float32)
+    gx = torch.empty(X.shape, device=X.device, dtype=X.dtype)  # final shapes, contiguous (the kernels' flat layout)
+    gy = torch.empty(y.shape, device=X.device, dtype=y.dtype)
+    gr = torch.empty(res.shape, device=X.device, dtype=torch.float32)
+    gp = torch.empty(post.shape, device=X.device, dtype=torch.float32)
     NP, BT, BD = apply_blocks(T, D, n)
     mhc_post_bwd_kernel[(triton.cdiv(T, BT),)](x, r, p, yy, go, gx, gr, gp, gy, T, D, N=n, NP=NP, BT=BT, BD=BD,
                                              num_warps=4)
-    return gx.reshape(X.shape), gr.to(res.dtype).reshape(res.shape), gp.to(post.dtype).reshape(post.shape), gy.reshape(y.shape)
+    return gx, gr.to(res.dtype), gp.to(post.dtype), gy
