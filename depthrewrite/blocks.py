@@ -253,12 +253,9 @@ def split_blocks(gm: fx.GraphModule, paths: tuple[str, ...], checkpoint: Callabl
     graph to split in place of ``gm.graph`` (the module-call lowering's copy, whose ``call_module`` nodes of
     called modules are placed by their module stack like operations; ``gm`` still resolves attributes)."""
     lowered = graph is not None
-    if graph is None:
-        graph = gm.graph
-        if _functionalise_fresh_writes(graph):
-            gm.recompile()
-    else:
-        _functionalise_fresh_writes(graph)
+    graph = graph if lowered else gm.graph
+    if _functionalise_fresh_writes(graph) and not lowered:
+        gm.recompile()
     index = {p: i for i, p in enumerate(paths)}
     prefixes = [(p + ".", i) for i, p in enumerate(paths)]
     nodes = list(graph.nodes)
@@ -436,8 +433,7 @@ def _functionalise_fresh_writes(graph: fx.Graph) -> int:
         if functional is None or functional._schema.is_mutable:
             continue
         sx = storage(x.meta.get("val"))
-        if sx is None or any(order[u] > order[n] or (u is not n and storage(u.meta.get("val")) == sx)
-                             for u in x.users if u is not n):
+        if sx is None or any(order[u] > order[n] or storage(u.meta.get("val")) == sx for u in x.users if u is not n):
             continue
         n.target = functional
         turned += 1
@@ -621,7 +617,7 @@ def build_runner(gm: fx.GraphModule, model: nn.Module, paths: tuple[str, ...],
     the live model lacks (export's lifted constants, the programs); every other attribute it reads is the live
     model's (:meth:`~depthrewrite.converted.ConvertedGraphModule.__getattr__`), read at call time."""
     live = _live(model)
-    lowered = gm.meta.pop(_LOWERED, None) if _LOWERED in gm.meta else None  # convert(..., module_calls=True)
+    lowered = gm.meta.pop(_LOWERED, None)  # convert(..., module_calls=True)
     split = split_blocks(gm, paths, checkpoint, live, graph=lowered[0] if lowered is not None else None)
     if isinstance(split, str):
         return None, split
