@@ -12,6 +12,10 @@ import torch
 # kernel, so it must be set before any kernel module is imported; on a CUDA machine the kernels run natively.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Under pytest-xdist (the README's command runs two workers on CI's two cores) each worker keeps to one intra-op
+# thread: two workers of two threads each on two cores would only contend.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 torch.backends.cuda.matmul.allow_tf32 = False  # fp32 references are true fp32
 torch.backends.cudnn.allow_tf32 = False
 

@@ -165,6 +165,7 @@ def test_copy_of_a_copy(conv):
 _CHILD = r"""
 import pickle, sys, torch
 {imports}
+torch.set_num_threads({threads})  # the parent's count: the bitwise comparison needs the same reduction order
 conv = pickle.load(open(sys.argv[1], "rb"))
 ids, want = torch.load(sys.argv[2])
 assert type(conv).__mro__[1].__name__ == "ConvertedModel", type(conv).__mro__
@@ -190,7 +191,7 @@ def test_unpickle_in_a_fresh_process(tmp_path, scheme, imports):
     torch.save((ids, want), tmp_path / "io.pt")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run(
-        [sys.executable, "-c", _CHILD.format(imports=imports), str(tmp_path / "m.pkl"), str(tmp_path / "io.pt")],
+        [sys.executable, "-c", _CHILD.format(imports=imports, threads=torch.get_num_threads()), str(tmp_path / "m.pkl"), str(tmp_path / "io.pt")],
         capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=600,
     )
     assert r.returncode == 0, r.stderr[-3000:]
