@@ -29,13 +29,11 @@ CASES = [
     pytest.param("llama", "moda", {"preserve_init": True}, id="moda-preserve_init"),
     pytest.param("llama", "moda", {"ffn_kv": False}, id="moda-attention-slots-only"),
 ]
-# nanoGPT: biased projections (linear of a 3-d input with a bias is a view of addmm's [B·T, N] product at run time),
+# nanoGPT: biased projections (linear of a 3-d input with a bias is a view of addmm's [B·T, N] product at run time;
+# full AttnRes / MSAR pass c_proj's output on as a depth source through dropout(p=0), which returns its input),
 # MoDA's slots views of one fused c_attn output
-_SOURCE_VIEWS = ("full AttnRes / MSAR pass a sublayer output on as a depth source as it is: nanoGPT's c_proj linear "
-                 "(a view of addmm's product) through dropout(p=0), which returns its input; the block returns it")
 CASES += [
-    pytest.param("nanogpt", s, {}, id=f"nanogpt-{s}",
-                 marks=[pytest.mark.xfail(strict=True, reason=_SOURCE_VIEWS)] if s in ("attnres", "msar") else [])
+    pytest.param("nanogpt", s, {}, id=f"nanogpt-{s}")
     for s in ("attnres", "block-attnres", "msar", "block-msar", "mhc", "moda")
 ]
 
