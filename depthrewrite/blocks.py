@@ -475,20 +475,17 @@ def _before(nodes: list[fx.Node], block: dict[fx.Node, int]) -> dict[fx.Node, in
     return out
 
 
-def _own_output(g: fx.Graph, node: fx.Node, val: Any) -> fx.Node:
-    """``node`` as a program output that is no autograd view: ``aten._unsafe_view`` to its own shape (no copy).
+def _own_output(g: fx.Graph, node: fx.Node) -> fx.Node:
+    """``node`` as a program output that is no autograd view (:func:`~depthrewrite.passes.meta.unsafe_view_of`).
 
     A block output that is a view (a sublayer's linear, ``view`` of ``addmm``'s product, passed on through
-    ``dropout(p=0)`` as a depth source) makes FSDP2 warn and copy, and keeps the view's base alive; what
-    ``_unsafe_view`` returns shares the storage but has no base. Every tensor output: the traced value does not tell
-    (``dropout(p=0)`` traces as a fresh tensor and runs as its input), and the op costs no copy."""
-    if not isinstance(val, torch.Tensor):
-        return node
-    shape = [d if isinstance(d, int) else g.call_function(torch.ops.aten.sym_size.int, (node, i))
-             for i, d in enumerate(val.shape)]
-    out = g.call_function(torch.ops.aten._unsafe_view.default, (node, shape))
-    out.meta.update({k: v for k, v in node.meta.items() if k in ("val", "tensor_meta")})
-    return out
+    ``dropout(p=0)`` as a depth source) makes FSDP2 warn and copy, and keeps the view's base alive. Every tensor
+    output: the traced value does not tell (``dropout(p=0)`` traces as a fresh tensor and runs as its input), and the
+    op costs no copy."""
+    from .passes.analyse.ops import tensor_val
+    from .passes.meta import unsafe_view_of
+
+    return node if tensor_val(node) is None else unsafe_view_of(g, node)
 
 
 def _program(gm: fx.GraphModule, path: str, members: list[fx.Node], ins: list[fx.Node],
@@ -518,7 +515,7 @@ def _program(gm: fx.GraphModule, path: str, members: list[fx.Node], ins: list[fx
         else:
             new = g.node_copy(n, env.__getitem__)
         env[n] = new
-    g.output(tuple(_own_output(g, env[o], o.meta.get("val")) for o in outs))
+    g.output(tuple(_own_output(g, env[o]) for o in outs))
     # names by position, so blocks of the same structure get the same code (torch.compile per block reuses it)
     for i, n in enumerate(g.nodes):
         if n.op in ("call_function", "call_method", "call_module"):

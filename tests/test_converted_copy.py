@@ -190,8 +190,9 @@ def test_unpickle_in_a_fresh_process(tmp_path, scheme, imports):
     (tmp_path / "m.pkl").write_bytes(pickle.dumps(conv))
     torch.save((ids, want), tmp_path / "io.pt")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    child = _CHILD.format(imports=imports, threads=torch.get_num_threads())
     r = subprocess.run(
-        [sys.executable, "-c", _CHILD.format(imports=imports, threads=torch.get_num_threads()), str(tmp_path / "m.pkl"), str(tmp_path / "io.pt")],
+        [sys.executable, "-c", child, str(tmp_path / "m.pkl"), str(tmp_path / "io.pt")],
         capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=600,
     )
     assert r.returncode == 0, r.stderr[-3000:]

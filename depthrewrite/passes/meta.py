@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
-from .analyse.ops import op_name
+from .analyse.ops import op_name, tensor_val
 
-__all__ = ["META_KEY", "SCHEME_TAG", "NodeRole", "inherit_meta", "role_of", "depth_op_name", "scheme_tags"]
+__all__ = ["META_KEY", "SCHEME_TAG", "NodeRole", "inherit_meta", "sizes_of", "unsafe_view_of", "role_of", "depth_op_name",
+           "scheme_tags"]
 
 META_KEY = "depthrewrite"
 #: the scheme name also goes under ``node.meta["custom"][SCHEME_TAG]``: "custom" is one of the few meta keys Dynamo
@@ -40,6 +42,35 @@ def inherit_meta(new: fx.Node, old: fx.Node, role: NodeRole | None = None, val_f
     if role is not None:
         new.meta[META_KEY] = role
         new.meta["custom"] = {**new.meta.get("custom", {}), SCHEME_TAG: role.scheme}
+
+
+def sizes_of(graph: fx.Graph, x: fx.Node, ndim: int) -> list:
+    """The first ``ndim`` sizes of ``x``: the static ones as ints, the others as ``aten.sym_size`` nodes (inserted at
+    the current point) that read them at run time."""
+    val = tensor_val(x)
+    out: list = []
+    for i in range(ndim):
+        size = val.shape[i] if val is not None else None
+        if isinstance(size, int):
+            out.append(size)
+        else:
+            out.append(graph.call_function(torch.ops.aten.sym_size.int, (x, i)))
+            if size is not None:
+                out[-1].meta["val"] = size
+    return out
+
+
+def unsafe_view_of(graph: fx.Graph, x: fx.Node) -> fx.Node:
+    """``aten._unsafe_view(x, x.shape)``, inserted at the current point: the same storage and values as ``x`` but no
+    autograd view (no copy; its gradient is the incoming one reshaped), as aten's own matmul returns its folded
+    products. ``x`` must have a tensor value."""
+    sizes = sizes_of(graph, x, tensor_val(x).dim())
+    for n in sizes:
+        if isinstance(n, fx.Node):
+            inherit_meta(n, x, copy_val=False)
+    own = graph.call_function(torch.ops.aten._unsafe_view.default, (x, sizes))
+    inherit_meta(own, x)
+    return own
 
 
 def role_of(n: fx.Node) -> NodeRole | None:

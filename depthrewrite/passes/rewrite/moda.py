@@ -33,7 +33,7 @@ from ...kernels import moda as _kernels  # noqa: F401  (registers depthrewrite::
 from ..analyse.chain import Branch, Chain
 from ..analyse.graph import module_path_of
 from ..analyse.ops import op_name, op_of, strip_alias, tensor_val
-from ..meta import NodeRole, depth_op_name, inherit_meta, role_of
+from ..meta import NodeRole, depth_op_name, inherit_meta, role_of, sizes_of, unsafe_view_of
 from ..result import Change, PassResult
 from .editor import ChainEditor
 from .registry import DepthState, Scheme, SchemeConfig, SchemeVariant, register
@@ -709,39 +709,16 @@ _MAY_VIEW = {"linear", "matmul", "einsum", "tensordot", "bilinear"}
 
 
 def _own_alias(graph: fx.Graph, x: fx.Node, made: dict[fx.Node, fx.Node]) -> fx.Node:
-    """``x``, or where ``x`` may be a view at run time (:data:`_MAY_VIEW`), ``aten._unsafe_view(x, x.shape)`` right
-    after it in its block: the same storage and values, not a view (no copy; its gradient is the incoming one
-    reshaped), as aten's own matmul returns its folded products. Made once per ``x`` (``made``)."""
+    """``x``, or where ``x`` may be a view at run time (:data:`_MAY_VIEW`), :func:`unsafe_view_of` ``x`` right after
+    it in its block: a tensor of its own on the same storage. Made once per ``x`` (``made``)."""
     if x in made:
         return made[x]
-    val = tensor_val(x)
-    if op_name(x) not in _MAY_VIEW or val is None:
+    if op_name(x) not in _MAY_VIEW or tensor_val(x) is None:
         return x
     with graph.inserting_before(x.next):  # right after x, in this order
-        sizes = _sizes(graph, x, val.dim())
-        for n in sizes:
-            if isinstance(n, fx.Node):
-                inherit_meta(n, x, copy_val=False)
-        own = graph.call_function(aten._unsafe_view.default, (x, sizes))
-    inherit_meta(own, x)
+        own = unsafe_view_of(graph, x)
     made[x] = own
     return own
-
-
-def _sizes(graph: fx.Graph, x: fx.Node, ndim: int) -> list:
-    """The first ``ndim`` sizes of ``x``: the static ones as ints, the others as ``aten.sym_size`` nodes (inserted at
-    the current point) that read them at run time."""
-    val = tensor_val(x)
-    out: list = []
-    for i in range(ndim):
-        size = val.shape[i] if val is not None else None
-        if isinstance(size, int):
-            out.append(size)
-        else:
-            out.append(graph.call_function(aten.sym_size.int, (x, i)))
-            if size is not None:
-                out[-1].meta["val"] = size
-    return out
 
 
 def _slots_leave_as_their_own(graph: fx.Graph) -> None:
@@ -930,7 +907,7 @@ def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassR
                 pre = []
                 if bias:  # linear of a 3-d input with a bias returns a view of addmm's [B·T, N] product at run time:
                     # alias it as a tensor of its own (no copy), so the FFN slots' base crosses the block as one
-                    sizes = _sizes(graph, src, 2)
+                    sizes = sizes_of(graph, src, 2)
                     pre = [kv, *(x for x in sizes if isinstance(x, fx.Node))]
                     kv = graph.call_function(aten._unsafe_view.default, (kv, [*sizes, kv_width]))
                 if dv == d:
