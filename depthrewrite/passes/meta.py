@@ -10,8 +10,8 @@ import torch.fx as fx
 
 from .analyse.ops import op_name, tensor_val
 
-__all__ = ["META_KEY", "SCHEME_TAG", "NodeRole", "inherit_meta", "sizes_of", "unsafe_view_of", "role_of", "depth_op_name",
-           "scheme_tags"]
+__all__ = ["META_KEY", "SCHEME_TAG", "NodeRole", "inherit_meta", "sizes_of", "unsafe_view_of", "role_of",
+           "depth_op_name", "scheme_tags"]
 
 META_KEY = "depthrewrite"
 #: the scheme name also goes under ``node.meta["custom"][SCHEME_TAG]``: "custom" is one of the few meta keys Dynamo
