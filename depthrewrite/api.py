@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import inspect as _inspect
 import logging
 import types as _types
@@ -22,6 +24,8 @@ from .passes.rewrite import SchemeConfig, get_handler, scheme_config
 from .passes.rewrite import scheme as scheme_record
 from .passes.rewrite.blocks import block_size_for
 from .passes.rewrite.editor import PARAM_PREFIX
+from .passes.lower.module_calls import (LOWERED_META, check_live_modules, hooks_out_for_capture, lower_module_calls,
+                                        sequence_parallel, tensor_parallel)
 from .passes.rewrite.msar_decode import DECODE_META
 from .views.report import ChainReport, ConvertReport, SiteInfo
 from .demo.zoo import resolve
@@ -235,8 +239,23 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) ->
             "cache (use_cache=False; generate(..., use_cache=False) recomputes the sequence at every step)."
         )
     module_calls = getattr(st, "module_calls", False)
+    tp = tensor_parallel(model)
+    sp = sequence_parallel(model) if tp else None
+    if sp is not None:
+        raise ConfigError(
+            f"{name}.{sp[0]} is tensor-parallel with activations sharded along the sequence ({sp[1]}: sequence "
+            "parallelism). A converted model does not support that yet: its depth-mixing parameters are replicated "
+            "plain tensors whose gradients would see only this rank's positions, and MSAR's causal convolutions need "
+            "the previous rank's last positions. Use a plan that keeps activations replicated between sublayers "
+            "(RowwiseParallel(output_layouts=Replicate()), no SequenceParallel norms; docs/training.md)."
+        )
+    if not module_calls and tp:
+        # a tensor-parallel plan acts on modules (its hooks redistribute inputs and outputs): they must stay calls
+        log.info("depthrewrite: %s has tensor-parallel parameters; converting with module calls", name)
+        st.module_calls = module_calls = True
     extra = {"module_calls": True} if module_calls else {}
-    with as_original(model), blocks_for_capture(model, blocks):
+    hooks_out = hooks_out_for_capture(model) if module_calls else contextlib.nullcontext({})
+    with as_original(model), blocks_for_capture(model, blocks), hooks_out as removed_hooks:
         try:
             gm = capture(model, args, kwargs, keep_cache=keep_cache, **extra)
         except CaptureError:
@@ -263,12 +282,13 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) ->
     _run_pass("drop_dead_code", where, drop_dead_code, gm)
     if module_calls and isinstance(gm.meta["depthrewrite_blocks"], tuple):
         # the graph the block runner splits: the flat one with a call of each intact Linear / Embedding
-        from .passes.lower.module_calls import LOWERED_META, lower_module_calls
-
-        lowered = _run_pass("module_calls", where, lower_module_calls, gm, gm.meta["depthrewrite_blocks"])
+        lowered = _run_pass("module_calls", where, lower_module_calls, gm, gm.meta["depthrewrite_blocks"], model)
+        check_live_modules(model, gm, lowered[1], lowered[2], removed_hooks, where)
         gm.meta[LOWERED_META] = lowered
         log.info("module calls: %d called, %d inlined%s", len(lowered[1]), len(lowered[2]),
                  "".join(f"; {p}: {w}" for p, w in lowered[2][:4]))
+    elif module_calls:  # a flat graph (no block modules) runs every module inlined
+        check_live_modules(model, gm, [], [], removed_hooks, where)
     if not result.modified:
         raise DepthRewriteError(f"{config.name}: the rewrite changed nothing on {name}; not returning an unconverted model")
     sites = tuple((c.site, tuple(c.sources)) for c in result.changes)
@@ -284,6 +304,9 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) ->
         model.add_module(PARAM_PREFIX, getattr(gm, PARAM_PREFIX))
     if st.report is None:
         st.report = _report(model, gm, chain, result, config)
+        if module_calls and LOWERED_META in gm.meta:
+            st.report = dataclasses.replace(st.report, notes=st.report.notes + (
+                _module_calls_note(gm.meta[LOWERED_META], gm.meta["depthrewrite_blocks"]),))
     bound_args, bound_kwargs = gm.meta["depthrewrite_inputs"]
     return as_converted(gm, model, st.signature, bound_args, bound_kwargs, st.report), result
 
@@ -342,6 +365,19 @@ def _not_exact_warning(config: SchemeConfig) -> None:
             f"until trained). Pass {exact} for a function-preserving conversion.",
             NotFunctionPreservingWarning, stacklevel=3,
         )
+
+
+def _module_calls_note(lowered: tuple, blocks: tuple[str, ...]) -> str:
+    """The report's line on module calls: how many modules run as live modules, and which stayed inlined (blocks
+    and the modules holding them are left out: the rewrite always changes those)."""
+    _, called, inlined = lowered
+    shown = [(p, w) for p, w in inlined
+             if not any(b == p or b.startswith(p + ".") for b in blocks)]
+    text = f"module calls: {len(called)} modules run as the live modules"
+    if shown:
+        text += "; inlined: " + "; ".join(f"{p} ({w})" for p, w in shown[:4]) + (
+            f"; and {len(shown) - 4} more" if len(shown) > 4 else "")
+    return text
 
 
 def _report(model: nn.Module, gm: fx.GraphModule, chain: Any, result: Any, config: SchemeConfig) -> ConvertReport:

@@ -507,7 +507,8 @@ class ConversionState:
         if tree is None:
             self.tree = ModuleTree(model)
             tree = self.tree
-            _warn_user_hooks(tree)
+            if not self.module_calls:  # with module calls, a hooked module is called or refused
+                _warn_user_hooks(tree)
         elif CHECK_MODULE_TREE and tree.changed(model) and not self._same_logic(model):
             path, change = tree.change(model)
             log.info("depthrewrite: %s: module tree changed (%s %s); recapturing", self.original.__name__, path, change)
@@ -515,7 +516,8 @@ class ConversionState:
             self.tree = ModuleTree(model)
             tree = self.tree
             self.recaptures += 1
-            _warn_user_hooks(tree)
+            if not self.module_calls:  # with module calls, a hooked module is called or refused
+                _warn_user_hooks(tree)
         if CHECK_MODULE_TREE:
             tree.check_hooks()
 

@@ -63,6 +63,11 @@ def pair(model: str, scheme: str):
     return _CACHE[key]
 
 
+def _called(path: str, called) -> bool:
+    """Whether the module at ``path`` runs as a live module: called itself or inside a called module."""
+    return any(path == c or path.startswith(c + ".") for c in called)
+
+
 def _runner(c):
     entries = c.__dict__["_depthrewrite"].entries()
     assert entries and entries[0].runner is not None
@@ -90,7 +95,7 @@ def test_logits_equal_and_modules_called(model, scheme):
     assert (a - b).abs().max().item() <= 1e-6
     runner = _runner(on)
     calls = runner.meta["depthrewrite_module_calls"]
-    assert hooked in calls["called"], calls
+    assert _called(hooked, calls["called"]), calls
     assert "depthrewrite_module_calls" not in _runner(off).meta
     assert not _original_linears(runner.graph)
     for prog in runner.programs.values():
@@ -263,4 +268,33 @@ def test_a_path_export_refuses_is_dropped_and_inlined():
     inlined = dict(calls["inlined"])
     assert "transformer.h.0.mlp.c_fc" in inlined and "flattened inputs" in inlined["transformer.h.0.mlp.c_fc"]
     assert "transformer.h.0.mlp.c_fc" not in calls["called"]
-    assert {"transformer.h.0.mlp.c_proj", "transformer.h.1.mlp.c_fc", "lm_head"} <= set(calls["called"])
+    assert all(_called(p, calls["called"]) for p in ("transformer.h.0.mlp.c_proj", "transformer.h.1.mlp.c_fc", "lm_head"))
+
+
+def test_a_hook_on_a_module_the_rewrite_changes_is_refused_not_dropped():
+    """With module calls the capture takes run-time hooks out of every module it may call; a hooked module whose call
+    stays inlined (MoDA changes the attention) would never run its hook: ConfigError naming it and why."""
+    from depthrewrite.errors import ConfigError
+
+    m, (args, kwargs), _ = _llama()
+    conv = dr.convert(m, "moda", example_kwargs=kwargs, module_calls=True)
+    note = next(n for n in conv.report().notes if n.startswith("module calls:"))
+    assert "inlined: model.layers.0.self_attn (" in note and "model.layers.1.self_attn (region changed" in note
+    seen = []
+    conv.model.layers[1].self_attn.register_forward_hook(lambda *_: seen.append(1))
+    with pytest.raises(ConfigError, match=r"model\.layers\.1\.self_attn has 1 hook\(s\) that fire at run time, but "
+                                          r"its call stays inlined \(region changed"):
+        conv(**kwargs)
+
+
+def test_a_hook_on_a_called_sublayer_fires_at_run_time_without_the_traced_warning():
+    m, (args, kwargs), _ = _llama()
+    conv = dr.convert(m, "attnres", example_kwargs=kwargs, module_calls=True)
+    seen = []
+    conv.model.layers[0].mlp.register_forward_hook(lambda mod, i, out: seen.append(out.shape))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "the hook ... is traced" warning: the mlp is called
+        with torch.no_grad():
+            for _ in range(3):
+                conv(**kwargs)
+    assert len(seen) == 3

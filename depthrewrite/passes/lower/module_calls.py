@@ -19,11 +19,12 @@ lowered copy is what the block runner and the block programs run (``gm.meta[LOWE
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import operator
 import re
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.fx as fx
@@ -34,7 +35,8 @@ from ..analyse.ops import alias_of
 from ..meta import role_of
 
 __all__ = ["CALL_META", "LOWERED_META", "SIGNATURES_META", "STAMP_META", "ModuleCallInfo", "candidate_paths",
-           "export_with_signatures", "lower_module_calls", "stamp"]
+           "check_live_modules", "check_local_shape", "export_with_signatures", "hooks_out_for_capture",
+           "lower_module_calls", "sequence_parallel", "stamp", "tensor_parallel"]
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +50,8 @@ LOWERED_META = "depthrewrite_module_call_graph"
 CALL_META = "depthrewrite_module_call"
 
 _ASSERT = "aten._assert_tensor_metadata.default"
-#: the module classes called in steps 1-2 of the plan
-_CLASSES = (nn.Linear, nn.Embedding)
+#: containers: never called (their forward is not a computation of their own)
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
 
 @dataclasses.dataclass
@@ -65,12 +67,202 @@ class ModuleCallInfo:
 
 
 def candidate_paths(model: nn.Module) -> list[str]:
-    """The paths whose call signature is recorded: every ``nn.Linear`` / ``nn.Embedding`` (chosen by what sits at
-    the path at capture), except depthrewrite's own new modules."""
+    """The paths whose call signature is recorded: every submodule that holds a parameter or buffer (itself or
+    below it) and is not a container (``ModuleList`` / ``ModuleDict``) or one of depthrewrite's own new modules.
+    Chosen by what sits at the path at capture, never by class: whether a call is put back is decided by the
+    lowering's checks against the recorded signature (a block, whose region the rewrite changes, stays inlined)."""
     from ..rewrite.editor import PARAM_PREFIX
 
-    return [n for n, m in model.named_modules()
-            if n and isinstance(m, _CLASSES) and n != PARAM_PREFIX and not n.startswith(PARAM_PREFIX + ".")]
+    out = []
+    for n, m in model.named_modules():
+        if not n or isinstance(m, _CONTAINERS) or n == PARAM_PREFIX or n.startswith(PARAM_PREFIX + "."):
+            continue
+        if next(m.parameters(), None) is None and next(m.buffers(), None) is None:
+            continue
+        if n not in out:
+            out.append(n)
+    return out
+
+
+_HOOK_ATTRS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def _traced_hook(fn: Any) -> bool:
+    """Hooks transformers installs to record outputs: inactive outside the original forward, traced at capture."""
+    return (getattr(fn, "__module__", None) or "").startswith("transformers.")
+
+
+@contextlib.contextmanager
+def hooks_out_for_capture(model: nn.Module) -> Iterator[dict[str, int]]:
+    """While capturing with module calls: the run-time hooks of every candidate module (tensor parallelism's input
+    and output redistribution, a user's forward hook) are taken out, so the trace sees the module's own computation
+    and nothing torch.export cannot follow (DTensor). A module that is then called runs its hooks at run time; one
+    that stays inlined would skip them, which :func:`check_live_modules` refuses. Yields ``{path: hooks taken
+    out}``; everything is put back after."""
+    removed: dict[str, int] = {}
+    undo: list[Any] = []
+    try:
+        for path in candidate_paths(model):
+            mod = model.get_submodule(path)
+            for attr in _HOOK_ATTRS:
+                hooks = getattr(mod, attr)
+                drop = [k for k, h in hooks.items() if not _traced_hook(h)]
+                if drop:
+                    saved = dict(hooks)
+                    for k in drop:
+                        del hooks[k]
+                    undo.append((hooks, saved))
+                    removed[path] = removed.get(path, 0) + len(drop)
+        yield removed
+    finally:
+        for hooks, saved in reversed(undo):
+            hooks.clear()
+            hooks.update(saved)
+
+
+def _is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def _fsdp_managed(model: nn.Module, path: str) -> bool:
+    """Whether ``path`` is ``fully_shard``'s (itself or a module above it): its DTensor parameters are gathered into
+    plain tensors before the module runs."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return False
+    parts = path.split(".") if path else []
+    mod: nn.Module | None = model
+    for i in range(len(parts) + 1):
+        if isinstance(mod, FSDPModule):
+            return True
+        if i < len(parts):
+            mod = mod._modules.get(parts[i]) if mod is not None else None
+            if mod is None:
+                return False
+    return False
+
+
+def _holds_tp(model: nn.Module, path: str) -> bool:
+    """Whether the module at ``path`` holds (itself or below) a DTensor parameter that FSDP2 does not manage."""
+    try:
+        mod = model.get_submodule(path)
+    except AttributeError:
+        return False
+    return any(_is_dtensor(p) and not _fsdp_managed(model, ".".join(x for x in (path, n.rpartition(".")[0]) if x))
+               for n, p in mod.named_parameters())
+
+
+def tensor_parallel(model: nn.Module) -> bool:
+    """Whether ``model`` holds a tensor-parallel parameter (a DTensor FSDP2 does not manage)."""
+    return _holds_tp(model, "")
+
+
+def _styles_of(hook: Any, depth: int = 0) -> Iterator[Any]:
+    """The ``ParallelStyle`` objects a hook's closure holds (``distribute_module``'s lambdas close over a partial of
+    the style's bound method; ``PrepareModuleInput``'s over the style itself)."""
+    from torch.distributed.tensor.parallel.style import ParallelStyle
+
+    if depth > 3:
+        return
+    if isinstance(hook, ParallelStyle):
+        yield hook
+        return
+    for x in (getattr(hook, "__self__", None), getattr(hook, "func", None)):
+        if x is not None:
+            yield from _styles_of(x, depth + 1)
+    for cell in getattr(hook, "__closure__", None) or ():
+        try:
+            yield from _styles_of(cell.cell_contents, depth + 1)
+        except ValueError:  # an empty cell
+            continue
+
+
+def sequence_parallel(model: nn.Module) -> tuple[str, str] | None:
+    """``(module path, style)`` of the first tensor-parallel style on ``model`` that shards activations along the
+    sequence (``SequenceParallel``, or an activation layout ``Shard(1)``: the sequence of ``(batch, sequence, hidden)``),
+    or None."""
+    try:
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor.parallel import SequenceParallel
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None
+
+    def seq_shard(v: Any) -> bool:
+        vals = v if isinstance(v, (tuple, list)) else (v.values() if isinstance(v, dict) else (v,))
+        return any(isinstance(x, Shard) and x.dim == 1 for x in vals)
+
+    for path, mod in model.named_modules():
+        for attr in ("_forward_pre_hooks", "_forward_hooks"):
+            for h in getattr(mod, attr).values():
+                for style in _styles_of(h):
+                    if isinstance(style, SequenceParallel) or any(
+                            seq_shard(v) for k, v in vars(style).items() if "layout" in k and v is not None):
+                        return path, type(style).__name__
+    return None
+
+
+@torch.fx.wrap
+def check_local_shape(t: Any, dims: tuple | None, path: str, parent: str, why: str) -> Any:
+    """Run-time check after a call of a module with tensor-parallel parameters: its output has the sizes the graph
+    around it was traced with (static dimensions). A plan that leaves the output sharded (``ColwiseParallel``'s
+    local output) fails here, with a ConfigError, instead of in a reshape further down."""
+    if dims is None or not isinstance(t, torch.Tensor):
+        return t
+    if t.dim() == len(dims) and all(d is None or d == s for d, s in zip(dims, t.shape)):
+        return t
+    from ...errors import ConfigError
+
+    want = tuple("*" if d is None else d for d in dims)
+    inside = (f" The scheme changes {parent}, which contains it ({why}), so {parent} runs as graph operations traced "
+              "with whole tensors, not as the module." if parent else "")
+    raise ConfigError(
+        f"{path} returned a tensor of shape {tuple(t.shape)} where the converted model's graph expects {want}: its "
+        f"tensor-parallel plan leaves its output sharded (a local shard).{inside} Shard only modules the scheme "
+        "keeps whole (the report's 'modules called'), or give this module output_layouts=Replicate() "
+        "(docs/training.md, tensor parallelism)."
+    )
+
+
+def check_live_modules(model: nn.Module, gm: fx.GraphModule, called: list[str], inlined: list[tuple[str, str]],
+                       removed_hooks: dict[str, int], where: str) -> None:
+    """After the lowering: every module whose hooks were taken out for the capture, and every module holding a
+    tensor-parallel (DTensor, not FSDP2's) parameter, must run as a live module (called itself or inside a called
+    module). Otherwise its hooks would not fire, or the graph would read a DTensor as a plain tensor: ConfigError
+    naming the module and why its call stayed inlined."""
+    from ...errors import ConfigError
+
+    info: ModuleCallInfo = gm.meta[SIGNATURES_META]
+    live = {c.partition("@")[0] for c in called}
+    why = dict(inlined)
+
+    def runs_live(path: str) -> bool:
+        return any(path == c or path.startswith(c + ".") for c in live)
+
+    in_graph = {v for v in info.signatures}  # a module export saw called in this capture
+    problems: list[str] = []
+    for path, n in removed_hooks.items():
+        if path in in_graph and not runs_live(path):
+            problems.append(f"{path} has {n} hook(s) that fire at run time, but its call stays inlined "
+                            f"({why.get(path, 'not a call of its own')})")
+    for path, mod in model.named_modules():
+        if path in in_graph and not runs_live(path) and not _fsdp_managed(model, path):
+            own = [k for k, p in mod.named_parameters(recurse=False) if _is_dtensor(p)]
+            if own:
+                problems.append(f"{path}.{own[0]} is a DTensor (tensor parallelism), but {path}'s call stays inlined "
+                                f"({why.get(path, 'not a call of its own')})")
+    if problems:
+        raise ConfigError(
+            f"the {where} cannot keep these modules as module calls: " + "; ".join(problems[:4])
+            + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
+            + ". A converted model calls a module live only where the rewrite leaves its computation intact. "
+            "Register such hooks, or apply the parallel plan, on modules the scheme leaves intact (the report's "
+            "'modules called' line lists them), or remove them before converting."
+        )
 
 
 def export_with_signatures(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any):
@@ -143,7 +335,8 @@ def _is_aux(n: fx.Node) -> bool:
 def _fingerprint(n: fx.Node) -> Any:
     def f(a: Any) -> Any:
         if isinstance(a, fx.Node):
-            return ("attr", a.target) if a.op == "get_attr" else ("node", _canon(a).name)
+            c = _canon(a)  # a no-op cast of a buffer (RoPE's inv_freq.to(device)) reads the buffer
+            return ("attr", c.target) if c.op == "get_attr" else ("node", c.name)
         return ("const", repr(a))
 
     return pytree.tree_map(f, (n.args, n.kwargs), is_leaf=lambda a: isinstance(a, fx.Node))
@@ -179,8 +372,11 @@ def _block_of(path: str, blocks: tuple[str, ...]) -> str | None:
 
 
 def _check(key: str, path: str, R: list[fx.Node], info: ModuleCallInfo, sig: Any, pos: dict,
-           stack_paths: set[str], blocks: tuple[str, ...]) -> tuple | str:
-    """``(inputs by signature name, outputs [(signature name, node)])`` for region ``R``, or why it stays inlined."""
+           stack_paths: set[str], blocks: tuple[str, ...], by_name: dict[str, fx.Node]) -> tuple | str:
+    """``(inputs by signature name, outputs [(signature name, node)], {no-op cast in R: the input it aliases})`` for
+    region ``R``, or why it stays inlined. ``by_name``: the graph's nodes by capture name (a call input no op of the
+    region reads, e.g. ``position_ids`` of an attention that takes its RoPE tables as arguments, is bound to the node
+    captured under its name when that node is still in the graph)."""
     from torch.export.exported_program import ConstantArgument, TensorArgument
 
     canon = info.canon
@@ -206,7 +402,7 @@ def _check(key: str, path: str, R: list[fx.Node], info: ModuleCallInfo, sig: Any
                 if isinstance(a, fx.Node) or repr(a) != v:
                     return f"a constant of {n.name} changed"
             elif kind == "attr":
-                if not (isinstance(a, fx.Node) and a.op == "get_attr" and a.target == v):
+                if not (isinstance(a, fx.Node) and _canon(a).op == "get_attr" and _canon(a).target == v):
                     return f"{n.name} reads another attribute"
             elif v in internal:
                 c = _canon(a) if isinstance(a, fx.Node) else None
@@ -224,7 +420,10 @@ def _check(key: str, path: str, R: list[fx.Node], info: ModuleCallInfo, sig: Any
     for a in sig.inputs:
         if isinstance(a, TensorArgument):
             if a.name not in bind:
-                return f"call input {a.name} is read by no op of the region"
+                unread = by_name.get(a.name)
+                if unread is None or unread in Rs:
+                    return f"call input {a.name} is read by no op of the region and is no longer in the graph"
+                bind[a.name] = unread
             inputs[a.name] = bind[a.name]
         elif not isinstance(a, ConstantArgument):
             return f"call input {a} is not a tensor or a constant"
@@ -233,26 +432,37 @@ def _check(key: str, path: str, R: list[fx.Node], info: ModuleCallInfo, sig: Any
         return "a call input is computed after the region starts"
     outs = []
     for a in sig.outputs:
+        if isinstance(a, ConstantArgument):  # attention's (output, None): nothing in the graph reads the None
+            outs.append((None, None))
+            continue
         if not isinstance(a, TensorArgument):
-            return f"call output {a} is not a tensor"
+            return f"call output {a} is not a tensor or a constant"
         want = canon.get(a.name, a.name)
         src = [n for n in R if not _is_aux(n) and canon.get(_name(n), _name(n)) == want]
         if len(src) != 1:
             return f"call output {a.name} is not one op of the region"
         outs.append((a.name, src[0]))
-    out_nodes = {o for _, o in outs}
+    out_nodes = {o for _, o in outs if o is not None}
+    bound = set(inputs.values())
+    redirect: dict[fx.Node, fx.Node] = {}
     for n in R:
         if n not in out_nodes and any(u not in Rs for u in n.users):
-            return f"{n.name} is read outside the module but is not a call output"
-    return inputs, outs
+            c = _canon(n)
+            if c is n or (c in Rs and c not in out_nodes) or (c not in Rs and c not in bound):
+                return f"{n.name} is read outside the module but is not a call output"
+            redirect[n] = c  # a no-op cast of a call input (RMSNorm's h.to(float32)) or output: readers read that
+    return inputs, outs, redirect
 
 
-def lower_module_calls(gm: fx.GraphModule, blocks: tuple[str, ...] = ()) -> tuple[fx.Graph, list[str], list[tuple[str, str]]]:
+def lower_module_calls(gm: fx.GraphModule, blocks: tuple[str, ...] = (), live: nn.Module | None = None
+                       ) -> tuple[fx.Graph, list[str], list[tuple[str, str]]]:
     """A copy of ``gm``'s (rewritten, flat) graph with a ``call_module`` of each intact candidate region; the node
     names of everything kept are ``gm``'s. Returns ``(graph, called paths, [(path, why) stayed inlined])``.
     ``blocks``: the block paths; a module is called only from inside the block that holds it (or from outside
-    every block when no block holds it)."""
+    every block when no block holds it). ``live``: the model; a called module holding tensor-parallel parameters
+    gets its outputs' sizes checked at run time (:func:`check_local_shape`)."""
     info: ModuleCallInfo = gm.meta[SIGNATURES_META]
+    tp = {p for p in info.signatures if live is not None and _holds_tp(live, p)}
     graph = gm.graph
     pos = {n: i for i, n in enumerate(graph.nodes)}
     count: dict[str, int] = {}
@@ -266,9 +476,11 @@ def lower_module_calls(gm: fx.GraphModule, blocks: tuple[str, ...] = ()) -> tupl
             for key, v in (n.meta.get("nn_module_stack") or {}).items():
                 if isinstance(v, tuple) and v and v[0] in info.signatures:
                     by_key.setdefault(key, (v[0], []))[1].append(n)
+    by_name = {nm: n for n in graph.nodes if (nm := _name(n)) is not None and count[nm] == 1}
     refused: list[tuple[str, str]] = list(info.dropped)
     plan: dict[fx.Node, tuple] = {}  # first node of a region -> (path, inputs, outs, stack)
     gone: set[fx.Node] = set()
+    redirect: dict[fx.Node, fx.Node] = {}
     for key, (path, nodes) in sorted(by_key.items(), key=lambda kv: kv[1][0].count(".")):
         R = [n for n in nodes if n not in gone and role_of(n) is None and _name(n) is not None]
         if not R:
@@ -279,13 +491,15 @@ def lower_module_calls(gm: fx.GraphModule, blocks: tuple[str, ...] = ()) -> tupl
         stack = dict(R[0].meta.get("nn_module_stack") or {})
         keys = list(stack)
         parent = {k: stack[k] for k in keys[:keys.index(key)]} if key in stack else {}
-        got = _check(key, path, R, info, info.signatures[path], pos, {v[0] for v in parent.values()}, blocks)
+        got = _check(key, path, R, info, info.signatures[path], pos, {v[0] for v in parent.values()}, blocks,
+                     by_name)
         if isinstance(got, str):
             refused.append((path, got))
             continue
-        inputs, outs = got
+        inputs, outs, aliases = got
         plan[min(R, key=pos.__getitem__)] = (path, inputs, outs, parent, key)
         gone.update(R)
+        redirect.update(aliases)
 
     out = fx.Graph()
     out._codegen = graph._codegen
@@ -298,19 +512,37 @@ def lower_module_calls(gm: fx.GraphModule, blocks: tuple[str, ...] = ()) -> tupl
             flat = [env[inputs[a.name]] if a.name in inputs else a.value for a in sig.inputs]
             args, kwargs = pytree.tree_unflatten(flat, sig.in_spec)
             leaf = sig.out_spec.is_leaf()
+            checked = path in tp
             call = out.create_node("call_module", path, tuple(args), dict(kwargs),
-                                   name=outs[0][1].name if leaf else None)
+                                   name=outs[0][1].name if leaf and outs[0][1] is not None and not checked
+                                   else f"_dr_call_{len(called)}")
             call.meta["nn_module_stack"] = parent
             call.meta[CALL_META] = path
-            results = [call] if leaf else _spec_outputs(out, call, sig.out_spec)
+            names = iter([(f"_dr_out_{len(called)}_{i}" if checked else src.name) if src is not None else None
+                          for i, (_, src) in enumerate(outs)])
+            results = [call] if leaf else _spec_outputs(out, call, sig.out_spec, names)
             if len(results) != len(outs):  # pragma: no cover - export's spec and outputs disagree
                 raise AssertionError(f"module call {path}: {len(results)} outputs for {len(outs)} signature outputs")
             for r, (_, src) in zip(results, outs):
+                if src is None:  # a constant output (no node)
+                    continue
                 r.meta.update({k: v for k, v in src.meta.items() if k in ("val", "tensor_meta", "stack_trace")})
                 if r is not call:
                     r.meta["nn_module_stack"] = parent
+                if checked:
+                    v = src.meta.get("val")
+                    dims = tuple(d if isinstance(d, int) else None for d in v.shape) if isinstance(v, torch.Tensor) else None
+                    parent_path = path.rpartition(".")[0]
+                    why = next((w for p, w in refused if p == parent_path), "")
+                    r = out.create_node("call_function", check_local_shape, (r, dims, path, parent_path, why),
+                                        name=src.name)
+                    r.meta.update({k: v for k, v in src.meta.items() if k in ("val", "tensor_meta")})
+                    r.meta["nn_module_stack"] = parent
                 env[src] = r
             called.append(f"{path}@{key.rpartition('@')[2]}" if "@" in key else path)
+        if n in redirect:
+            env[n] = env[_final(redirect, n)]
+            continue
         if n in gone:
             continue
         env[n] = out.node_copy(n, env.__getitem__)
@@ -320,14 +552,30 @@ def lower_module_calls(gm: fx.GraphModule, blocks: tuple[str, ...] = ()) -> tupl
     return out, called, refused
 
 
-def _spec_outputs(g: fx.Graph, call: fx.Node, spec: Any) -> list[fx.Node]:
-    """The flat outputs of ``call`` by its pytree ``spec`` (tuples, lists and dicts)."""
+def _final(redirect: dict[fx.Node, fx.Node], n: fx.Node) -> fx.Node:
+    """Where a redirected no-op cast's readers read: through redirects of nested called regions too."""
+    while n in redirect:
+        n = redirect[n]
+    return n
+
+
+def _spec_outputs(g: fx.Graph, call: fx.Node, spec: Any, names: Any) -> list[fx.Node | None]:
+    """The flat outputs of ``call`` by its pytree ``spec`` (tuples, lists and dicts): a ``getitem`` per output leaf,
+    named by ``names`` (the replaced nodes' names, which the report and the block split read), None for a constant
+    leaf (``names`` gives None)."""
     if spec.is_leaf():
-        return [call]
+        name = next(names)
+        return [call if name is not None else None]
     if spec.type not in (tuple, list, dict):
         raise ValueError(f"output container {spec.type.__name__}")
     keys = spec.context if spec.type is dict else range(spec.num_children)
-    flat: list[fx.Node] = []
+    flat: list[fx.Node | None] = []
     for k, child in zip(keys, spec.children()):
-        flat += _spec_outputs(g, g.call_function(operator.getitem, (call, k)), child)
+        if child.is_leaf():
+            name = next(names)
+            flat.append(None if name is None else g.create_node("call_function", operator.getitem, (call, k),
+                                                                name=name))
+        else:
+            flat += _spec_outputs(g, g.create_node("call_function", operator.getitem, (call, k),
+                                                   name=f"{call.name}_item_{k}"), child, names)
     return flat
