@@ -215,14 +215,6 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) ->
     blocks = getattr(st, "blocks", None)
     sharded = next((n for n, m in model.named_modules()
                     if n and _is_fsdp(m) and unwrapped_path(n) not in (blocks or ())), None)
-    if sharded is not None:
-        raise ConfigError(
-            f"{name}.{sharded} is sharded with FSDP (fully_shard on a submodule that is not a transformer block): a "
-            f"converted model calls its blocks ({', '.join((blocks or ())[:2]) or 'none were found'}, ...) as modules, "
-            "and runs everything inside a block as one program, so FSDP2 can be applied to the blocks and the whole "
-            "model only: fully_shard(block) for each block, then fully_shard(model). (Recipes that also shard the "
-            "embeddings or the output separately, such as torchtitan's apply_fsdp, are not supported yet.)"
-        )
     explicit = any(is_cache(v) for v in kwargs.values()) or kwargs.get("use_cache") is True
     # an HF model whose config turns the cache on returns one when the call does not say (the original does)
     implied = not explicit and "use_cache" not in kwargs and getattr(getattr(model, "config", None), "use_cache", False) is True \
@@ -249,9 +241,12 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) ->
             "the previous rank's last positions. Use a plan that keeps activations replicated between sublayers "
             "(RowwiseParallel(output_layouts=Replicate()), no SequenceParallel norms; docs/training.md)."
         )
-    if not module_calls and tp:
-        # a tensor-parallel plan acts on modules (its hooks redistribute inputs and outputs): they must stay calls
-        log.info("depthrewrite: %s has tensor-parallel parameters; converting with module calls", name)
+    if not module_calls and (tp or sharded is not None):
+        # a tensor-parallel plan, or fully_shard on a module that is not a block (torchtitan's apply_fsdp shards the
+        # embedding and the output), acts on modules through their hooks: they must stay calls (check_live_modules
+        # refuses one whose call cannot be kept)
+        log.info("depthrewrite: %s: %s; converting with module calls", name,
+                 "tensor-parallel parameters" if tp else f"{sharded} is sharded with FSDP")
         st.module_calls = module_calls = True
     extra = {"module_calls": True} if module_calls else {}
     hooks_out = hooks_out_for_capture(model) if module_calls else contextlib.nullcontext({})

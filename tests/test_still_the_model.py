@@ -474,17 +474,26 @@ def test_direct_cached_calls_fill_the_callers_cache():
         conv(ids[:, 5:6], cache=cache, use_cache=True)
 
 
-def test_fsdp_on_a_submodule_that_is_not_a_block_is_refused():
-    """fully_shard on a block works (tests/test_blocks.py); inside a block's program the gathers could not run."""
+def test_fsdp_on_a_submodule_that_is_not_a_block_runs_it_as_a_module_call():
+    """fully_shard on a block works (tests/test_blocks.py); on a module inside a block (the MLP) the converted model
+    turns module calls on, so the MLP runs as the live module and its FSDP2 hooks gather its parameters (2-rank
+    recipes: tests/frameworks/test_fsdp_recipes.py). MoDA's changed attention cannot be sharded alone: ConfigError."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        conv = dr.convert(hf_model("llama", layers=2).eval(), "attnres")
+        model = hf_model("llama", layers=2).eval()
+        conv = dr.convert(model, "attnres", inplace=False)
+        want = conv(IDS).logits
         fully_shard(conv.model.layers[0].mlp)
-        with pytest.raises(ConfigError, match="model.layers.0.mlp is sharded with FSDP"):
-            conv(IDS)
+        torch.testing.assert_close(conv(IDS).logits, want)
+        assert conv.__dict__["_depthrewrite"].module_calls is True
+        moda = dr.convert(hf_model("llama", layers=2).eval(), "moda")
+        fully_shard(moda.model.layers[1].self_attn)
+        with pytest.raises(ConfigError, match=r"model\.layers\.1\.self_attn is sharded with FSDP .* its call stays "
+                                              r"inlined \(region changed"):
+            moda(IDS)
     finally:
         dist.destroy_process_group()
 

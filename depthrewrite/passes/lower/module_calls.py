@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import operator
 import re
+import sys
 from typing import Any, Iterator
 
 import torch
@@ -70,13 +72,20 @@ def candidate_paths(model: nn.Module) -> list[str]:
     """The paths whose call signature is recorded: every submodule that holds a parameter or buffer (itself or
     below it) and is not a container (``ModuleList`` / ``ModuleDict``) or one of depthrewrite's own new modules.
     Chosen by what sits at the path at capture, never by class: whether a call is put back is decided by the
-    lowering's checks against the recorded signature (a block, whose region the rewrite changes, stays inlined)."""
+    lowering's checks against the recorded signature (a block, whose region the rewrite changes, stays inlined).
+    A module held at several paths (one RoPE module shared by every layer) is left out: export records signatures
+    by path."""
     from ..rewrite.editor import PARAM_PREFIX
 
+    seen: dict[int, int] = {}
+    for _, m in model.named_modules(remove_duplicate=False):
+        seen[id(m)] = seen.get(id(m), 0) + 1
     out = []
     for n, m in model.named_modules():
         if not n or isinstance(m, _CONTAINERS) or n == PARAM_PREFIX or n.startswith(PARAM_PREFIX + "."):
             continue
+        if seen[id(m)] > 1:  # one module at several paths (torchtune's RoPE shared by every layer): export keys
+            continue  # signatures by path and cannot record it; it stays inlined
         if next(m.parameters(), None) is None and next(m.buffers(), None) is None:
             continue
         if n not in out:
@@ -128,6 +137,14 @@ def _is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
+def _is_fsdp_module(mod: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(mod, FSDPModule)
+
+
 def _fsdp_managed(model: nn.Module, path: str) -> bool:
     """Whether ``path`` is ``fully_shard``'s (itself or a module above it): its DTensor parameters are gathered into
     plain tensors before the module runs."""
@@ -148,11 +165,15 @@ def _fsdp_managed(model: nn.Module, path: str) -> bool:
 
 
 def _holds_tp(model: nn.Module, path: str) -> bool:
-    """Whether the module at ``path`` holds (itself or below) a DTensor parameter that FSDP2 does not manage."""
+    """Whether the module at ``path`` is tensor-parallel, itself or below: a hook of a ``ParallelStyle``
+    (``parallelize_module``'s), or a DTensor parameter that FSDP2 does not manage."""
     try:
         mod = model.get_submodule(path)
     except AttributeError:
         return False
+    if any(next(_styles_of(h), None) is not None for m in mod.modules()
+           for attr in ("_forward_pre_hooks", "_forward_hooks") for h in getattr(m, attr).values()):
+        return True
     return any(_is_dtensor(p) and not _fsdp_managed(model, ".".join(x for x in (path, n.rpartition(".")[0]) if x))
                for n, p in mod.named_parameters())
 
@@ -162,16 +183,28 @@ def tensor_parallel(model: nn.Module) -> bool:
     return _holds_tp(model, "")
 
 
-def _styles_of(hook: Any, depth: int = 0) -> Iterator[Any]:
-    """The ``ParallelStyle`` objects a hook's closure holds (``distribute_module``'s lambdas close over a partial of
-    the style's bound method; ``PrepareModuleInput``'s over the style itself)."""
-    from torch.distributed.tensor.parallel.style import ParallelStyle
-
+def _styles_of(hook: Any, depth: int = 0) -> Iterator[tuple[str, list]]:
+    """``(style name, its layout values)`` for each tensor-parallel style a hook acts for: a ``ParallelStyle`` its
+    closure holds (``PrepareModuleInput``'s hooks), or a ``functools.partial`` of a style's (static) method with its
+    layouts bound (``distribute_module``'s lambdas close over such a partial)."""
+    try:
+        from torch.distributed.tensor.parallel.style import ParallelStyle
+    except ImportError:  # pragma: no cover - torch without distributed
+        return
     if depth > 3:
         return
     if isinstance(hook, ParallelStyle):
-        yield hook
+        yield type(hook).__name__, [v for k, v in vars(hook).items() if "layout" in k and v is not None]
         return
+    if isinstance(hook, functools.partial):
+        owner = getattr(hook.func, "__self__", None)
+        cls = owner if isinstance(owner, type) else type(owner) if owner is not None else None
+        qual = getattr(hook.func, "__qualname__", "").split(".")[0]
+        mod = sys.modules.get(getattr(hook.func, "__module__", "") or "")
+        found = getattr(mod, qual, None) if cls is None or not issubclass(cls, ParallelStyle) else cls
+        if isinstance(found, type) and issubclass(found, ParallelStyle):
+            yield found.__name__, [*hook.args, *hook.keywords.values()]
+            return
     for x in (getattr(hook, "__self__", None), getattr(hook, "func", None)):
         if x is not None:
             yield from _styles_of(x, depth + 1)
@@ -188,7 +221,6 @@ def sequence_parallel(model: nn.Module) -> tuple[str, str] | None:
     or None."""
     try:
         from torch.distributed.tensor import Shard
-        from torch.distributed.tensor.parallel import SequenceParallel
     except ImportError:  # pragma: no cover - torch without distributed
         return None
 
@@ -199,10 +231,9 @@ def sequence_parallel(model: nn.Module) -> tuple[str, str] | None:
     for path, mod in model.named_modules():
         for attr in ("_forward_pre_hooks", "_forward_hooks"):
             for h in getattr(mod, attr).values():
-                for style in _styles_of(h):
-                    if isinstance(style, SequenceParallel) or any(
-                            seq_shard(v) for k, v in vars(style).items() if "layout" in k and v is not None):
-                        return path, type(style).__name__
+                for name, layouts in _styles_of(h):
+                    if name == "SequenceParallel" or any(seq_shard(v) for v in layouts):
+                        return path, name
     return None
 
 
@@ -236,19 +267,20 @@ def check_live_modules(model: nn.Module, gm: fx.GraphModule, called: list[str], 
     naming the module and why its call stayed inlined."""
     from ...errors import ConfigError
 
-    info: ModuleCallInfo = gm.meta[SIGNATURES_META]
     live = {c.partition("@")[0] for c in called}
     why = dict(inlined)
 
     def runs_live(path: str) -> bool:
         return any(path == c or path.startswith(c + ".") for c in live)
 
-    in_graph = {v for v in info.signatures}  # a module export saw called in this capture
+    in_graph = {v[0] for n in gm.graph.nodes for v in (n.meta.get("nn_module_stack") or {}).values()
+                if isinstance(v, tuple) and v}  # the modules whose code this capture ran
     problems: list[str] = []
     for path, n in removed_hooks.items():
         if path in in_graph and not runs_live(path):
-            problems.append(f"{path} has {n} hook(s) that fire at run time, but its call stays inlined "
-                            f"({why.get(path, 'not a call of its own')})")
+            what = ("is sharded with FSDP (fully_shard): its parameters are gathered by hooks around its call"
+                    if _is_fsdp_module(model.get_submodule(path)) else f"has {n} hook(s) that fire at run time")
+            problems.append(f"{path} {what}, but its call stays inlined ({why.get(path, 'not a call of its own')})")
     for path, mod in model.named_modules():
         if path in in_graph and not runs_live(path) and not _fsdp_managed(model, path):
             own = [k for k, p in mod.named_parameters(recurse=False) if _is_dtensor(p)]
