@@ -29,7 +29,6 @@ import contextlib
 import dataclasses
 import operator
 import types
-from collections import OrderedDict
 from typing import Any, Callable, Iterator
 
 import torch
@@ -38,6 +37,7 @@ import torch.nn as nn
 
 from .converted import _resolve
 from .errors import DepthRewriteError
+from .passes.lower.module_calls import is_dtensor, take_hooks_out
 
 __all__ = [
     "BlockProgram",
@@ -663,19 +663,6 @@ def build_runner(gm: fx.GraphModule, model: nn.Module, paths: tuple[str, ...],
     return runner, None
 
 
-HOOK_ATTRS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-
-
-def hook_owner(fn: Any) -> str:
-    """The module that defined a hook (``""`` when it cannot be told)."""
-    return getattr(fn, "__module__", None) or getattr(type(fn), "__module__", "") or ""
-
-
-def _own_hooks(fn: Any) -> bool:
-    """Hooks transformers installs to record outputs: inactive outside the original forward, traced at capture."""
-    return hook_owner(fn).startswith("transformers.")
-
-
 def hf_checkpointing_drops_cache(model: nn.Module) -> bool:
     """Whether HF's activation checkpointing turns the KV cache off in a call of ``model`` now: training, with
     gradients, and a module's ``gradient_checkpointing`` flag on (transformers' ``GradientCheckpointingLayer`` then
@@ -719,14 +706,7 @@ def blocks_for_capture(model: nn.Module, paths: tuple[str, ...] | None) -> Itera
                 elif own is not None and getattr(own, "__func__", None) is getattr(cls, "forward", None):
                     del blk.__dict__["forward"]  # a hook removed again left the converted forward on the instance
                     undo.append(lambda m=blk, f=own: m.__dict__.__setitem__("forward", f))
-            for attr in HOOK_ATTRS:
-                hooks = getattr(blk, attr)
-                drop = [k for k, h in hooks.items() if not _own_hooks(h)]
-                if drop:
-                    saved = OrderedDict(hooks)
-                    for k in drop:
-                        del hooks[k]
-                    undo.append(lambda d=hooks, s=saved: (d.clear(), d.update(s)))
+            take_hooks_out(blk, undo)
             if blk.__dict__.get("_compiled_call_impl") is not None:
                 impl = blk.__dict__["_compiled_call_impl"]
                 blk.__dict__["_compiled_call_impl"] = None
@@ -736,7 +716,7 @@ def blocks_for_capture(model: nn.Module, paths: tuple[str, ...] | None) -> Itera
                 m.__dict__["gradient_checkpointing"] = False
                 undo.append(lambda m=m: m.__dict__.__setitem__("gradient_checkpointing", True))
             for k, v in list(m._parameters.items()):
-                if v is not None and _is_dtensor(v):
+                if v is not None and is_dtensor(v):
                     m._parameters[k] = nn.Parameter(torch.zeros(v.shape, dtype=v.dtype, device=v.device),
                                                     requires_grad=v.requires_grad)
                     undo.append(lambda d=m._parameters, k=k, v=v: d.__setitem__(k, v))
@@ -744,14 +724,6 @@ def blocks_for_capture(model: nn.Module, paths: tuple[str, ...] | None) -> Itera
     finally:
         for u in reversed(undo):
             u()
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return isinstance(t, DTensor)
 
 
 # ---- what the report shows ---------------------------------------------------------------------------------------

@@ -48,9 +48,9 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from .blocks import HOOK_ATTRS, hook_owner
 from .capture import CONTINUATION_META, is_cache
 from .errors import ConfigError, DepthRewriteError, ModuleTreeChangedError
+from .passes.lower.module_calls import HOOK_ATTRS, hook_owner, traced_hook
 from .passes.rewrite.msar_decode import HISTORY_META
 
 __all__ = ["ConvertedModel", "ConversionState", "GraphEntry", "is_converted", "state_of", "converted_class"]
@@ -773,13 +773,13 @@ def _select_eagerly(st: ConversionState, model: nn.Module, args: tuple, kwargs: 
 def _check_block_hooks(model: nn.Module, paths: tuple[str, ...]) -> None:
     """Hooks on a block registered before conversion were written for the block's original inputs; on a converted
     block they fire around its new call (the program, then the depth state): ConfigError."""
-    from .blocks import _get, _own_hooks
+    from .blocks import _get
 
     for p in paths:
         blk = _get(model, p)
         for attr in HOOK_ATTRS:
             for h in getattr(blk, attr).values():
-                if not _own_hooks(h):
+                if not traced_hook(h):
                     if hook_owner(h).startswith("torch.distributed"):
                         raise ConfigError(
                             f"{p} is already sharded or wrapped by torch.distributed (fully_shard before convert?). "

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import copy
 import os
-import time
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.fx as fx
 import torch.nn as nn
 
@@ -20,6 +18,8 @@ from depthrewrite.blocks import BlockProgram, ConvertedBlock
 from depthrewrite.demo.zoo import hf_model, timm_model
 from depthrewrite.errors import ConfigError, DepthRewriteError
 from depthrewrite.testing import nanogpt
+
+from .distributed import spawn_ranks
 
 SCHEMES = ["attnres", "block-attnres", "msar", "block-msar", "mhc", "moda"]
 IDS = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -266,18 +266,7 @@ def _fsdp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def fsdp_results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp")
-    ctx = mp.start_processes(_fsdp_worker, args=(2, str(tmp / "rdzv"), str(tmp)), nprocs=2, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + 240
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                raise TimeoutError("FSDP workers did not finish within 240 s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+    spawn_ranks(_fsdp_worker, (2, str(tmp / "rdzv"), str(tmp)), 2, 240, "FSDP workers")
     return torch.load(tmp / "rank0.pt")
 
 

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import copy
 import os
-import time
 import warnings
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import depthrewrite as dr
 from depthrewrite.demo.zoo import hf_model
+
+from .distributed import spawn_ranks
 
 WORLD = 2
 # (name, model, scheme, order): order "convert" = convert, then parallelise (a recapture); "tp" = the reverse
@@ -128,18 +128,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp")
-    ctx = mp.start_processes(_worker, args=(str(tmp / "rdzv"), str(tmp)), nprocs=WORLD, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + 400
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                raise TimeoutError("tensor-parallel workers did not finish within 400 s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+    spawn_ranks(_worker, (str(tmp / "rdzv"), str(tmp)), WORLD, 400, "tensor-parallel workers")
     return [torch.load(tmp / f"rank{r}.pt") for r in range(WORLD)]
 
 

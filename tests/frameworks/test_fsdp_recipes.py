@@ -12,16 +12,16 @@ import copy
 import importlib.util
 import os
 import sys
-import time
 import warnings
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import depthrewrite as dr
+
+from ..distributed import spawn_ranks
 
 WORLD = 2
 SCHEMES = ["attnres", "msar", "mhc", "moda"]
@@ -125,18 +125,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def recipe_results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp_recipes")
-    ctx = mp.start_processes(_worker, args=(str(tmp / "rdzv"), str(tmp)), nprocs=WORLD, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + 480
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                raise TimeoutError("FSDP recipe workers did not finish within 480 s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+    spawn_ranks(_worker, (str(tmp / "rdzv"), str(tmp)), WORLD, 480, "FSDP recipe workers")
     return torch.load(tmp / "rank0.pt")
 
 

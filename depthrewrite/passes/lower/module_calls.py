@@ -26,6 +26,7 @@ import logging
 import operator
 import re
 import sys
+from collections import OrderedDict
 from typing import Any, Iterator
 
 import torch
@@ -36,9 +37,10 @@ import torch.utils._pytree as pytree
 from ..analyse.ops import alias_of
 from ..meta import role_of
 
-__all__ = ["CALL_META", "LOWERED_META", "SIGNATURES_META", "STAMP_META", "ModuleCallInfo", "candidate_paths",
-           "check_live_modules", "check_local_shape", "export_with_signatures", "hooks_out_for_capture",
-           "lower_module_calls", "sequence_parallel", "stamp", "tensor_parallel"]
+__all__ = ["CALL_META", "HOOK_ATTRS", "LOWERED_META", "SIGNATURES_META", "STAMP_META", "ModuleCallInfo",
+           "candidate_paths", "check_live_modules", "check_local_shape", "export_with_signatures", "hooks_out_for_capture",
+           "hook_owner", "is_dtensor", "lower_module_calls", "sequence_parallel", "stamp", "take_hooks_out",
+           "tensor_parallel", "traced_hook"]
 
 log = logging.getLogger(__name__)
 
@@ -93,12 +95,34 @@ def candidate_paths(model: nn.Module) -> list[str]:
     return out
 
 
-_HOOK_ATTRS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+#: the hook dicts of an ``nn.Module``
+HOOK_ATTRS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 
-def _traced_hook(fn: Any) -> bool:
+def hook_owner(fn: Any) -> str:
+    """The module that defined a hook (``""`` when it cannot be told)."""
+    return getattr(fn, "__module__", None) or getattr(type(fn), "__module__", "") or ""
+
+
+def traced_hook(fn: Any) -> bool:
     """Hooks transformers installs to record outputs: inactive outside the original forward, traced at capture."""
-    return (getattr(fn, "__module__", None) or "").startswith("transformers.")
+    return hook_owner(fn).startswith("transformers.")
+
+
+def take_hooks_out(mod: nn.Module, undo: list) -> int:
+    """Remove ``mod``'s run-time hooks (all but :func:`traced_hook`'s) for a capture; a callable that puts them back
+    goes to ``undo``. Returns how many were removed."""
+    removed = 0
+    for attr in HOOK_ATTRS:
+        hooks = getattr(mod, attr)
+        drop = [k for k, h in hooks.items() if not traced_hook(h)]
+        if drop:
+            saved = OrderedDict(hooks)
+            for k in drop:
+                del hooks[k]
+            undo.append(lambda d=hooks, s=saved: (d.clear(), d.update(s)))
+            removed += len(drop)
+    return removed
 
 
 @contextlib.contextmanager
@@ -112,24 +136,16 @@ def hooks_out_for_capture(model: nn.Module) -> Iterator[dict[str, int]]:
     undo: list[Any] = []
     try:
         for path in candidate_paths(model):
-            mod = model.get_submodule(path)
-            for attr in _HOOK_ATTRS:
-                hooks = getattr(mod, attr)
-                drop = [k for k, h in hooks.items() if not _traced_hook(h)]
-                if drop:
-                    saved = dict(hooks)
-                    for k in drop:
-                        del hooks[k]
-                    undo.append((hooks, saved))
-                    removed[path] = removed.get(path, 0) + len(drop)
+            n = take_hooks_out(model.get_submodule(path), undo)
+            if n:
+                removed[path] = n
         yield removed
     finally:
-        for hooks, saved in reversed(undo):
-            hooks.clear()
-            hooks.update(saved)
+        for u in reversed(undo):
+            u()
 
 
-def _is_dtensor(t: Any) -> bool:
+def is_dtensor(t: Any) -> bool:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch without distributed
@@ -148,17 +164,12 @@ def _is_fsdp_module(mod: nn.Module) -> bool:
 def _fsdp_managed(model: nn.Module, path: str) -> bool:
     """Whether ``path`` is ``fully_shard``'s (itself or a module above it): its DTensor parameters are gathered into
     plain tensors before the module runs."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover
-        return False
-    parts = path.split(".") if path else []
     mod: nn.Module | None = model
-    for i in range(len(parts) + 1):
-        if isinstance(mod, FSDPModule):
+    for part in [*(path.split(".") if path else []), None]:
+        if _is_fsdp_module(mod):
             return True
-        if i < len(parts):
-            mod = mod._modules.get(parts[i]) if mod is not None else None
+        if part is not None:
+            mod = mod._modules.get(part)
             if mod is None:
                 return False
     return False
@@ -174,7 +185,7 @@ def _holds_tp(model: nn.Module, path: str) -> bool:
     if any(next(_styles_of(h), None) is not None for m in mod.modules()
            for attr in ("_forward_pre_hooks", "_forward_hooks") for h in getattr(m, attr).values()):
         return True
-    return any(_is_dtensor(p) and not _fsdp_managed(model, ".".join(x for x in (path, n.rpartition(".")[0]) if x))
+    return any(is_dtensor(p) and not _fsdp_managed(model, ".".join(x for x in (path, n.rpartition(".")[0]) if x))
                for n, p in mod.named_parameters())
 
 
@@ -283,7 +294,7 @@ def check_live_modules(model: nn.Module, gm: fx.GraphModule, called: list[str], 
             problems.append(f"{path} {what}, but its call stays inlined ({why.get(path, 'not a call of its own')})")
     for path, mod in model.named_modules():
         if path in in_graph and not runs_live(path) and not _fsdp_managed(model, path):
-            own = [k for k, p in mod.named_parameters(recurse=False) if _is_dtensor(p)]
+            own = [k for k, p in mod.named_parameters(recurse=False) if is_dtensor(p)]
             if own:
                 problems.append(f"{path}.{own[0]} is a DTensor (tensor parallelism), but {path}'s call stays inlined "
                                 f"({why.get(path, 'not a call of its own')})")
