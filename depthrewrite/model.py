@@ -50,7 +50,7 @@ import torch.utils._pytree as pytree
 
 from .capture import CONTINUATION_META, is_cache
 from .errors import ConfigError, DepthRewriteError, ModuleTreeChangedError
-from .passes.lower.module_calls import HOOK_ATTRS, hook_owner, traced_hook
+from .passes.lower.module_calls import HOOK_ATTRS, hook_owner, is_dtensor, traced_hook
 from .passes.rewrite.msar_decode import HISTORY_META
 
 __all__ = ["ConvertedModel", "ConversionState", "GraphEntry", "is_converted", "state_of", "converted_class"]
@@ -89,6 +89,21 @@ def _config_state(root: nn.Module) -> dict | None:
     if cfg is None or not hasattr(cfg, "__dict__"):
         return None
     return {k: dict(vars(v)) if hasattr(v, "to_dict") and hasattr(v, "__dict__") else v for k, v in vars(cfg).items()}
+
+
+_PLAIN = (torch.Tensor, nn.Parameter, getattr(nn, "Buffer", torch.Tensor))
+
+
+def _direct_reads(entries: list) -> set[str]:
+    """The absolute paths of the parameters and buffers the graphs of ``entries`` read with ``get_attr`` (the
+    runner's or flat graph's targets, and each block program's, prefixed by its block path)."""
+    out: set[str] = set()
+    for e in entries:
+        run = e.run
+        out.update(n.target for n in run.graph.nodes if n.op == "get_attr")
+        for prog in run.__dict__.get("_dr_programs", {}).values():
+            out.update(f"{prog.path}.{n.target}" for n in prog.graph.nodes if n.op == "get_attr")
+    return out
 
 
 def _ids(dicts: list[dict]) -> list[int]:
@@ -429,7 +444,8 @@ class ConversionState:
         self.blocks: tuple[str, ...] | None = None  # the block modules' paths, once the graphs call them
         self.blocks_note: str | None = None  # why the flat graph runs instead (no block modules, pipeline stages)
         self.checkpoint = False  # convert(..., checkpoint=True): recompute every block in backward
-        self.module_calls = False  # convert(..., module_calls=True): Linear / Embedding called as modules (#24)
+        self.module_calls = False  # convert(..., module_calls=True / None): intact modules called as live modules (#24)
+        self.module_calls_asked = False  # module_calls=True: a module whose call cannot be kept is an error
         self.ckpt_parents: list[nn.Module] = []  # ancestors of the blocks with an HF-style gradient_checkpointing flag
         self.block_infos: tuple = ()  # the report's block table (depthrewrite.blocks.BlockInfo), from the first runner
 
@@ -530,8 +546,30 @@ class ConversionState:
         new = ModuleTree(model)
         if new.logical != self.tree.logical:
             return False
+        wrapped = self._subclass_read_inline(model)
+        if wrapped is not None:  # its graphs read it as aten ops a tensor subclass may not implement: recapture
+            log.info("depthrewrite: %s: %s is now a %s read by the graphs' own ops; recapturing",
+                     self.original.__name__, *wrapped)
+            return False
         self.tree = new
         return True
+
+    def _subclass_read_inline(self, model: nn.Module) -> tuple[str, str] | None:
+        """``(path, type name)`` of a parameter or buffer the captured graphs read directly (a ``get_attr`` of the
+        runner or of a block program, not inside a module call) that is now a tensor subclass (torchao's
+        ``quantize_`` swaps weights for ``Int8Tensor`` and the like): the graphs' aten ops (``aten.linear`` runs as
+        ``t`` + ``mm`` below ``__torch_function__``) may not be implemented by it, so the graph is captured again,
+        through the subclass. A module called live sees ``F.linear`` and needs nothing. DTensors are left to the
+        tensor-parallel checks."""
+        from .blocks import unwrap
+
+        for path in _direct_reads(self.entries()):
+            t: Any = model
+            for part in path.split("."):  # through wrappers (checkpoint_wrapper, compile), as the graphs read it
+                t = getattr(unwrap(t) if isinstance(t, nn.Module) else t, part, None)
+            if isinstance(t, torch.Tensor) and type(t) not in _PLAIN and not is_dtensor(t):
+                return path, type(t).__name__
+        return None
 
     def select(self, model: nn.Module, args: tuple, kwargs: dict, *, capture: bool = True,
                fresh: bool = False) -> tuple[GraphEntry, tuple, dict]:
@@ -736,6 +774,11 @@ def _traced(args: tuple, kwargs: dict) -> bool:
 
 
 _WARNED: set = set()
+
+
+def warn_traced_hooks(model: nn.Module) -> None:
+    """:func:`_warn_user_hooks` for ``model``'s tree now (a graph captured with its hooks traced)."""
+    _warn_user_hooks(ModuleTree(model))
 
 
 def _warn_user_hooks(tree: ModuleTree) -> None:

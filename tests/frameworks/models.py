@@ -49,8 +49,10 @@ FRAMEWORKS = {"litgpt": "litgpt", "torchtitan": "torchtitan", "torchtune": "torc
 
 # torchtune also imports torchao (`torchao.dtypes.nf4tensor`, for QLoRA) at load; torchao 0.13 (the last with that
 # module) is older than peft accepts (peft refuses torchao < 0.16 when it is installed, and the LoRA tests need
-# peft), so CI does not install it: its stand-in answers torchtune's import, and no model built here uses NF4 (nor
-# torchtune.training's quantizers, which import torchao.quantization: the tests use its checkpointing helper only).
+# peft). CI installs torchao 0.18 (the torchao tests): a stand-in answers each torchao module it lacks, and no model
+# built here uses NF4. torchtune.training's quantizers import names torchao 0.18 no longer has
+# (`TensorCoreTiledLayout`, `int4_weight_only`): that one torchtune module is stood in for when it does not import
+# (the tests use torchtune.training's checkpointing helper only).
 _STUBS = {
     "torchtune": {"datasets": ("datasets.distributed",), "torchao": (
         "torchao.dtypes", "torchao.dtypes.nf4tensor",  # the models (QLoRA's NF4)
@@ -58,6 +60,8 @@ _STUBS = {
     )},
     "olmo_core": {"cached_path": ("cached_path.schemes",)},
 }
+# modules of the framework itself stood in for when they do not import beside the installed packages
+_BROKEN = {"torchtune": ("torchtune.training.quantization",)}
 
 
 def _stand_in(qualname: str) -> type:
@@ -93,25 +97,45 @@ def _stub_module(name: str) -> types.ModuleType:
     return mod
 
 
+def _importable(name: str) -> bool:
+    """Whether ``name`` is imported or importable (its parents imported to look: they are real packages then)."""
+    if name in sys.modules:
+        return True
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # a parent package is missing
+        return False
+
+
 @contextlib.contextmanager
 def _stubbed(framework: str):
     """Stand-ins for the packages ``framework`` imports at load but does not need for models, while inside."""
     added = []
     for top, subs in _STUBS.get(framework, {}).items():
-        if top in sys.modules or importlib.util.find_spec(top) is not None:
-            continue  # the real package is there: use it
         for name in (top, *subs):
-            sys.modules[name] = _stub_module(name)
-            added.append(name)
+            if not _importable(name):  # a module the installed package lacks (torchao 0.18 has no dtypes.nf4tensor)
+                sys.modules[name] = _stub_module(name)
+                added.append(name)
         for sub in subs:
             parent, _, leaf = sub.rpartition(".")
-            setattr(sys.modules[parent], leaf, sys.modules[sub])
+            if sub in added:
+                setattr(sys.modules[parent], leaf, sys.modules[sub])
+    for name in _BROKEN.get(framework, ()):
+        if name not in sys.modules and importlib.util.find_spec(FRAMEWORKS[framework]) is not None:
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                sys.modules[name] = _stub_module(name)
+                added.append(name)
     try:
         yield
     finally:
         for name in added:
             if getattr(sys.modules.get(name), "__depthrewrite_test_stub__", False):
                 del sys.modules[name]
+            parent, _, leaf = name.rpartition(".")
+            if getattr(getattr(sys.modules.get(parent), leaf, None), "__depthrewrite_test_stub__", False):
+                delattr(sys.modules[parent], leaf)  # a stand-in set on a real package
 
 
 def require(framework: str, *modules: str) -> None:

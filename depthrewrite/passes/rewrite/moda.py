@@ -549,8 +549,9 @@ def key_path(ed: ChainEditor, a: AttentionOp) -> tuple[KeyPath | None, str]:
     path = _reached_within(proj, seen)
     if end not in path:
         return None, f"the key input `{end.name}` does not come from the k projection `{proj.name}`"
-    # 3. skip the layout prefix (split of a fused qkv, head reshape, transpose) up to the first real op
-    start = proj
+    # 3. skip the projection's own remaining ops, then the layout prefix (split of a fused qkv, head reshape,
+    # transpose) up to the first real op
+    start = _module_output(proj, path, a.node)
     while start is not end:
         nxt = [u for u in start.users if u in path]
         if len(nxt) == 1 and _is_layout(nxt[0]):
@@ -588,6 +589,26 @@ def key_path(ed: ChainEditor, a: AttentionOp) -> tuple[KeyPath | None, str]:
                 return None, f"`{n.name}` in the key path also reads `{i.name}`, which depends on the hidden states"
             externals.append(i)
     return KeyPath(proj, start, layout, nodes, end, tuple(externals)), ""
+
+
+def _scope(n: fx.Node) -> str | None:
+    """The key of the innermost module call ``n`` was traced in (its ``nn_module_stack``'s last entry)."""
+    stack = n.meta.get("nn_module_stack") or {}
+    return next(reversed(stack), None) if stack else None
+
+
+def _module_output(proj: fx.Node, path: set[fx.Node], attention: fx.Node) -> fx.Node:
+    """The k projection's result as its module returns it. A linear traced through a tensor-subclass weight (torchao's
+    int8 weight-only ``Int8Tensor``: ``mm`` of the int8 data, then ``mul`` by the scale) is several ops inside the
+    projection module's call; those belong to the projection, not to the key path the FFN slots' keys replay. When
+    ``proj`` runs in a module of its own (not in the attention's own code), the one node of that call that ``path``
+    reads from outside it; ``proj`` itself otherwise."""
+    scope = _scope(proj)
+    if scope is None or scope == _scope(attention):
+        return proj
+    inside = [n for n in path if _scope(n) == scope]
+    outs = [n for n in inside if any(u in path and _scope(u) != scope for u in n.users)]
+    return outs[0] if len(outs) == 1 else proj
 
 
 def _is_param(gm: fx.GraphModule, n: fx.Node) -> bool:
