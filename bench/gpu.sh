@@ -21,6 +21,12 @@ timeout 330 $PY -m bench.kernels --dtype bf16 --rep 10 --model --out "$OUT" 2>&1
 # with --schemes KEY, each costs a few inductor compiles)
 timeout 150 $PY -m bench.overhead --device cuda --dtype bf16 --layers 8 --hidden 1024 --seq 1024 --batch 4 --rep 5 \
   --no-compile --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.txt" | tail -40
+# 3b. torchao float8 training through a converted model (skipped on CPU; needs compute capability >= 8.9 and
+# torchao on the machine); ~1 minute
+if $PY -c "import torchao" 2>/dev/null; then
+  timeout 90 $PY -m pytest -q tests/test_torchao.py -k float8 -p no:cacheprovider 2>&1 | tail -15 > "$OUT/torchao-float8.txt"
+  tail -2 "$OUT/torchao-float8.txt"
+fi
 # 4. optional (AOT=1): the ahead-of-time compile check for sm_80 and sm_90 (registers, spills; needs no GPU, a few
 # minutes of CPU: prefer running `python -m bench.aot` on any machine to spending device time on it)
 if [ "${AOT:-0}" = "1" ]; then

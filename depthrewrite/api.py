@@ -18,7 +18,7 @@ import torch.nn as nn
 from .blocks import block_paths, blocks_for_capture, hf_checkpointing_drops_cache, unwrapped_path
 from .capture import CONTINUATION_META, capture, example_inputs_for, is_cache, state_writes
 from .converted import as_converted, drop_dead_code
-from .errors import CaptureError, ConfigError, DepthRewriteError, NotFunctionPreservingWarning
+from .errors import CaptureError, ConfigError, DepthRewriteError, ModuleCallError, NotFunctionPreservingWarning
 from .passes.analyse.chain import detect_chain
 from .passes.rewrite import SchemeConfig, get_handler, scheme_config
 from .passes.rewrite import scheme as scheme_record
@@ -93,7 +93,7 @@ def convert(
     pipeline_stages: int | None = None,
     inplace: bool = True,
     checkpoint: bool = False,
-    module_calls: bool = False,
+    module_calls: bool | None = False,
     **options: Any,
 ) -> nn.Module:
     """Rewrite the PreNorm residual chain of ``model`` into ``scheme``, in place.
@@ -120,10 +120,14 @@ def convert(
             calls, for models that have no switch of their own. HF models' ``activation_checkpointing_enable()`` and
             torch's ``checkpoint_wrapper`` / ``apply_activation_checkpointing`` on the block modules work too: the
             converted model calls its blocks as modules (docs/training.md).
-        module_calls (bool): opt-in (issue #24, docs/design/module-calls.md): inside the block programs and the
-            runner, every ``nn.Linear`` / ``nn.Embedding`` the rewrite left intact is called as the live module
-            (its hooks fire, a tensor-subclass weight sees ``F.linear``) instead of running its inlined aten ops.
-            Default: False (the graphs run aten ops only, as before).
+        module_calls (bool, optional): inside the block programs and the runner, every module the rewrite left
+            intact (a whole attention or MLP sublayer, a norm, a Linear, the embedding and the head) is called as the
+            live module (its hooks fire, a tensor-subclass weight sees ``F.linear``, a TP plan's hooks run) instead
+            of running its inlined aten ops (docs/design/module-calls.md). Default ``False``: every graph runs aten
+            ops only (tensor parallelism and FSDP2 on non-block modules still turn module calls on). ``True``: on,
+            and a hooked module whose call cannot be kept (one flat graph, a module the rewrite changed) is a
+            :class:`ModuleCallError`. ``None``: on, and such a module's hook is traced into the graph instead, with
+            a warning (the mode planned to become the default, issue #24).
 
     Returns:
         The converted model: the original state-dict keys plus new parameters under ``depthrewrite.``; any call the
@@ -161,8 +165,8 @@ def convert(
         kwargs = dict(example_kwargs or {})
     st = ConversionState(original, config, (args, kwargs), signature)
     st.checkpoint = bool(checkpoint)
-    if module_calls:
-        st.module_calls = True
+    st.module_calls = module_calls is not False
+    st.module_calls_asked = module_calls is True
     own_forward = model.__dict__.get("forward")
     if own_forward is not None and "_old_forward" not in model.__dict__:
         raise ConfigError(
@@ -248,42 +252,66 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) ->
         log.info("depthrewrite: %s: %s; converting with module calls", name,
                  "tensor-parallel parameters" if tp else f"{sharded} is sharded with FSDP")
         st.module_calls = module_calls = True
-    extra = {"module_calls": True} if module_calls else {}
-    hooks_out = hooks_out_for_capture(model) if module_calls else contextlib.nullcontext({})
-    with as_original(model), blocks_for_capture(model, blocks), hooks_out as removed_hooks:
-        try:
-            gm = capture(model, args, kwargs, keep_cache=keep_cache, **extra)
-        except CaptureError:
-            if not implied:
-                raise
-            log.warning("depthrewrite: %s could not be captured with the cache its config turns on; this call "
-                        "structure returns no cache (pass use_cache=True to see why)", name)
-            keep_cache = False
-            gm = capture(model, args, kwargs, keep_cache=False, **extra)
-    if keep_cache:  # a scheme with decoding state of its own (MSAR) reads it from extra cache layers
-        gm.meta[DECODE_META] = history_inputs(gm, args, kwargs)
-    mixes_tokens = scheme_record(config).mixes_tokens
-    writes = state_writes(gm) if mixes_tokens else []
-    if writes:  # state kept in the model's own buffers (a KV cache): the converted model checks every call's positions
-        gm.meta[CONTINUATION_META] = (tuple(writes), f"{scheme_record(config).title} {mixes_tokens}")
-    chain = _run_pass("detect_chain", where, detect_chain, gm)
-    found = block_paths(model, chain)
-    gm.meta["depthrewrite_blocks"] = found[0] if isinstance(found, tuple) else found
-    gm.meta["depthrewrite_block_of_site"] = found[1] if isinstance(found, tuple) else None
-    box = model._modules.get(PARAM_PREFIX)
-    if box is not None:  # share the new parameters (export made a shell module holding the same tensors)
-        gm._modules[PARAM_PREFIX] = box
-    result = _run_pass(f"rewrite[{config.name}]", where, handler, gm, chain, config)
-    _run_pass("drop_dead_code", where, drop_dead_code, gm)
-    if module_calls and isinstance(gm.meta["depthrewrite_blocks"], tuple):
-        # the graph the block runner splits: the flat one with a call of each intact Linear / Embedding
-        lowered = _run_pass("module_calls", where, lower_module_calls, gm, gm.meta["depthrewrite_blocks"], model)
-        check_live_modules(model, gm, lowered[1], lowered[2], removed_hooks, where)
-        gm.meta[LOWERED_META] = lowered
-        log.info("module calls: %d called, %d inlined%s", len(lowered[1]), len(lowered[2]),
-                 "".join(f"; {p}: {w}" for p, w in lowered[2][:4]))
-    elif module_calls:  # a flat graph (no block modules) runs every module inlined
-        check_live_modules(model, gm, [], [], removed_hooks, where)
+
+    def captured(module_calls: bool, keep_cache: bool) -> tuple:
+        """``(gm, hooks taken out, keep_cache, chain, blocks found)`` for one capture of this call."""
+        extra = {"module_calls": True} if module_calls else {}
+        hooks_out = hooks_out_for_capture(model) if module_calls else contextlib.nullcontext({})
+        with as_original(model), blocks_for_capture(model, blocks), hooks_out as removed_hooks:
+            try:
+                gm = capture(model, args, kwargs, keep_cache=keep_cache, **extra)
+            except CaptureError:
+                if not implied:
+                    raise
+                log.warning("depthrewrite: %s could not be captured with the cache its config turns on; this call "
+                            "structure returns no cache (pass use_cache=True to see why)", name)
+                keep_cache = False
+                gm = capture(model, args, kwargs, keep_cache=False, **extra)
+        if keep_cache:  # a scheme with decoding state of its own (MSAR) reads it from extra cache layers
+            gm.meta[DECODE_META] = history_inputs(gm, args, kwargs)
+        mixes_tokens = scheme_record(config).mixes_tokens
+        writes = state_writes(gm) if mixes_tokens else []
+        if writes:  # state kept in the model's own buffers (a KV cache): the converted model checks every call's positions
+            gm.meta[CONTINUATION_META] = (tuple(writes), f"{scheme_record(config).title} {mixes_tokens}")
+        chain = _run_pass("detect_chain", where, detect_chain, gm)
+        return gm, removed_hooks, keep_cache, chain, block_paths(model, chain)
+
+    def rewritten(module_calls: bool, keep_cache: bool) -> tuple:
+        """``(gm, chain, rewrite result, keep_cache, box)``: one capture of this call, rewritten, its module calls
+        lowered."""
+        gm, removed_hooks, keep_cache, chain, found = captured(module_calls, keep_cache)
+        gm.meta["depthrewrite_blocks"] = found[0] if isinstance(found, tuple) else found
+        gm.meta["depthrewrite_block_of_site"] = found[1] if isinstance(found, tuple) else None
+        box = model._modules.get(PARAM_PREFIX)
+        if box is not None:  # share the new parameters (export made a shell module holding the same tensors)
+            gm._modules[PARAM_PREFIX] = box
+        result = _run_pass(f"rewrite[{config.name}]", where, handler, gm, chain, config)
+        _run_pass("drop_dead_code", where, drop_dead_code, gm)
+        if module_calls and isinstance(found, tuple):
+            # the graph the block runner splits: the flat one with a call of each intact module
+            lowered = _run_pass("module_calls", where, lower_module_calls, gm, found[0], model)
+            check_live_modules(model, gm, lowered[1], lowered[2], removed_hooks, where)
+            gm.meta[LOWERED_META] = lowered
+            log.info("module calls: %d called, %d inlined%s", len(lowered[1]), len(lowered[2]),
+                     "".join(f"; {p}: {w}" for p, w in lowered[2][:4]))
+        elif module_calls:  # a flat graph (no block modules) runs every module inlined
+            check_live_modules(model, gm, [], [], removed_hooks, where)
+        return gm, chain, result, keep_cache, box
+
+    try:
+        gm, chain, result, keep_cache, box = rewritten(module_calls, keep_cache)
+    except ModuleCallError as e:
+        # module calls by default (not asked for, not needed by TP or FSDP): a hooked module whose call cannot be
+        # kept (one flat graph inlines every module; MoDA's attention is rewritten) is traced into the graph instead,
+        # as without module calls (the module-tree check warns that its side effects happen at capture only)
+        if getattr(st, "module_calls_asked", True) or tp or sharded is not None:
+            raise
+        log.info("depthrewrite: %s; capturing without module calls (hooks traced)", e)
+        module_calls = False
+        gm, chain, result, keep_cache, box = rewritten(False, keep_cache)
+        from .model import warn_traced_hooks
+
+        warn_traced_hooks(model)
     if not result.modified:
         raise DepthRewriteError(f"{config.name}: the rewrite changed nothing on {name}; not returning an unconverted model")
     sites = tuple((c.site, tuple(c.sources)) for c in result.changes)

@@ -13,6 +13,7 @@ __all__ = [
     "NoResidualChainError",
     "ConfigError",
     "ModuleTreeChangedError",
+    "ModuleCallError",
     "CaptureGuardError",
     "AttentionPatternError",
     "KernelError",
@@ -67,6 +68,16 @@ class ModuleTreeChangedError(ConfigError):
     def __init__(self, message: str, module: str | None = None, change: str | None = None):
         super().__init__(message)
         self.module, self.change = module, change
+
+
+class ModuleCallError(ConfigError):
+    """A module that must run as a live module call (it has run-time hooks, is sharded by FSDP2 or holds
+    tensor-parallel DTensor parameters) cannot be called: the rewrite changed its computation, or the model runs as one
+    flat graph. ``modules`` lists the ``(path, why)`` pairs."""
+
+    def __init__(self, message: str, modules: tuple = ()):
+        super().__init__(message)
+        self.modules = tuple(modules)
 
 
 class CaptureGuardError(ConfigError):

@@ -1,6 +1,7 @@
 """convert(..., module_calls=True) (issue #24, docs/design/module-calls.md, steps 1-2): every nn.Linear /
 nn.Embedding the rewrite leaves intact runs as a call of the live module inside the block programs and the runner.
-Compared with the same conversion without module calls (module_calls=False, the default)."""
+Compared with the same conversion without module calls (module_calls=False, the default); module_calls=None is
+the same with a traced hook instead of a ModuleCallError where a call cannot be kept."""
 
 from __future__ import annotations
 
@@ -298,3 +299,23 @@ def test_a_hook_on_a_called_sublayer_fires_at_run_time_without_the_traced_warnin
             for _ in range(3):
                 conv(**kwargs)
     assert len(seen) == 3
+
+
+def test_auto_mode_traces_a_hook_it_cannot_keep_with_a_warning():
+    """module_calls=None: module calls on, and a hooked module whose call stays inlined (MoDA changes the attention)
+    is captured again without module calls, its hook traced into the graph with the usual warning, not refused."""
+    from depthrewrite.errors import ModuleCallError
+
+    m, (args, kwargs), _ = _llama()
+    ref = copy.deepcopy(m)
+    conv = dr.convert(m, "moda", example_kwargs=kwargs, module_calls=None)
+    seen = []
+    conv.model.layers[1].self_attn.register_forward_hook(lambda *_: seen.append(1))
+    with pytest.warns(UserWarning, match="traced"):
+        with torch.no_grad():
+            conv(**kwargs)
+    assert seen  # ran while tracing: the hook is in the graph
+    strict = dr.convert(ref, "moda", example_kwargs=kwargs, module_calls=True)
+    strict.model.layers[1].self_attn.register_forward_hook(lambda *_: None)
+    with pytest.raises(ModuleCallError):
+        strict(**kwargs)

@@ -276,7 +276,7 @@ def check_live_modules(model: nn.Module, gm: fx.GraphModule, called: list[str], 
     tensor-parallel (DTensor, not FSDP2's) parameter, must run as a live module (called itself or inside a called
     module). Otherwise its hooks would not fire, or the graph would read a DTensor as a plain tensor: ConfigError
     naming the module and why its call stayed inlined."""
-    from ...errors import ConfigError
+    from ...errors import ModuleCallError
 
     live = {c.partition("@")[0] for c in called}
     why = dict(inlined)
@@ -287,24 +287,28 @@ def check_live_modules(model: nn.Module, gm: fx.GraphModule, called: list[str], 
     in_graph = {v[0] for n in gm.graph.nodes for v in (n.meta.get("nn_module_stack") or {}).values()
                 if isinstance(v, tuple) and v}  # the modules whose code this capture ran
     problems: list[str] = []
+    modules: list[tuple[str, str]] = []
     for path, n in removed_hooks.items():
         if path in in_graph and not runs_live(path):
             what = ("is sharded with FSDP (fully_shard): its parameters are gathered by hooks around its call"
                     if _is_fsdp_module(model.get_submodule(path)) else f"has {n} hook(s) that fire at run time")
             problems.append(f"{path} {what}, but its call stays inlined ({why.get(path, 'not a call of its own')})")
+            modules.append((path, why.get(path, "not a call of its own")))
     for path, mod in model.named_modules():
         if path in in_graph and not runs_live(path) and not _fsdp_managed(model, path):
             own = [k for k, p in mod.named_parameters(recurse=False) if is_dtensor(p)]
             if own:
                 problems.append(f"{path}.{own[0]} is a DTensor (tensor parallelism), but {path}'s call stays inlined "
                                 f"({why.get(path, 'not a call of its own')})")
+                modules.append((path, why.get(path, "not a call of its own")))
     if problems:
-        raise ConfigError(
+        raise ModuleCallError(
             f"the {where} cannot keep these modules as module calls: " + "; ".join(problems[:4])
             + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
             + ". A converted model calls a module live only where the rewrite leaves its computation intact. "
             "Register such hooks, or apply the parallel plan, on modules the scheme leaves intact (the report's "
-            "'modules called' line lists them), or remove them before converting."
+            "'modules called' line lists them), or remove them before converting.",
+            modules,
         )
 
 
