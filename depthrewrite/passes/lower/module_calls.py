@@ -292,15 +292,15 @@ def check_live_modules(model: nn.Module, gm: fx.GraphModule, called: list[str], 
         if path in in_graph and not runs_live(path):
             what = ("is sharded with FSDP (fully_shard): its parameters are gathered by hooks around its call"
                     if _is_fsdp_module(model.get_submodule(path)) else f"has {n} hook(s) that fire at run time")
-            problems.append(f"{path} {what}, but its call stays inlined ({why.get(path, 'not a call of its own')})")
             modules.append((path, why.get(path, "not a call of its own")))
+            problems.append(f"{path} {what}, but its call stays inlined ({modules[-1][1]})")
     for path, mod in model.named_modules():
         if path in in_graph and not runs_live(path) and not _fsdp_managed(model, path):
             own = [k for k, p in mod.named_parameters(recurse=False) if is_dtensor(p)]
             if own:
-                problems.append(f"{path}.{own[0]} is a DTensor (tensor parallelism), but {path}'s call stays inlined "
-                                f"({why.get(path, 'not a call of its own')})")
                 modules.append((path, why.get(path, "not a call of its own")))
+                problems.append(f"{path}.{own[0]} is a DTensor (tensor parallelism), but {path}'s call stays inlined "
+                                f"({modules[-1][1]})")
     if problems:
         raise ModuleCallError(
             f"the {where} cannot keep these modules as module calls: " + "; ".join(problems[:4])
