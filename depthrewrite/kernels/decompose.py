@@ -29,25 +29,17 @@ opaque: MoDA with attention dropout (its reference draws seeded ``torch.rand`` m
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ._trace import traced, tracing
 from .dispatch import would_fuse
 
 __all__ = ["decompositions", "DECOMPOSABLE", "tracing"]
 
-_state = threading.local()  # per thread: another thread's eager calls are not being traced
-
-
-def tracing() -> bool:
-    """Whether a reference is being traced as a decomposition for inductor right now, in this thread: a reference may
-    then pick the formulation inductor fuses best (e.g. MSAR's causal conv as shifted multiply-adds instead of
-    ``conv2d``)."""
-    return getattr(_state, "depth", 0) > 0
 
 
 def _depth_attn_entries() -> dict[str, tuple[Callable, Callable]]:
@@ -137,11 +129,8 @@ def _entry(name: str, op: Any, ref: Callable, counts: Counter | None) -> Callabl
     def decomposed(*args: Any, **kwargs: Any) -> Any:
         if body is not None and would_fuse(body, *args, **kwargs):
             return NotImplemented  # the Triton kernel runs: keep the op
-        _state.depth = getattr(_state, "depth", 0) + 1
-        try:
+        with traced():
             out = ref(*args, **kwargs)  # references are functional (no in-place writes): AOT autograd needs that here
-        finally:
-            _state.depth -= 1
         if out is not NotImplemented and counts is not None:
             counts[name] += 1
         return out

@@ -18,6 +18,8 @@ import math
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .._trace import tracing
+
 __all__ = [
     "moda_attn_ref", "moda_slots_ref", "cpu_flash_applies", "cpu_flash_sequence", "merge_weights",
     "joint_probabilities",
@@ -78,8 +80,6 @@ def cpu_flash_sequence(
 
     Returns ``(o_s [B, Hq, T, d], lse_s [B, Hq, T], k, v, mask)``: the normalised sequence output and its
     log-sum-exp, and the (GQA-expanded) keys, values and mask as passed to the kernel, for its backward."""
-    from ..decompose import tracing
-
     key = (k, v, attn_mask, scale, is_causal)
     if tracing():  # the backward's call in the same joint trace reuses the forward's (see _SEQUENCE_MEMO)
         hit = _SEQUENCE_MEMO.get(q)

@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from .._trace import tracing
+
 __all__ = ["msar_mix_ref", "causal_depthwise_conv"]
 
 
@@ -32,8 +34,6 @@ __all__ = ["msar_mix_ref", "causal_depthwise_conv"]
 def _pointwise() -> bool:
     """Shifted multiply-adds instead of ``conv2d`` while compiling or traced as a decomposition for inductor
     (inductor fuses them; it would call the convolution as an extern kernel)."""
-    from ..decompose import tracing
-
     return tracing() or torch.compiler.is_compiling()
 
 
