@@ -15,9 +15,8 @@ The public API::
 from typing import TYPE_CHECKING
 
 from . import backend  # noqa: F401  - registers the "depthrewrite" torch.compile backend
-from .api import convert, inspect
-from .model import is_converted
-from .saving import from_pretrained
+from .api import convert, from_pretrained, inspect
+from .runtime.handle import is_converted
 from .capture import capture
 from .equivalence import Equivalence, check_equivalence, unconvert
 from .errors import (
@@ -39,7 +38,7 @@ from .passes.analyse.norms import NormSite
 from .passes.rewrite import DepthState, Scheme, SchemeConfig, SchemeVariant, StageHookError, register, scheme, schemes
 from .views.report import ChainReport, ConvertReport
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 #: every registered scheme's config class under its class name (``depthrewrite.AttnResConfig``, ``MSARConfig``,
 #: ``MHCConfig``, ``MoDAConfig``, ...): read from the registry, so a new scheme's rewrite file is all it takes

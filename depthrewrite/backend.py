@@ -138,7 +138,7 @@ def records_for(module: torch.nn.Module) -> list[GraphRecord]:
     A converted model shares its original's parameters, so a converted model gets only the graphs of converted
     models, and any other module only the others."""
     from .converted import ConvertedGraphModule
-    from .model import is_converted
+    from .runtime.handle import is_converted
 
     params = list(module.parameters())
     converted = isinstance(module, ConvertedGraphModule) or is_converted(module)
@@ -150,7 +150,7 @@ def clear_records() -> None:
     _RECORDS.clear()
 
 
-def _depth_ops(graph: fx.Graph) -> Counter:
+def depth_ops(graph: fx.Graph) -> Counter:
     return Counter(
         n.target._schema.name.split("::", 1)[1]
         for n in graph.nodes
@@ -192,7 +192,7 @@ def _recording(stage: str, record: GraphRecord, compile_fn):
         st = stage
         if stage == "auto":
             st = "backward" if kwargs.get("is_backward") else ("inference" if kwargs.get("is_inference") else "forward")
-        record.aot.append(AotGraphRecord(st, len(gm.graph.nodes), _depth_ops(gm.graph), _device_of(example_inputs)))
+        record.aot.append(AotGraphRecord(st, len(gm.graph.nodes), depth_ops(gm.graph), _device_of(example_inputs)))
         return compile_fn(gm, example_inputs, **kwargs)
 
     return inner
@@ -247,7 +247,7 @@ def _compile(gm: fx.GraphModule, example_inputs, opts: BackendOptions, record: G
 def depthrewrite_backend(gm: fx.GraphModule, example_inputs: list, *, options: dict | None = None, mode: str | None = None):
     """The ``torch.compile`` backend (registered as ``"depthrewrite"``; see the module docstring)."""
     opts = BackendOptions.from_dict(options)
-    ops = _depth_ops(gm.graph)
+    ops = depth_ops(gm.graph)
     converted = _is_converted(gm, ops)
     record = GraphRecord(
         index=len(_RECORDS),

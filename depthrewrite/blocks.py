@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .converted import _resolve
+from .converted import resolve_target
 from .errors import DepthRewriteError
 from .passes.lower.module_calls import is_dtensor, take_hooks_out
 
@@ -55,7 +55,7 @@ _MODULE_CALL = "depthrewrite_module_call"
 _LOWERED = "depthrewrite_module_call_graph"
 #: attributes under which module wrappers keep the module they wrap: torch's checkpoint_wrapper, torch.compile's
 #: OptimizedModule
-_WRAPPED = ("_checkpoint_wrapped_module", "_orig_mod")
+WRAPPER_ATTRS = ("_checkpoint_wrapped_module", "_orig_mod")
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -63,7 +63,7 @@ def unwrap(module: nn.Module) -> nn.Module:
     OptimizedModule), or ``module`` itself."""
     seen = 0
     while seen < 8:
-        inner = next((module.__dict__["_modules"].get(a) for a in _WRAPPED if a in module.__dict__["_modules"]), None)
+        inner = next((module.__dict__["_modules"].get(a) for a in WRAPPER_ATTRS if a in module.__dict__["_modules"]), None)
         if inner is None:
             return module
         module, seen = inner, seen + 1
@@ -72,10 +72,10 @@ def unwrap(module: nn.Module) -> nn.Module:
 
 def unwrapped_path(path: str) -> str:
     """``path`` without the segments module wrappers add (``_checkpoint_wrapped_module``, ``_orig_mod``)."""
-    return ".".join(p for p in path.split(".") if p not in _WRAPPED)
+    return ".".join(p for p in path.split(".") if p not in WRAPPER_ATTRS)
 
 
-def _get(root: nn.Module, path: str) -> nn.Module | None:
+def get_path(root: nn.Module, path: str) -> nn.Module | None:
     mod = root
     for part in path.split(".") if path else ():
         mod = unwrap(mod)._modules.get(part)
@@ -87,7 +87,7 @@ def _get(root: nn.Module, path: str) -> nn.Module | None:
 def _slot(root: nn.Module, path: str) -> nn.Module | None:
     """The module in ``path``'s container slot: the block itself, or a wrapper around it."""
     parent_path, _, name = path.rpartition(".")
-    parent = _get(root, parent_path)
+    parent = get_path(root, parent_path)
     return None if parent is None else parent._modules.get(name)
 
 
@@ -100,7 +100,7 @@ def block_paths(model: nn.Module, chain: Any) -> tuple[tuple[str, ...], tuple[in
         found = None
         while path:
             parent = path.rpartition(".")[0]
-            if isinstance(_get(model, parent), _CONTAINERS):
+            if isinstance(get_path(model, parent), _CONTAINERS):
                 found = path
                 break
             path = parent
@@ -206,7 +206,7 @@ def convert_blocks(model: nn.Module, paths: tuple[str, ...]) -> list[nn.Module]:
     """Give each block at ``paths`` its converted class (in place; idempotent); returns the block objects."""
     out = []
     for p in paths:
-        blk = _get(model, p)
+        blk = get_path(model, p)
         if blk is None:
             raise DepthRewriteError(f"depthrewrite: block {p!r} not found in {type(model).__name__}")
         if not isinstance(blk, ConvertedBlock):
@@ -272,7 +272,7 @@ def split_blocks(gm: fx.GraphModule, paths: tuple[str, ...], checkpoint: Callabl
             block[n] = b
     for n in nodes:  # a buffer of one module shared by several blocks (torchtune's one RoPE module): a side input
         if (n.op == "get_attr" and n in block and any(block.get(u, block[n]) != block[n] for u in n.users)
-                and not isinstance(_resolve(gm, n.target), nn.Parameter)):  # a parameter stays its block's (FSDP2)
+                and not isinstance(resolve_target(gm, n.target), nn.Parameter)):  # a parameter stays its block's (FSDP2)
             del block[n]
     if not block:
         return "no operation of the graph runs inside a block module"
@@ -503,7 +503,7 @@ def _program(gm: fx.GraphModule, path: str, members: list[fx.Node], ins: list[fx
             rel = n.target[cut:]
             new = g.get_attr(rel)
             new.meta = dict(n.meta)
-            root[rel] = _shell(_resolve(gm, n.target))
+            root[rel] = _shell(resolve_target(gm, n.target))
         elif n.op == "call_module":  # a called module of the block: resolved on the block (self) at call time
             if not n.target.startswith(path + "."):
                 raise DepthRewriteError(f"depthrewrite: block {path!r} calls {n.target!r}, which it does not hold "
@@ -589,7 +589,7 @@ def stage_with_blocks(stage: fx.GraphModule, model: nn.Module, paths: tuple[str,
     root: dict[str, Any] = {}
     for n in split.graph.nodes:
         if n.op == "get_attr":
-            root[n.target] = split.attrs[n.target] if n.target in split.attrs else _resolve(stage, n.target)
+            root[n.target] = split.attrs[n.target] if n.target in split.attrs else resolve_target(stage, n.target)
         elif n.op == "call_module":
             root[n.target] = _slot(model, n.target)  # a checkpoint or compile wrapper around the block runs too
     out = fx.GraphModule(root, split.graph, class_name=type(stage).__name__)
@@ -638,14 +638,14 @@ def build_runner(gm: fx.GraphModule, model: nn.Module, paths: tuple[str, ...],
     consts = 0
     for n in split.graph.nodes:
         if n.op == "get_attr" and n.target not in split.attrs and not live(n.target):
-            value = _resolve(gm, n.target)  # export's lifted constants: kept by the runner under a name of its own
+            value = resolve_target(gm, n.target)  # export's lifted constants: kept by the runner under a name of its own
             n.target = f"_dr_const_{consts}"
             consts += 1
             split.attrs[n.target] = value
         if n.op == "get_attr":
-            root[n.target] = split.attrs[n.target] if n.target in split.attrs else _resolve(gm, n.target)
+            root[n.target] = split.attrs[n.target] if n.target in split.attrs else resolve_target(gm, n.target)
         elif n.op == "call_module":
-            root[n.target] = _get(model, n.target)  # blocks and called modules: read from the live model
+            root[n.target] = get_path(model, n.target)  # blocks and called modules: read from the live model
     runner = _traced_with_meta(fx.GraphModule(root, split.graph, class_name=type(gm).__name__))
     read_live(runner, model)  # the blocks and all else the model has are read from it; export's constants stay
     for a in ("_in_spec", "_out_spec", "range_constraints", "validate_inputs"):  # export's code and checks read them
@@ -655,10 +655,10 @@ def build_runner(gm: fx.GraphModule, model: nn.Module, paths: tuple[str, ...],
     if lowered is not None:
         runner.meta["depthrewrite_module_calls"] = {"called": tuple(lowered[1]), "inlined": tuple(lowered[2])}
     runner.__dict__["_dr_programs"] = split.programs
-    from .converted import _bind_inputs
+    from .converted import bind_graph_inputs
 
     for k, h in gm._forward_pre_hooks.items():  # export's input checks (the runner's placeholders are gm's)
-        if h is not _bind_inputs:
+        if h is not bind_graph_inputs:
             runner.register_forward_pre_hook(h, with_kwargs=k in gm._forward_pre_hooks_with_kwargs)
     return runner, None
 
@@ -686,7 +686,7 @@ def blocks_for_capture(model: nn.Module, paths: tuple[str, ...] | None) -> Itera
     try:
         for p in paths or ():
             parent_path, _, name = p.rpartition(".")
-            parent = _get(model, parent_path)
+            parent = get_path(model, parent_path)
             if parent is None or name not in parent._modules:
                 continue
             slot = parent._modules[name]

@@ -544,7 +544,7 @@ def capture(
         for c in cache:
             c.use_cache = False
         # export warns for every dynamic dimension it specialises (a batch or sequence of 1): expected here, since a
-        # call structure gets a graph per specialisation (depthrewrite.model)
+        # call structure gets a graph per specialisation (depthrewrite.runtime.entries)
         quiet = logging.getLogger("torch._export.non_strict_utils")
         level = quiet.level
         quiet.setLevel(logging.ERROR)

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from . import api
-from .demo import zoo
+from . import zoo
 from .errors import ConfigError, DepthRewriteError
 
 __all__ = ["main"]
@@ -47,7 +47,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _check_hf_type(spec: str) -> None:
-    """For ``hf:<model_type>``: :func:`depthrewrite.demo.zoo.check_hf_type` (a short ConfigError with the closest
+    """For ``hf:<model_type>``: :func:`depthrewrite.zoo.check_hf_type` (a short ConfigError with the closest
     known model types) before anything is built."""
     kind, _, model_type = spec.partition(":")
     if kind != "hf":

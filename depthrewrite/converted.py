@@ -1,6 +1,6 @@
 """One captured and rewritten graph of a converted model (a :class:`ConvertedGraphModule`).
 
-A converted model (:mod:`depthrewrite.model`) keeps one of these per call structure: the ``torch.export`` graph of
+A converted model (:mod:`depthrewrite.runtime`) keeps one of these per call structure: the ``torch.export`` graph of
 the original ``forward`` for that call, rewritten by the scheme's pass. Its parameters and buffers are the model's own
 tensor objects (export unlifts them by reference) and ``depthrewrite`` is the model's own submodule of new parameters,
 so every graph trains the same weights. What it adds to export's module:
@@ -8,7 +8,7 @@ so every graph trains the same weights. What it adds to export's module:
 * **call signature**: positional and keyword calls are bound to the original ``forward`` signature and passed in the
   layout the graph was captured with (:meth:`ConvertedGraphModule.bind_inputs`).
 * **shape guards**: export's guard function is removed from the graph; the converted model checks the fixed and
-  dynamic input dimensions itself before choosing a graph (:class:`depthrewrite.model.GraphEntry`), and captures a
+  dynamic input dimensions itself before choosing a graph (:class:`depthrewrite.runtime.entries.GraphEntry`), and captures a
   new graph where none fits.
 * **pipeline stages**: :func:`depthrewrite.pipeline.split` places stage boundaries in the graph and records them.
 """
@@ -85,7 +85,7 @@ class ConvertedGraphModule(fx.GraphModule):
     def resolve_attr(self, target: str) -> Any:
         """The parameter, buffer, submodule or constant at the dotted ``target`` of a ``get_attr`` node (None when
         there is none)."""
-        return _resolve(self, target)
+        return resolve_target(self, target)
 
     def bind_inputs(self, args: tuple = (), kwargs: dict | None = None) -> tuple[tuple, dict]:
         """``(positional, keywords)``: a call ``self(*args, **kwargs)`` bound to the original forward's signature and
@@ -95,7 +95,7 @@ class ConvertedGraphModule(fx.GraphModule):
             ConfigError: the call lacks an input the model was converted with, or passes one it was not.
         """
         args, kwargs = tuple(args), dict(kwargs or {})
-        bound = _bind_inputs(self, args, kwargs)
+        bound = bind_graph_inputs(self, args, kwargs)
         return (args, kwargs) if bound is None else bound  # None: already in the captured layout
 
     def __repr__(self) -> str:
@@ -127,7 +127,7 @@ def drop_dead_code(gm: fx.GraphModule) -> int:
     return before - len(graph.nodes)
 
 
-def _bind_inputs(module: nn.Module, args: tuple, kwargs: dict):
+def bind_graph_inputs(module: nn.Module, args: tuple, kwargs: dict):
     """Forward pre-hook: map a call onto the layout the graph was captured with (None: it is in that layout)."""
     sig = module._dr_signature
     n_pos, kw_names = module._dr_layout
@@ -163,7 +163,7 @@ def _bind_inputs(module: nn.Module, args: tuple, kwargs: dict):
     return pos, kw
 
 
-def _resolve(mod: nn.Module, target: str):
+def resolve_target(mod: nn.Module, target: str):
     obj = mod
     for part in target.split("."):
         obj = getattr(obj, part, None)
@@ -198,7 +198,7 @@ def as_converted(gm: fx.GraphModule, model: nn.Module, signature: _inspect.Signa
     gm._dr_report = report
     gm.training = bool(model.training)
     _drop_export_guards(gm)
-    gm.register_forward_pre_hook(_bind_inputs, with_kwargs=True, prepend=True)
+    gm.register_forward_pre_hook(bind_graph_inputs, with_kwargs=True, prepend=True)
     return gm
 
 
@@ -220,7 +220,7 @@ def graph_module_of(obj: Any, what: str = "this") -> "ConvertedGraphModule":
     mode (the one its last call ran; captured from the conversion's example call when there is none yet)."""
     if isinstance(obj, ConvertedGraphModule):
         return obj
-    from .model import is_converted
+    from .runtime.handle import is_converted
 
     if is_converted(obj):
         return obj.graph_module()

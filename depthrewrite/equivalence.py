@@ -108,15 +108,15 @@ def unconvert(model: nn.Module) -> nn.Module:
         ConfigError: ``model`` is not a converted model.
     """
     from .blocks import restore_blocks
-    from .model import is_converted, state_of
+    from .runtime.handle import is_converted, state_of
     from .passes.rewrite.editor import PARAM_PREFIX
 
     if not is_converted(model):
         raise ConfigError(f"unconvert: this {type(model).__name__} is not a model converted by depthrewrite.convert()")
     st = state_of(model)
-    from .api import _is_fsdp
+    from .passes.lower.module_calls import is_fsdp
 
-    if any(_is_fsdp(m) for m in model.modules()):
+    if any(is_fsdp(m) for m in model.modules()):
         raise ConfigError("unconvert: the model is sharded with FSDP; unconvert before fully_shard (the FSDP classes "
                           "would be dropped)")
     own = model.__dict__.get("_old_forward")

@@ -1,4 +1,5 @@
-"""Save and load converted models: ``converted.save_pretrained(dir)`` and :func:`from_pretrained`.
+"""Save and load converted models: ``converted.save_pretrained(dir)`` and what :func:`depthrewrite.from_pretrained`
+reads back.
 
 A saved directory holds the model as its own class saves it (a Hugging Face model's ``save_pretrained``: config,
 generation config, ``model.safetensors`` with every state-dict key including the new ``depthrewrite.*`` ones; any other
@@ -8,14 +9,14 @@ model: ``pytorch_model.bin``, its state dict) plus ``depthrewrite.json``, the co
      "original_class": "transformers.models.llama.modeling_llama:LlamaForCausalLM", "pipeline_stages": null,
      "pipeline_options": {}}
 
-:func:`from_pretrained` builds the original model (``from_pretrained`` of its class for HF; a model you pass for any
+:func:`depthrewrite.from_pretrained` builds the original model (``from_pretrained`` of its class for HF; a model you pass for any
 other), converts it with the recorded scheme and options, and loads the new parameters. The graphs are not saved: they
 are captured again on first use. HF ``Trainer`` checkpoints go through ``save_pretrained``, so they carry the recipe
 too, and resuming loads the ``depthrewrite.*`` parameters with the rest of the state dict.
 
 The recipe's ``original_class`` is read from the directory, so it is treated as untrusted: without ``model=``, only a
 ``transformers.`` module's ``PreTrainedModel`` subclass is imported, or a class of a package the caller names in
-``allowed_modules=``; any other name is refused before its module is imported (see :func:`_import_class`).
+``allowed_modules=``; any other name is refused before its module is imported (see :func:`import_class`).
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ._version import __version__
 from .errors import ConfigError
+from .runtime.handle import state_of
 
-__all__ = ["save_pretrained", "from_pretrained", "RECIPE", "FORMAT"]
+__all__ = ["save_pretrained", "read_recipe", "RECIPE", "FORMAT"]
 
 RECIPE = "depthrewrite.json"
 FORMAT = 1
@@ -46,7 +49,7 @@ def _allowed(module: str, allowed_modules: tuple[str, ...]) -> bool:
     return any(module == m or module.startswith(m + ".") for m in allowed_modules)
 
 
-def _import_class(path: str, allowed_modules: tuple[str, ...] = ()) -> type:
+def import_class(path: str, allowed_modules: tuple[str, ...] = ()) -> type:
     """The class a recipe's ``original_class`` names, checked **before** anything is imported.
 
     ``original_class`` comes from the saved directory, so it is untrusted input: importing the module it names runs
@@ -95,7 +98,7 @@ def _import_class(path: str, allowed_modules: tuple[str, ...] = ()) -> type:
     return obj
 
 
-def _untied(model: nn.Module, missing: list[str], loaded: set[str]) -> list[str]:
+def untied(model: nn.Module, missing: list[str], loaded: set[str]) -> list[str]:
     """The keys of ``missing`` that no loaded key shares a tensor with (HF saves one name of tied weights)."""
     names: dict[int, list[str]] = {}
     for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
@@ -107,8 +110,6 @@ def _untied(model: nn.Module, missing: list[str], loaded: set[str]) -> list[str]
 def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
     """Save a converted model and its recipe (see the module docstring). Extra arguments go to the original
     ``save_pretrained`` (HF models); other models accept none."""
-    from . import __version__
-    from .model import state_of
 
     st = state_of(model)
     out = Path(save_directory)
@@ -154,7 +155,7 @@ def read_recipe(directory: str | os.PathLike) -> dict[str, Any]:
     return recipe
 
 
-def _config_from(recipe: dict[str, Any]) -> Any:
+def config_from(recipe: dict[str, Any]) -> Any:
     from .passes.rewrite import scheme_config
     from .passes.rewrite import scheme as scheme_record
 
@@ -168,7 +169,7 @@ def _config_from(recipe: dict[str, Any]) -> Any:
     return scheme_config(name, **options)
 
 
-def _saved_state(directory: Path, prefix: str | None = None) -> dict[str, torch.Tensor]:
+def saved_state(directory: Path, prefix: str | None = None) -> dict[str, torch.Tensor]:
     """The tensors saved in ``directory`` (safetensors shards or a torch state-dict file); with ``prefix``, only the
     keys that start with it (read alone from safetensors files, without loading the rest)."""
     files = sorted(directory.glob("*.safetensors"))
@@ -185,87 +186,3 @@ def _saved_state(directory: Path, prefix: str | None = None) -> dict[str, torch.
         raise ConfigError(f"{directory} has no weights (*.safetensors or {_PLAIN_WEIGHTS})")
     state = torch.load(f, map_location="cpu", weights_only=True)
     return state if prefix is None else {k: v for k, v in state.items() if k.startswith(prefix)}
-
-
-def from_pretrained(
-    directory: str | os.PathLike,
-    model: nn.Module | None = None,
-    *,
-    example_inputs: tuple | None = None,
-    example_kwargs: dict | None = None,
-    allowed_modules: tuple[str, ...] | list[str] = (),
-    **load_kwargs: Any,
-) -> nn.Module:
-    """Load a converted model saved with ``converted.save_pretrained(directory)``.
-
-    Args:
-        directory: the saved directory.
-        model (nn.Module, optional): the original (unconverted) model to load into; required for models that have no
-            ``from_pretrained`` of their own (a hand-written model: build it with the same configuration). Default:
-            ``OriginalClass.from_pretrained(directory, **load_kwargs)``.
-        example_inputs, example_kwargs: inputs for the first capture, as for :func:`depthrewrite.convert`.
-        allowed_modules (tuple of str): packages, besides transformers, whose classes the saved recipe may name
-            (``("mypackage",)`` allows ``mypackage`` and its submodules). The recipe's ``original_class`` is read
-            from the directory, and loading it imports that module and calls its class's ``from_pretrained``; by
-            default only ``transformers.`` modules and ``PreTrainedModel`` subclasses are accepted, and any other
-            name is a :class:`ConfigError` raised before anything is imported. Not needed with ``model=``, which
-            imports nothing.
-        load_kwargs: passed to the original class's ``from_pretrained`` (``torch_dtype=...``, ...).
-
-    Returns:
-        The converted model, with every saved parameter (original and ``depthrewrite.*``) loaded.
-    """
-    from .api import convert
-    from .passes.rewrite.editor import PARAM_PREFIX
-
-    directory = Path(directory)
-    recipe = read_recipe(directory)
-    config = _config_from(recipe)
-    ours_prefix = PARAM_PREFIX + "."
-    if model is None:
-        if isinstance(allowed_modules, str):
-            allowed_modules = (allowed_modules,)
-        cls = _import_class(recipe.get("original_class"), tuple(allowed_modules))
-        if not hasattr(cls, "from_pretrained"):
-            raise ConfigError(
-                f"{recipe['original_class']} has no from_pretrained: build the model with the configuration it was "
-                "saved with and pass it, depthrewrite.from_pretrained(dir, model=MyModel(cfg))"
-            )
-        try:  # the depthrewrite.* keys are unknown to the original class: they are loaded below, not warned about
-            from transformers.utils import logging as hf_logging
-
-            level = hf_logging.get_verbosity()
-            hf_logging.set_verbosity_error()
-        except ImportError:  # pragma: no cover
-            hf_logging = None
-        try:
-            model = cls.from_pretrained(str(directory), **load_kwargs)
-        finally:
-            if hf_logging is not None:
-                hf_logging.set_verbosity(level)
-        model.eval()
-        ours = _saved_state(directory, ours_prefix)  # the rest was loaded by the class's own from_pretrained
-    else:
-        saved = _saved_state(directory)
-        ours = {k: v for k, v in saved.items() if k.startswith(ours_prefix)}
-        theirs = {k: v for k, v in saved.items() if not k.startswith(ours_prefix)}
-        missing, unexpected = model.load_state_dict(theirs, strict=False)
-        missing = _untied(model, missing, set(theirs))
-        if unexpected or missing:
-            raise ConfigError(
-                f"the saved weights do not fit the {type(model).__name__} passed to from_pretrained: missing "
-                f"{missing[:5]}, unexpected {unexpected[:5]}; build it with the configuration it was saved with"
-            )
-    model = convert(model, config, example_inputs=example_inputs, example_kwargs=example_kwargs)
-    if recipe.get("pipeline_stages") is not None:
-        from .pipeline import split
-
-        split(model, recipe["pipeline_stages"], **recipe.get("pipeline_options", {}))
-    expected = {k for k in model.state_dict() if k.startswith(ours_prefix)}
-    if set(ours) != expected:
-        raise ConfigError(
-            f"{directory}: the saved depthrewrite parameters {sorted(set(ours) ^ expected)[:6]} do not match the "
-            f"conversion of this model with {config.describe()}: was it saved from another architecture or size?"
-        )
-    model.load_state_dict(ours, strict=False)
-    return model

@@ -139,12 +139,12 @@ def test_paligemma_text_only_capture_is_refused_not_misconverted():
 
 
 def test_a_crash_inside_a_rewrite_pass_names_the_pass(monkeypatch):
-    import depthrewrite.api as api
+    import depthrewrite.runtime.rewrite as rewrite
 
     def broken(gm, chain, config):
         raise KeyError("some_node")
 
-    monkeypatch.setattr(api, "get_handler", lambda config: broken)
+    monkeypatch.setattr(rewrite, "get_handler", lambda config: broken)
     model = _GPTWithTargets().eval()
     with pytest.raises(dr.DepthRewriteError, match=r"the rewrite\[attnres\] pass failed on the eval graph of _GPTWithTargets: KeyError") as ei:
         dr.convert(model, "attnres", example_inputs=(torch.randint(0, 64, (2, 8)),), inplace=False)

@@ -34,20 +34,42 @@ def _logits(conv):
 
 
 @pytest.mark.parametrize("kind", ["forward", "forward_pre"])
-def test_hook_on_a_submodule_is_followed_with_a_warning(conv, kind):
+def test_hook_on_a_submodule_is_followed(conv, kind):
+    """Module calls (the default): the hooked projection is called as the live module, so its hook runs on every
+    call with no warning."""
     ref = _logits(conv)
     scale = (lambda m, a, o: o * 2) if kind == "forward" else (lambda m, a: (a[0] * 2,))
     handle = getattr(conv.get_submodule(Q), f"register_{kind}_hook")(scale)
     try:
-        with pytest.warns(UserWarning, match=r"traced into the converted model's graph"):
-            hooked = _logits(conv)
-        assert (hooked - ref).abs().max() > 1e-5  # the hook's effect is in the recaptured graph
         with warnings.catch_warnings():
-            warnings.simplefilter("error")  # said once per hook
+            warnings.simplefilter("error")
+            hooked = _logits(conv)
+            assert (hooked - ref).abs().max() > 1e-5  # the hook's effect is in the call
             torch.testing.assert_close(_logits(conv), hooked)
     finally:
         handle.remove()
     torch.testing.assert_close(_logits(conv), ref)
+
+
+@pytest.mark.parametrize("kind", ["forward", "forward_pre"])
+def test_hook_on_a_submodule_is_traced_with_a_warning_when_inlined(kind):
+    """module_calls=False: every graph runs aten ops, so a hook is traced into the recaptured graph and its side
+    effects happen at capture only (said once per hook)."""
+    torch.manual_seed(0)
+    inlined = dr.convert(hf_model("llama", layers=2).eval(), "attnres", module_calls=False)
+    ref = _logits(inlined)
+    scale = (lambda m, a, o: o * 2) if kind == "forward" else (lambda m, a: (a[0] * 2,))
+    handle = getattr(inlined.get_submodule(Q), f"register_{kind}_hook")(scale)
+    try:
+        with pytest.warns(UserWarning, match=r"traced into the converted model's graph"):
+            hooked = _logits(inlined)
+        assert (hooked - ref).abs().max() > 1e-5  # the hook's effect is in the recaptured graph
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # said once per hook
+            torch.testing.assert_close(_logits(inlined), hooked)
+    finally:
+        handle.remove()
+    torch.testing.assert_close(_logits(inlined), ref)
 
 
 def test_replaced_submodule_is_followed(conv):

@@ -1,6 +1,6 @@
 """convert(..., module_calls=True) (issue #24, docs/design/module-calls.md, steps 1-2): every nn.Linear /
 nn.Embedding the rewrite leaves intact runs as a call of the live module inside the block programs and the runner.
-Compared with the same conversion without module calls (module_calls=False, the default); module_calls=None is
+Compared with the same conversion without module calls (module_calls=False); module_calls=None (the default) is
 the same with a traced hook instead of a ModuleCallError where a call cannot be kept."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _pair(model: str, scheme: str):
     m2 = copy.deepcopy(m)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        off = dr.convert(m, scheme, example_inputs=args or None, example_kwargs=kwargs or None)
+        off = dr.convert(m, scheme, example_inputs=args or None, example_kwargs=kwargs or None, module_calls=False)
         on = dr.convert(m2, scheme, example_inputs=args or None, example_kwargs=kwargs or None, module_calls=True)
     on.load_state_dict(off.state_dict())
     return off, on, (args, kwargs), hooked
@@ -213,7 +213,13 @@ def _runner_of_mode(c, training: bool):
     return e.runner
 
 
-def test_off_by_default_captures_no_signatures():
+def test_on_by_default():
+    import inspect
+
+    assert inspect.signature(dr.convert).parameters["module_calls"].default is None
+
+
+def test_off_captures_no_signatures():
     from depthrewrite.passes.lower.module_calls import SIGNATURES_META
 
     off, _, _, _ = pair("nanogpt", "attnres")
@@ -260,7 +266,7 @@ def test_a_path_export_refuses_is_dropped_and_inlined():
     m.transformer.h[0].mlp.__class__ = SizedMLP
     m.transformer.h[0].mlp.c_fc.__class__ = _SizedLinear
     m2 = copy.deepcopy(m)
-    off = dr.convert(m, "attnres", example_inputs=args)
+    off = dr.convert(m, "attnres", example_inputs=args, module_calls=False)
     on = dr.convert(m2, "attnres", example_inputs=args, module_calls=True)
     on.load_state_dict(off.state_dict())
     with torch.no_grad():

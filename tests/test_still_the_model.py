@@ -431,9 +431,8 @@ def test_replaced_submodule_and_hooks_are_followed():
     conv.model.layers[0].mlp.down_proj = new
     doubled = conv(IDS).logits
     assert (doubled - ref).abs().max() > 1e-4  # recaptured with the new module
-    with pytest.warns(UserWarning, match="traced into the converted model's graph"):
-        h = conv.model.layers[1].mlp.register_forward_hook(lambda m, i, o: o * 0)
-        hooked = conv(IDS).logits
+    h = conv.model.layers[1].mlp.register_forward_hook(lambda m, i, o: o * 0)  # the MLP is called live: no warning
+    hooked = conv(IDS).logits
     assert (hooked - doubled).abs().max() > 1e-4  # the hook's effect on the output is in the graph
     h.remove()
     torch.testing.assert_close(conv(IDS).logits, doubled)

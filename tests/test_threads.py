@@ -55,19 +55,19 @@ def test_eight_threads_first_calls_with_other_shapes(scheme, opts):
     assert not errs, errs[0]
     for s in SHAPES:
         torch.testing.assert_close(outs[s], want[s], rtol=1e-4, atol=1e-4)
-    assert len(dr.model.state_of(conv).entries()) >= 2
+    assert len(dr.runtime.handle.state_of(conv).entries()) >= 2
     # every structure captured: the same calls again run concurrently, with no capture
-    captures = dr.model.state_of(conv).captures
+    captures = dr.runtime.handle.state_of(conv).captures
     outs, errs = _serve(conv, inputs, rounds=3)
     assert not errs, errs[0]
-    assert dr.model.state_of(conv).captures == captures
+    assert dr.runtime.handle.state_of(conv).captures == captures
     for s in SHAPES:
         torch.testing.assert_close(outs[s], want[s], rtol=1e-4, atol=1e-4)
 
 
 def test_a_capture_does_not_block_its_own_nested_call():
     """A capture that calls the model (capture's eval check runs it) in the capturing thread goes through."""
-    from depthrewrite.model import _LOCK
+    from depthrewrite.runtime.entries import LOCK as _LOCK
 
     with _LOCK.exclusive():
         with _LOCK.shared():

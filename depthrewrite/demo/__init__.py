@@ -1,6 +1,6 @@
-"""The demo and what it stands on: ``zoo`` (HF / timm / nanoGPT models from small configs and the CLI's model specs),
-``corpus`` (the stdlib text corpus), ``train`` (train and time variants side by side) and ``run`` (``depthrewrite
-demo``: convert, check, train, report). ``run`` loads on first use (``depthrewrite.api`` imports ``zoo``)."""
+"""The demo: ``corpus`` (the stdlib text corpus), ``train`` (train and time variants side by side) and ``run``
+(``depthrewrite demo``: convert, check, train, report; it loads on first use). The models it trains come from
+:mod:`depthrewrite.zoo` (also importable as ``depthrewrite.demo.zoo``)."""
 
 __all__ = ["DEMO_SCHEMES", "DemoConfig", "run_demo", "results_table", "timing_note"]
 

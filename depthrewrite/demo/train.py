@@ -36,7 +36,7 @@ def tiny_llama(seed: int = 0, layers: int = 4, hidden: int = 64) -> nn.Module:
     """The built-in model of the demo and the quality benchmark: a Hugging Face ``LlamaForCausalLM`` from a small
     config (byte vocabulary 256, ``layers`` blocks = 2·layers sublayers, GQA with hidden/16 heads), random weights
     drawn from ``seed``. Nothing is downloaded."""
-    from .zoo import hf_model
+    from ..zoo import hf_model
 
     return hf_model("llama", layers=layers, hidden=hidden, seed=seed)
 

@@ -158,7 +158,7 @@ def split(converted, P: int, *, align_blocks: bool = True, example_inputs: tuple
     Raises:
         ConfigError: P < 1, more stages than sublayers, or (Block schemes) more stages than block boundaries.
     """
-    from ..model import is_converted, state_of
+    from ..runtime.handle import is_converted, state_of
 
     if is_converted(converted):
         check_stages(converted, P)

@@ -83,7 +83,7 @@ def _with_blocks(model, g: fx.Graph, st: dict[fx.Node, int], mods: list[fx.Graph
     """Each stage calls the block modules wholly inside it (the converted model's own blocks and programs,
     :mod:`depthrewrite.blocks`), so FSDP2 and checkpointing per block apply inside a stage as in the whole model."""
     from ..blocks import stage_with_blocks
-    from ..model import is_converted, state_of
+    from ..runtime.handle import is_converted, state_of
 
     if not is_converted(model) or state_of(model).blocks is None:
         return mods

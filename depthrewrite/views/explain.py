@@ -240,7 +240,7 @@ def explain(model: nn.Module, *args: Any, graph_breaks: bool = False, **kwargs: 
 
     from ..converted import ConvertedGraphModule, graph_module_of
     from ..errors import ConfigError
-    from ..model import is_converted
+    from ..runtime.handle import is_converted
 
     if not isinstance(model, nn.Module):
         raise ConfigError(
@@ -270,11 +270,11 @@ def explain(model: nn.Module, *args: Any, graph_breaks: bool = False, **kwargs: 
         exp.break_reasons = [str(getattr(b, "reason", b)).split("\n")[0] for b in out.break_reasons]
     if not graphs:
         if converted:
-            from ..backend import _depth_ops
+            from ..backend import depth_ops
             from ..passes.lower.two_phase import find_two_phase_groups
 
             graph = graph_module_of(module).graph
-            exp.static_ops = _depth_ops(graph)
+            exp.static_ops = depth_ops(graph)
             exp.static_two_phase = find_two_phase_groups(graph)
             if exp.pending:
                 exp.note = ("nothing has run yet: call the model once (or pass example inputs, explain(compiled, "

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import depthrewrite as dr
-from depthrewrite.model import state_of
+from depthrewrite.runtime.handle import state_of
 from tests.frameworks.models import CASES, build, require
 
 

@@ -153,12 +153,13 @@ def is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
-def _is_fsdp_module(mod: nn.Module) -> bool:
+def is_fsdp(module: nn.Module) -> bool:
+    """Whether ``module`` is wrapped by FSDP (``fully_shard``'s FSDPModule, or the older FullyShardedDataParallel)."""
     try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch without distributed
         return False
-    return isinstance(mod, FSDPModule)
+    return isinstance(module, (FSDPModule, FullyShardedDataParallel))
 
 
 def _fsdp_managed(model: nn.Module, path: str) -> bool:
@@ -166,7 +167,7 @@ def _fsdp_managed(model: nn.Module, path: str) -> bool:
     plain tensors before the module runs."""
     mod: nn.Module | None = model
     for part in [*(path.split(".") if path else []), None]:
-        if _is_fsdp_module(mod):
+        if is_fsdp(mod):
             return True
         if part is not None:
             mod = mod._modules.get(part)
@@ -291,7 +292,7 @@ def check_live_modules(model: nn.Module, gm: fx.GraphModule, called: list[str], 
     for path, n in removed_hooks.items():
         if path in in_graph and not runs_live(path):
             what = ("is sharded with FSDP (fully_shard): its parameters are gathered by hooks around its call"
-                    if _is_fsdp_module(model.get_submodule(path)) else f"has {n} hook(s) that fire at run time")
+                    if is_fsdp(model.get_submodule(path)) else f"has {n} hook(s) that fire at run time")
             modules.append((path, why.get(path, "not a call of its own")))
             problems.append(f"{path} {what}, but its call stays inlined ({modules[-1][1]})")
     for path, mod in model.named_modules():
@@ -338,11 +339,49 @@ def export_with_signatures(model: nn.Module, args: tuple, kwargs: dict, dynamic_
                 paths = []
             log.info("module calls: export refused %s; retrying without", dropped[-1][0] if named else "signatures")
             continue
+        left = _tracepoints_left(ep)
+        if left:
+            # export removes its call markers from every graph it knows (collect_tracepoints_pass); one it left (a
+            # region inside a higher-order op's subgraph: torchtitan's DeepSeek-V3 MoE) has no autograd formula, so
+            # backward through it fails. Export those paths inlined.
+            named = [p for p in paths if p in left]
+            if not named:
+                dropped += [(p, "export left its call markers in the graph") for p in paths]
+                paths = []
+            for path in named:
+                dropped.append((path, "export left its call markers in the graph (kept inlined)"))
+                paths.remove(path)
+            log.info("module calls: export left call markers of %s; exporting them inlined", named or "signatures")
+            continue
+        held = [(e.fqn, t) for e in ep.module_call_graph
+                if e.fqn in paths and e.signature is not None and (t := _object_input(e.signature.in_spec))]
+        if held:
+            # an object passed into the module (a KV cache its attention updates in place): at a preserved call
+            # boundary export flattens and rebuilds the inputs, so the module would update a copy and the caller's
+            # cache would never see the new keys and values (silently wrong decoding). Export it inlined.
+            for path, t in held:
+                dropped.append((path, f"it takes a {t}, which it updates in place (kept inlined)"))
+                paths.remove(path)
+            log.info("module calls: %s take an object input; exporting them inlined", [p for p, _ in held])
+            continue
         ep.__dict__["_dr_dropped"] = tuple(dropped)
         return ep
     ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
     ep.__dict__["_dr_dropped"] = tuple(dropped) + tuple((p, "too many refusals") for p in paths)
     return ep
+
+
+def _tracepoints_left(ep: Any) -> set[str]:
+    """The module paths of ``_export_tracepoint`` nodes still in any graph of ``ep`` (``_export_root.`` stripped)."""
+    marker = torch.ops.higher_order._export_tracepoint
+    found = set()
+    for m in ep.graph_module.modules():
+        if isinstance(m, fx.GraphModule):
+            for n in m.graph.nodes:
+                if n.op == "call_function" and n.target is marker:
+                    p = str(n.kwargs.get("path", ""))
+                    found.add(p[len("_export_root."):] if p.startswith("_export_root.") else p)
+    return found
 
 
 def _refused_path(e: BaseException, paths: list[str]) -> list[str]:
@@ -501,6 +540,20 @@ def _check(key: str, path: str, R: list[fx.Node], info: ModuleCallInfo, sig: Any
     return inputs, outs, redirect
 
 
+_CONTAINERS = (tuple, list, dict)
+
+
+def _object_input(spec: pytree.TreeSpec) -> str | None:
+    """The type name of a non-container pytree node in a module's input spec (a transformers ``DynamicCache`` passed
+    to an attention module), or None: such a call cannot be rebuilt from the graph's tensors."""
+    if spec.is_leaf():
+        return None
+    if spec.type not in _CONTAINERS and not (isinstance(spec.type, type) and issubclass(spec.type, _CONTAINERS)):
+        return spec.type.__name__
+    children = spec.children() if callable(getattr(spec, "children", None)) else spec.children_specs  # torch < 2.13
+    return next((t for c in children if (t := _object_input(c)) is not None), None)
+
+
 def lower_module_calls(gm: fx.GraphModule, blocks: tuple[str, ...] = (), live: nn.Module | None = None
                        ) -> tuple[fx.Graph, list[str], list[tuple[str, str]]]:
     """A copy of ``gm``'s (rewritten, flat) graph with a ``call_module`` of each intact candidate region; the node
@@ -534,6 +587,10 @@ def lower_module_calls(gm: fx.GraphModule, blocks: tuple[str, ...] = (), live: n
             continue
         if any(count[_name(n)] > 1 for n in R):
             refused.append((path, "its ops were copied by the rewrite"))
+            continue
+        held = _object_input(info.signatures[path].in_spec)
+        if held is not None:  # a KV cache object: the caller's cache is written back around the whole graph instead
+            refused.append((path, f"it takes a {held} (the graph carries its tensors, not the object)"))
             continue
         stack = dict(R[0].meta.get("nn_module_stack") or {})
         keys = list(stack)

@@ -36,7 +36,7 @@ from ..meta import NodeRole, inherit_meta
 from ..result import PassResult
 from .blocks import DepthMixConfig, mix_site_anchor, mix_site_labels, rewrite_depth_mix, stored_sources_state
 from .editor import ChainEditor
-from .msar_decode import DECODE_META, HISTORY_META, _return_history, add_decode_state, cut_mask_to_new_tokens
+from .msar_decode import DECODE_META, HISTORY_META, return_history, add_decode_state, cut_mask_to_new_tokens
 from .registry import DEFAULT_BLOCKS, Scheme, SchemeVariant, register
 
 __all__ = ["MSARConfig"]
@@ -245,7 +245,7 @@ def _prefill_history(gm: fx.GraphModule, k1: int, scheme: str) -> int:
             inherit_meta(new, s, NodeRole("msar_history", None, scheme), copy_val=False)
             at = new
         hist.append(at)
-    _return_history(gm, hist)
+    return_history(gm, hist)
     gm.meta[HISTORY_META] = len(hist)
     return len(hist)
 

@@ -81,12 +81,12 @@ def add_decode_state(gm: fx.GraphModule, k1: int, scheme: str) -> int:
             cut = _call(graph, torch.ops.aten.slice.Tensor, (m, -2, k1, _MAX), m, scheme, "msar_mix")
         cut.meta.update({k: v for k, v in m.meta.items() if k in ("val", "tensor_meta")})
         m.replace_all_uses_with(cut, delete_user_cb=lambda u: u is not cut)
-    _return_history(gm, new_hist)
+    return_history(gm, new_hist)
     gm.meta[HISTORY_META] = len(new_hist)
     return len(new_hist)
 
 
-def _return_history(gm: fx.GraphModule, hist: list[fx.Node]) -> None:
+def return_history(gm: fx.GraphModule, hist: list[fx.Node]) -> None:
     """The graph returns ``(its output, (history, ...))``: the output node gets the history leaves after its own, and
     the generated forward's output spec becomes a 2-tuple around the old one."""
     graph = gm.graph

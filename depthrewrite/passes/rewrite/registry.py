@@ -173,7 +173,7 @@ class Scheme:
         mixes_tokens: None when the scheme's new ops read each token's own values only; else what they read of other
             tokens (MSAR's convs: the k−1 positions before each one). A call that continues a sequence from state the
             model keeps in its own buffers (a model-managed KV cache, which depthrewrite cannot extend with the
-            scheme's state) is then refused as a :class:`ConfigError` naming it (depthrewrite.model).
+            scheme's state) is then refused as a :class:`ConfigError` naming it (depthrewrite.runtime.state).
 
     A stage that needs a hook the record leaves ``None`` asks :meth:`hook`, which raises :class:`StageHookError`
     naming the scheme and the hook — never another scheme's behaviour.

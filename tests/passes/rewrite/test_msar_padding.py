@@ -111,7 +111,7 @@ def test_without_a_mask_input_nothing_changes():
     ids = torch.randint(0, model.config.vocab_size, (2, 8))
     a = dr.convert(model, "msar", example_kwargs={"input_ids": ids}, inplace=False)
     b = dr.convert(model, "msar", padding_mask=None, example_kwargs={"input_ids": ids}, inplace=False)
-    assert not _wheres(a) and not a.report().notes
+    assert not _wheres(a) and not [n for n in a.report().notes if not n.startswith("module calls:")]
     assert [n.target for n in a.graph.nodes] == [n.target for n in b.graph.nodes]
 
 

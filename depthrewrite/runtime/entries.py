@@ -1,0 +1,209 @@
+"""Call structures and the graphs captured for them (:class:`GraphEntry`: a graph, the guards on its input sizes),
+and the lock that keeps captures and calls from different threads apart."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Any, Iterator, Mapping
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from ..capture import is_cache
+
+# ---- call structures ----------------------------------------------------------------------------------------------
+
+
+def _describe_leaf(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return ("T", x.dtype, x.device, x.dim())
+    try:
+        hash(x)
+    except TypeError:
+        return ("obj", type(x).__qualname__)
+    if isinstance(x, (bool, int, float, str, type(None))) or x is Ellipsis:
+        return ("V", type(x).__name__, x)
+    return ("obj", type(x).__qualname__)
+
+
+def describe_value(value: Any) -> Any:
+    leaves, spec = pytree.tree_flatten(value)
+    if spec.is_leaf():
+        return _describe_leaf(value)
+    return (str(spec), tuple(map(_describe_leaf, leaves)))
+
+
+@dataclasses.dataclass
+class GraphEntry:
+    """One captured and rewritten graph: the call structure it serves, its shape guards and how long capture took."""
+
+    module: fx.GraphModule  # a ConvertedGraphModule (see depthrewrite.converted)
+    structure: str  # readable: "train, input_ids: int64[2d], labels: int64[2d]"
+    guards: tuple  # per tensor input: {dim: fixed size, or (symbol, lowest, highest or None)}
+    seconds: float
+    calls: int = 0
+    runner: Any = None  # the module a call runs: glue plus one call per block module (depthrewrite.blocks); None: module
+
+    @property
+    def run(self) -> fx.GraphModule:
+        return self.module if self.runner is None else self.runner
+
+    def matches(self, tensors: list[torch.Tensor]) -> bool:
+        if len(tensors) != len(self.guards):
+            return False
+        symbols: dict[str, int] = {}
+        for t, dims in zip(tensors, self.guards):
+            for d, g in dims.items():
+                if d >= t.dim():
+                    return False
+                s = int(t.shape[d])
+                if isinstance(g, int):
+                    if s != g:
+                        return False
+                else:  # export assumes dynamic sizes are >= 2, within the range the trace allowed, equal per symbol
+                    name, lo, hi = g
+                    if s < max(2, lo) or (hi is not None and s > hi) or symbols.setdefault(name, s) != s:
+                        return False
+        return True
+
+
+def guards_of(gm: fx.GraphModule) -> tuple:
+    out = []
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        v = n.meta.get("val")
+        if not isinstance(v, torch.Tensor):
+            continue
+        dims: dict[int, Any] = {}
+        for d, s in enumerate(v.shape):
+            if isinstance(s, torch.SymInt):
+                expr = s.node.expr
+                if expr.is_number:
+                    dims[d] = int(expr)
+                elif expr.is_Symbol:
+                    dims[d] = (str(expr), *_range(s.node.shape_env, expr))
+                else:  # a derived size (2*s0): fixed by the symbols it is made of
+                    continue
+            else:
+                dims[d] = int(s)
+        out.append(dims)
+    return tuple(out)
+
+
+def _range(shape_env: Any, expr: Any) -> tuple[int, int | None]:
+    """The value range the trace allowed a size symbol (a model's ``if T > 8`` makes T <= 8 a condition of its graph)."""
+    r = getattr(shape_env, "var_to_range", {}).get(expr) if shape_env is not None else None
+    if r is None:
+        return 2, None
+    def finite(x: Any) -> int | None:
+        try:
+            return int(x) if x.is_number and x.is_finite else None
+        except Exception:  # noqa: BLE001 - sympy / torch infinities of several kinds
+            return None
+
+    lo, hi = finite(r.lower), finite(r.upper)
+    return lo if lo is not None else 2, hi if hi is not None and hi < 2**62 else None
+
+
+def readable_structure(training: bool, bound: Mapping[str, Any]) -> str:
+    def one(x):
+        if isinstance(x, torch.Tensor):
+            return f"{str(x.dtype).replace('torch.', '')}[{x.dim()}d]"
+        if is_cache(x):
+            return f"{type(x).__name__}({x.get_seq_length()} cached)"
+        if isinstance(x, (bool, int, float, str)):
+            return repr(x)
+        return type(x).__name__
+
+    return ", ".join(["train" if training else "eval", *(f"{k}={one(v)}" for k, v in bound.items())])
+
+
+# ---- threads ------------------------------------------------------------------------------------------------------
+
+
+class _CaptureLock:
+    """Captures run alone; calls that need none run concurrently (a server's thread pool).
+
+    A capture is not confined to its thread: ``torch.export`` (non-strict) patches ``nn.Module.__call__`` and other
+    process-wide state while it traces, and the model being captured runs as its original class meanwhile. So every
+    call of a converted model holds this lock *shared* (:meth:`ConvertedModel.__call__`, before ``nn.Module.__call__``
+    runs), and a capture holds it *exclusive*: it waits until no other thread is inside a converted model, and new
+    calls wait at the door until it is done. A thread waiting to capture lets go of its own shared holds meanwhile (two
+    calls that both need a capture take turns instead of waiting for each other), and new calls give way to a waiting
+    capture. ``mutex`` guards the graph dicts and the module-tree record (:meth:`ConversionState.select`). One lock for
+    the process: the state export patches is the process's."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._shared = 0  # shared holds, all threads (a thread waiting to capture does not count its own)
+        self._owner: int | None = None  # the thread capturing
+        self._depth = 0  # its nested exclusive holds
+        self._waiting = 0  # threads waiting to capture
+        self._mine = threading.local()  # .n: this thread's shared holds
+        self.mutex = threading.RLock()
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        me = threading.get_ident()
+        with self._cond:
+            mine = getattr(self._mine, "n", 0)
+            while self._owner not in (None, me) or (self._waiting and not mine and self._owner is None):
+                self._cond.wait()
+            self._shared += 1
+            self._mine.n = mine + 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._shared -= 1
+                self._mine.n -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        me = threading.get_ident()
+        with self._cond:
+            if self._owner != me:
+                mine = getattr(self._mine, "n", 0)
+                self._shared -= mine
+                self._waiting += 1
+                self._cond.notify_all()
+                try:
+                    while self._owner is not None or self._shared > 0:
+                        self._cond.wait()
+                except BaseException:  # interrupted while waiting: take the own holds back, give way again
+                    self._waiting -= 1
+                    self._shared += mine
+                    self._cond.notify_all()
+                    raise
+                self._waiting -= 1
+                self._owner = me
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._depth -= 1
+                if not self._depth:
+                    self._owner = None
+                    self._shared += getattr(self._mine, "n", 0)
+                self._cond.notify_all()
+
+
+LOCK = _CaptureLock()
+
+
+def traced_call(args: tuple, kwargs: dict) -> bool:
+    """Whether this call is being traced (Dynamo, or torch.export with fake inputs) rather than run: per call, since
+    torch's is_exporting()/is_compiling() flags are the process's and are on while another thread captures."""
+    if torch.compiler.is_dynamo_compiling():
+        return True
+    if not torch.compiler.is_exporting():
+        return False
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return any(isinstance(x, FakeTensor) for x in pytree.tree_leaves((args, kwargs)))
