@@ -62,3 +62,13 @@ def test_whole_model_step_runs_every_scheme_on_cpu():
     rows = kernels.model_step_rows("cpu", torch.float32, rep=1, layers=2, hidden=64, tokens=32)
     assert [r["model"] for r in rows][0] == "vanilla" and len(rows) == 6
     assert all("error" not in r and r["ms"] > 0 for r in rows), rows
+
+
+def test_module_calls_bench_runs_side_by_side_on_cpu():
+    from bench import module_calls
+
+    table = module_calls.rows(layers=2, hidden=32, schemes=["attnres"], prefixes=(4, 8), tokens=2, repeats=1,
+                              conv_layers=2)
+    assert [r[:2] for r in table] == [["vanilla", "-"], ["attnres", "module calls"], ["attnres", "inlined"],
+                                      ["attnres", "ratio"]]
+    assert all(float(x) > 0 for r in table[1:3] for x in r[2:])
