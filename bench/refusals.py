@@ -48,7 +48,7 @@ def _temperature() -> None:
 
 
 def _global_hook() -> None:
-    conv = dr.convert(hf_model("llama", layers=2), "attnres")
+    conv = dr.convert(hf_model("llama", layers=2), "attnres", module_calls=False)
     handle = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
     try:
         conv(*_ids())
@@ -85,7 +85,7 @@ def _flat_checkpointing() -> None:
     from tests.frameworks.test_flat_graph_checkpointing import flat_model
 
     idx = torch.randint(0, 256, (2, 8))
-    conv = dr.convert(flat_model().train(), "attnres", blocks=2, example_inputs=(idx,))
+    conv = dr.convert(flat_model().train(), "attnres", blocks=2, example_inputs=(idx,), module_calls=False)
     apply_activation_checkpointing(conv, check_fn=lambda m: isinstance(m, Block))
     conv(idx)
 
@@ -114,8 +114,9 @@ CASES: list[tuple[str, str, Callable[[], None]]] = [
      lambda: dr.convert(hf_model("mpt", layers=2), "moda")),
     ("PaliGemma, text only (`hf:paligemma`)", "Its eager prefix attends both ways; the exported trace is causal.",
      lambda: dr.convert(hf_model("paligemma", layers=1), "attnres")),
-    ("A global module hook (`hf:llama`)", "`register_module_forward_hook` (FlopCounterMode, ModuleTracker) would run "
-     "for the converted model but not for the submodules inside its graph.", _global_hook),
+    ("A global module hook without module calls (`hf:llama`)", "`register_module_forward_hook` (FlopCounterMode, "
+     "ModuleTracker) on a model converted with `module_calls=False`: every module below the blocks is inlined, so the "
+     "hook would not run for them (with the default module calls it runs for every called module).", _global_hook),
     ("Float token ids (`hf:llama`)", "A float tensor passed as `input_ids`.",
      lambda: dr.convert(hf_model("llama", layers=2), "attnres", example_kwargs={"input_ids": torch.rand(2, 6)})),
     ("MSAR continuing litgpt's own KV cache (call)", "litgpt keeps its cache in module buffers (`set_kv_cache`, calls "
@@ -124,7 +125,8 @@ CASES: list[tuple[str, str, Callable[[], None]]] = [
     ("torchtune's KV cache (call)", "`setup_caches`: its `KVCache.update` asserts on a tensor's value, which export "
      "cannot trace.", _torchtune_cache),
     ("Checkpointing a flat graph (call)", "A nanoGPT whose attention writes its mask in place and reads a view of it "
-     "afterwards: the write cannot be made out of place, the blocks stay inlined, and torch's "
+     "afterwards (converted with `module_calls=False`; with module calls the attention is one call and the blocks "
+     "split): the write cannot be made out of place, the blocks stay inlined, and torch's "
      "`apply_activation_checkpointing` could recompute nothing. (litgpt's Gemma-2 used to be such a model; its "
      "`masked_fill_` on a fresh mask is now turned out of place and its blocks are modules.)", _flat_checkpointing),
 ]

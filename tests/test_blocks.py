@@ -327,14 +327,19 @@ def test_graphs_read_the_live_tensors_and_keep_no_replaced_one_alive():
     assert conv.__dict__["_depthrewrite"].recaptures == 0
 
 
-def test_untying_weights_after_conversion_recaptures():
-    torch.manual_seed(0)
-    conv = dr.convert(nanogpt(n_layer=2).train(), "block-attnres", example_inputs=(IDS % 64,))
-    assert conv.lm_head.weight is conv.transformer.wte.weight
-    conv.lm_head.weight = nn.Parameter(conv.lm_head.weight.detach().clone())
-    conv(IDS % 64).square().mean().backward()
-    assert conv.__dict__["_depthrewrite"].recaptures == 1
-    assert conv.transformer.wte.weight.grad is not None and conv.lm_head.weight.grad is not None
+def test_untying_weights_after_conversion():
+    """The tied wte and lm_head are both called as live modules: giving lm_head a weight of its own keeps the graphs
+    (each call reads its module's weight); inlined (module_calls=False) the graphs read the one tied tensor, so they
+    are captured again."""
+    for module_calls, recaptures in ((None, 0), (False, 1)):
+        torch.manual_seed(0)
+        conv = dr.convert(nanogpt(n_layer=2).train(), "block-attnres", example_inputs=(IDS % 64,),
+                          module_calls=module_calls)
+        assert conv.lm_head.weight is conv.transformer.wte.weight
+        conv.lm_head.weight = nn.Parameter(conv.lm_head.weight.detach().clone())
+        conv(IDS % 64).square().mean().backward()
+        assert conv.__dict__["_depthrewrite"].recaptures == recaptures
+        assert conv.transformer.wte.weight.grad is not None and conv.lm_head.weight.grad is not None
 
 
 def test_hooks_on_blocks_before_conversion_are_refused_and_the_model_is_left_as_it_was():

@@ -116,10 +116,13 @@ def test_forward_hook_fires_on_every_call(model, scheme):
     for name, c in (("on", on), ("off", off)):
         mod = c.get_submodule(hooked)
         handles.append(mod.register_forward_hook(lambda *_, k=name: counts.__setitem__(k, counts[k] + 1)))
+    with torch.no_grad():
+        on(*args, **kwargs)
+    captures = on.__dict__["_depthrewrite"].captures
     try:
         with torch.no_grad():
             for c in (on, off):
-                c(*args, **kwargs)  # a hook changes the module tree: this call recaptures (and traces the hook)
+                c(*args, **kwargs)  # off: a hook changes the module tree, recaptured (and the hook traced)
             counts.update(on=0, off=0)
             for _ in range(3):
                 on(*args, **kwargs)
@@ -129,6 +132,7 @@ def test_forward_hook_fires_on_every_call(model, scheme):
             h.remove()
     assert counts["on"] == 3
     assert counts["off"] == 0  # today's graphs inline the projection: the hook never runs
+    assert on.__dict__["_depthrewrite"].captures == captures  # a hook on a called module needs no recapture
 
 
 class LinearOnly(torch.Tensor):
@@ -179,8 +183,10 @@ def test_weight_subclass_with_only_f_linear(model, scheme):
         for lin in linears:
             lin.weight = nn.Parameter(LinearOnly(lin.weight.detach()), requires_grad=False)
         LinearOnly.seen.clear()
+        captures = on.__dict__["_depthrewrite"].captures
         with torch.no_grad():  # the existing graphs, no recapture: the runner calls the live modules
-            out = _runner(on)(*args, **kwargs)
+            out = on(*args, **kwargs)
+        assert on.__dict__["_depthrewrite"].captures == captures
         assert (_logits(out) - ref).abs().max().item() <= 1e-6
         assert len(LinearOnly.seen) >= len(linears)
     finally:
@@ -325,3 +331,92 @@ def test_auto_mode_traces_a_hook_it_cannot_keep_with_a_warning():
     strict.model.layers[1].self_attn.register_forward_hook(lambda *_: None)
     with pytest.raises(ModuleCallError):
         strict(**kwargs)
+
+
+# ---- modules the graphs call are opaque: what happens inside them needs no recapture --------------------------------
+
+
+def _lora(model: nn.Module, seed: int):
+    import peft
+
+    torch.manual_seed(seed)
+    cfg = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj", "c_attn", "c_fc"],
+                          init_lora_weights=False)  # random A and B: the LoRA layers change the output
+    return peft.get_peft_model(model, cfg)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_lora_inside_called_modules_needs_no_recapture(scheme):
+    """peft replaces q_proj / v_proj / down_proj by LoRA layers: the graphs call those paths live, so the converted
+    model keeps its graphs and runs the LoRA layers; a conversion that inlines them (module_calls=False) recaptures.
+    Both give the same logits."""
+    off, on, (args, kwargs), _ = pair("llama", scheme)
+    off, on = copy.deepcopy(off), copy.deepcopy(on)  # the shared pair stays unwrapped
+    with torch.no_grad():
+        before = _logits(on(*args, **kwargs))
+        off(*args, **kwargs)
+    st_on, st_off = on.__dict__["_depthrewrite"], off.__dict__["_depthrewrite"]
+    captures = st_on.captures, st_off.captures
+    p_on, p_off = _lora(on, 3), _lora(off, 3)
+    p_off.load_state_dict({k: v for k, v in p_on.state_dict().items() if "lora_" in k}, strict=False)
+    with torch.no_grad():
+        a, b = _logits(p_on(*args, **kwargs)), _logits(p_off(*args, **kwargs))
+    assert (a - before).abs().max() > 1e-3  # the LoRA layers run
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert st_on.captures == captures[0] and st_on.recaptures == 0
+    assert st_off.captures > captures[1]  # its graphs inline the projections
+
+
+def test_flop_counter_counts_per_module_as_the_original():
+    """FlopCounterMode (a global module hook and a dispatch mode) counts every module the graphs call as in the
+    original: each attention, MLP, projection and the head. The blocks hold the scheme's depth ops too (counted when
+    depthrewrite's flop formulas are registered), and the module holding the rewritten chain (LlamaModel) runs as the
+    converted graph's glue. A capture inside the mode is not counted (it traces fake tensors)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    m, (args, kwargs), _ = _llama()
+    ref = copy.deepcopy(m)
+    conv = dr.convert(m, "attnres", example_kwargs=kwargs)
+
+    def count(model):
+        with FlopCounterMode(display=False) as fc:
+            model(**kwargs)
+        return fc.get_total_flops(), {k: sum(v.values()) for k, v in fc.get_flop_counts().items()}
+
+    conv.train(), ref.train()  # a new call structure: captured inside the mode
+    captures = conv.__dict__["_depthrewrite"].captures
+    first = count(conv)
+    assert conv.__dict__["_depthrewrite"].captures == captures + 1
+    again, orig = count(conv), count(ref)
+    assert first == again and isinstance(first[0], int)  # the capture's fake tensors were not counted
+    assert again[0] >= orig[0]
+    per, per_ref = again[1], orig[1]
+    inside = {k: v for k, v in per_ref.items() if ".layers.0." in k or ".layers.1." in k or k.endswith("lm_head")}
+    assert "LlamaForCausalLM.model.layers.0.self_attn.q_proj" in inside and len(inside) == 19
+    assert {k: per.get(k) for k in inside} == inside
+    assert "LlamaForCausalLM.model" in per_ref and "LlamaForCausalLM.model" not in per
+
+
+def test_module_tracker_sees_the_called_modules():
+    from torch.utils.module_tracker import ModuleTracker
+
+    m, (args, kwargs), _ = _llama()
+    ref = copy.deepcopy(m)
+    conv = dr.convert(m, "msar", example_kwargs=kwargs)
+
+    def parents(model):
+        seen = []
+        with ModuleTracker() as mt:
+            h = model.get_submodule("model.layers.1.mlp.up_proj").register_forward_hook(
+                lambda *_: seen.append(set(mt.parents)))
+            try:
+                with torch.no_grad():
+                    model(**kwargs)
+            finally:
+                h.remove()
+        return seen
+
+    got, want = parents(conv), parents(ref)
+    assert len(got) == len(want) == 1
+    assert want[0] - got[0] == {"LlamaForCausalLM.model"}  # the chain's module runs inside the converted graph
+    assert {"LlamaForCausalLM.model.layers.1", "LlamaForCausalLM.model.layers.1.mlp"} <= got[0]

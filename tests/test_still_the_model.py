@@ -421,34 +421,75 @@ def test_peft_lora_trains_through_the_converted_model(name, scheme):
 
 
 def test_replaced_submodule_and_hooks_are_followed():
+    """A module the graphs call live (each Linear, the MLP) is opaque to the module-tree check: replacing it or
+    hooking it needs no recapture, and the new module and the hook run on every call. One the graphs depend on
+    (the rotary embedding's class: its outputs are unpacked) is recaptured."""
     torch.manual_seed(0)
-    conv = dr.convert(hf_model("llama", layers=2).eval(), "attnres")
+    orig = hf_model("llama", layers=2).eval()
+    twin = copy.deepcopy(orig)
+    conv = dr.convert(orig, "attnres")
     ref = conv(IDS).logits
+    st = conv.__dict__["_depthrewrite"]
     old = conv.model.layers[0].mlp.down_proj
     new = torch.nn.Linear(old.in_features, old.out_features, bias=False)
     with torch.no_grad():
         new.weight.copy_(old.weight * 2)
     conv.model.layers[0].mlp.down_proj = new
+    twin.model.layers[0].mlp.down_proj = copy.deepcopy(new)
     doubled = conv(IDS).logits
-    assert (doubled - ref).abs().max() > 1e-4  # recaptured with the new module
+    assert (doubled - ref).abs().max() > 1e-4  # the new module runs
+    torch.testing.assert_close(doubled, twin(IDS).logits, atol=1e-5, rtol=1e-5)
     h = conv.model.layers[1].mlp.register_forward_hook(lambda m, i, o: o * 0)  # the MLP is called live: no warning
     hooked = conv(IDS).logits
-    assert (hooked - doubled).abs().max() > 1e-4  # the hook's effect on the output is in the graph
+    assert (hooked - doubled).abs().max() > 1e-4  # the hook's effect on the output
     h.remove()
     torch.testing.assert_close(conv(IDS).logits, doubled)
-    assert conv.__dict__["_depthrewrite"].recaptures == 3
+    assert st.recaptures == 0 and st.captures == 1
+    rope = conv.model.rotary_emb
+    conv.model.rotary_emb = type("OtherRope", (type(rope),), {})(conv.config)
+    torch.testing.assert_close(conv(IDS).logits, doubled)
+    assert st.recaptures == 1
 
 
-def test_a_global_module_hook_is_a_typed_error():
+def test_a_global_module_hook_fires_for_the_called_modules():
+    """register_module_forward_hook runs for every module the graphs call (as in the original, less the model that
+    holds the rewritten chain); where a graph inlines every module (module_calls=False) it is a typed error."""
     from depthrewrite.errors import ModuleTreeChangedError
 
-    _, conv = _pair("llama", "attnres")
-    h = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: None)
+    model, conv = _pair("llama", "attnres")
+    seen: list = []
+    h = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: seen.append(m))
     try:
-        with pytest.raises(ModuleTreeChangedError, match="global module hook"):
-            conv(IDS)
+        conv(IDS)
+        called = {id(m) for m in seen}
+        seen.clear()
+        model(IDS)
+        expected = {id(m) for m in seen if m is not model.model}
+        names = {id(m): n for n, m in conv.named_modules()}
+        assert {names[i] for i in called if i in names} == {n for n, m in model.named_modules() if id(m) in expected}
+        off = dr.convert(copy.deepcopy(model), "attnres", module_calls=False)
+        with pytest.raises(ModuleTreeChangedError, match="global module hook.*every module inlined"):
+            off(IDS)
     finally:
         h.remove()
+
+
+def test_accelerate_offload_is_a_typed_error():
+    """accelerate's cpu_offload keeps weights on the meta device and loads them in each module's own forward hook;
+    the graphs read the depth-mixing parameters and the glue directly: a ConfigError naming the module, after
+    conversion and before it (never a CaptureError from inside accelerate)."""
+    accelerate = pytest.importorskip("accelerate")
+    from depthrewrite.errors import ConfigError
+
+    torch.manual_seed(0)
+    conv = dr.convert(hf_model("llama", layers=2).eval(), "attnres")
+    conv(IDS)
+    accelerate.cpu_offload(conv, execution_device=torch.device("cpu"))
+    with pytest.raises(ConfigError, match=r"LlamaForCausalLM\.model\.embed_tokens is offloaded by accelerate"):
+        conv(IDS)
+    orig = accelerate.cpu_offload(hf_model("llama", layers=2).eval(), execution_device=torch.device("cpu"))
+    with pytest.raises(ConfigError, match="offloaded by accelerate"):
+        dr.convert(orig, "attnres")
 
 
 # ---- direct calls as HF code makes them ---------------------------------------------------------------------------

@@ -46,6 +46,9 @@ class GraphEntry:
     seconds: float
     calls: int = 0
     runner: Any = None  # the module a call runs: glue plus one call per block module (depthrewrite.blocks); None: module
+    #: whether its graphs call the model's intact modules as live modules (convert's module calls; False: every
+    #: module's ops are inlined), which a global module hook (FlopCounterMode, ModuleTracker) needs
+    module_calls: bool = False
 
     @property
     def run(self) -> fx.GraphModule:

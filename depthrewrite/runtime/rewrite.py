@@ -53,6 +53,17 @@ def run_pass(pass_name: str, where: str, fn: Callable[..., T], *args: Any) -> T:
 CACHED_INLINE = "depthrewrite_cached_inline"
 
 
+def _accelerate_offloaded(model: nn.Module) -> str | None:
+    """The path of a module whose weights accelerate's offload hook keeps off the device (``AlignDevicesHook`` with
+    ``offload=True``; accelerate's ``SequentialHook`` chains several), or None."""
+    for n, m in model.named_modules():
+        hook = m.__dict__.get("_hf_hook")
+        for h in getattr(hook, "hooks", (hook,)):
+            if getattr(h, "offload", False) is True:
+                return n or "(the model)"
+    return None
+
+
 def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict, *, cached_inline: bool = True
                         ) -> tuple[fx.GraphModule, Any]:
     """Capture ``model`` (a converted model, run as its original class) on one call and rewrite the graph with the
@@ -81,6 +92,15 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict, *,
         raise ConfigError(
             f"the converted {name} ({config.name}) cannot decode with a filled KV cache: {why}. Call it without a "
             "cache (use_cache=False; generate(..., use_cache=False) recomputes the sequence at every step)."
+        )
+    offloaded = _accelerate_offloaded(model)
+    if offloaded is not None:
+        raise ConfigError(
+            f"{name}.{offloaded} is offloaded by accelerate (cpu_offload, disk_offload or a device_map with offloaded "
+            "weights): its weights stay on the meta device and are loaded in its own forward hook. A converted "
+            "model's graphs read the depth-mixing parameters (model.depthrewrite) and the glue between modules "
+            "directly, so they cannot run offloaded. Load the model onto its devices without offloading (a device_map "
+            "of devices only), or convert and run it without accelerate's offload."
         )
     module_calls = getattr(st, "module_calls", False)
     tp = tensor_parallel(model)

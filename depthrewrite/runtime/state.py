@@ -26,7 +26,8 @@ from .caches import EXTRA_LAYERS, SEEN_TOKENS, check_cache, output_cache, store_
 from .entries import LOCK, GraphEntry, describe_value, guards_of, readable_structure, traced_call
 from . import tree as tree_module
 from .rewrite import CACHED_INLINE, capture_and_rewrite
-from .tree import PLAIN_TENSORS, ModuleTree, check_block_hooks, direct_reads, warn_user_hooks
+from .tree import (PLAIN_TENSORS, ModuleTree, called_modules, check_block_hooks, check_global_hooks, direct_reads,
+                   outside_the_call, warn_user_hooks)
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +147,6 @@ class ConversionState:
             self.recaptures += 1
             if not self.module_calls:  # with module calls, a hooked module is called or refused
                 warn_user_hooks(tree)
-        if tree_module.CHECK_MODULE_TREE:
-            tree.check_hooks()
 
     def _same_logic(self, model: nn.Module) -> bool:
         """After a change to the module tree: whether the block runners read the new tree as the old one (a block
@@ -155,7 +154,7 @@ class ConversionState:
         is recorded and the graphs are kept."""
         if self.blocks is None or self.pipeline_stages is not None:
             return False
-        new = ModuleTree(model)
+        new = ModuleTree(model, self.tree.called)
         if new.logical != self.tree.logical:
             return False
         wrapped = self._subclass_read_inline(model)
@@ -227,7 +226,7 @@ class ConversionState:
         return None, pos, kw, key, bound
 
     def capture(self, model: nn.Module, args: tuple, kwargs: dict, structure: str) -> GraphEntry:
-        with LOCK.exclusive():
+        with LOCK.exclusive(), outside_the_call():
             t0 = time.perf_counter()
             gm, result = capture_and_rewrite(model, self, args, kwargs)
             self.captures += 1
@@ -248,7 +247,6 @@ class ConversionState:
                 if self.pipeline_stages is not None:
                     split(gm, self.pipeline_stages, **self.pipeline_kw)
                 runner = self.keep_blocks(model, gm)
-        self.tree = ModuleTree(model)  # the first capture adds model.depthrewrite
         guards = guards_of(gm)
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]
         fixed = [f"{name}.shape[{d}]={g}" for name, dims in zip(names, guards) for d, g in dims.items()
@@ -257,6 +255,9 @@ class ConversionState:
             structure += f" ({', '.join(fixed)})"
         entry = GraphEntry(module=gm, structure=structure, guards=guards, seconds=time.perf_counter() - t0,
                            runner=runner)
+        entry.module_calls = bool(called_modules([entry]))
+        # the first capture adds model.depthrewrite; what is opaque depends on every graph kept, this one too
+        self.tree = ModuleTree(model, called_modules([*self.entries(), entry]))
         log.info("depthrewrite: captured a graph for %s (%s) in %.2f s", self.original.__name__, structure, entry.seconds)
         return entry
 
@@ -352,6 +353,8 @@ class ConversionState:
                 "call with use_cache=False."
             )
         tracing = exporting or torch.compiler.is_dynamo_compiling()
+        if not tracing and tree_module.CHECK_MODULE_TREE:
+            check_global_hooks(entry, self.original.__name__)
         try:
             out = (entry.module if exporting else entry.run)(*pos, **kw)
         except RuntimeError as e:
@@ -360,6 +363,8 @@ class ConversionState:
             if "Expected input at" not in str(e) or tracing:
                 raise
             entry, pos, kw = self.select(model, args, kwargs, fresh=True)
+            if tree_module.CHECK_MODULE_TREE:
+                check_global_hooks(entry, self.original.__name__)
             out = entry.run(*pos, **kw)
         self.last[bool(model.training)] = entry
         entry.calls += 1

@@ -3,16 +3,18 @@ and the checks and warnings about hooks on its submodules."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import operator
-from typing import Any
+from collections import OrderedDict
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
 
 from ..blocks import WRAPPER_ATTRS, ConvertedBlock, get_path, original_block_class, unwrap, unwrapped_path
 from ..errors import ConfigError, ModuleTreeChangedError
-from ..passes.lower.module_calls import HOOK_ATTRS, hook_owner, traced_hook
+from ..passes.lower.module_calls import CALL_META, HOOK_ATTRS, hook_owner, is_dtensor, traced_hook
 
 # Set to False to skip the module-tree check (for measuring its cost only: changes then go unnoticed).
 CHECK_MODULE_TREE = True
@@ -63,6 +65,47 @@ def direct_reads(entries: list) -> set[str]:
     return out
 
 
+def called_modules(entries: list) -> dict[str, bool]:
+    """The modules every graph of ``entries`` calls as live modules (``convert``'s module calls), by path (without
+    wrapper segments): ``{path: whether its output is a container}``. A module is left out when some graph inlines
+    its ops instead, or reads one of its parameters or buffers directly (a tied weight read in the parent): those
+    graphs depend on what is inside it."""
+    if not entries:
+        return {}
+    every: set[str] | None = None
+    structured: set[str] = set()
+    for e in entries:
+        run = e.run
+        graphs = [run.graph, *(p.graph for p in run.__dict__.get("_dr_programs", {}).values())]
+        mine = set()
+        for g in graphs:
+            for n in g.nodes:
+                path = n.meta.get(CALL_META) if n.op == "call_module" else None
+                if path is not None:
+                    mine.add(unwrapped_path(path))
+                    if any(u.target is operator.getitem for u in n.users):
+                        structured.add(unwrapped_path(path))
+        every = mine if every is None else every & mine
+    reads = {unwrapped_path(r) for r in direct_reads(entries)}
+    return {p: p in structured for p in sorted(every or ())
+            if not any(r.startswith(p + ".") for r in reads)}
+
+
+def _called_root(path: str, called: dict[str, bool]) -> str | None:
+    """The called module ``path`` is (or is inside), or None."""
+    if not called:
+        return None
+    parts = path.split(".")
+    return next((p for p in (".".join(parts[:i]) for i in range(1, len(parts) + 1)) if p in called), None)
+
+
+def _inside(mod: nn.Module) -> tuple:
+    """What a graph around a called module still depends on inside it: the dtypes it holds, and whether it holds
+    DTensors (tensor parallelism and FSDP2 change the local shapes the graph sees: recaptured and checked)."""
+    ts = [*mod.parameters(), *mod.buffers()]
+    return frozenset(t.dtype for t in ts), any(map(is_dtensor, ts))
+
+
 def _ids(dicts: list[dict]) -> list[int]:
     return list(map(id, itertools.chain.from_iterable(map(dict.values, dicts))))
 
@@ -73,9 +116,9 @@ class ModuleTree:
     identities of every parameter and buffer."""
 
     __slots__ = ("names", "mods", "types", "owners", "children", "hooks", "hook_snapshot", "tensors", "config",
-                 "ckpt_owners", "ckpt", "logical")
+                 "ckpt_owners", "ckpt", "called", "logical")
 
-    def __init__(self, root: nn.Module):
+    def __init__(self, root: nn.Module, called: dict[str, bool] | None = None):
         named = [(n, m) for n, m in root.named_modules() if m is not root]
         self.names = [n for n, _ in named]
         self.mods = [m for _, m in named]
@@ -94,6 +137,7 @@ class ModuleTree:
         # activation checkpointing flags (HF's gradient_checkpointing_enable() sets them): export cannot follow them
         self.ckpt_owners = [m for m in self.owners if "gradient_checkpointing" in m.__dict__]
         self.ckpt = [m.__dict__["gradient_checkpointing"] for m in self.ckpt_owners]
+        self.called = dict(called or {})  # called_modules() of the graphs this tree runs: opaque in logical
         self.logical = self._logical()  # taken now: the modules it reads change in place
 
     def changed(self, root: nn.Module) -> bool:
@@ -115,7 +159,10 @@ class ModuleTree:
         original class (FSDP2 subclasses it) and hooks on blocks are not compared (they fire at run time, around the
         block call); parameters and buffers by name, shape, dtype and which of them are one tensor (tied), not by
         identity (a runner reads them from the live modules at call time, so FSDP2's sharding or a reassigned tensor
-        needs no recapture). Two trees with equal ``logical()`` run the same captured graphs."""
+        needs no recapture). A module every graph calls as a live module (:attr:`called`) is opaque: what is
+        inside it (its hooks, parameters, children, a replacement at its path: a peft LoRA layer, a torchao swap) is
+        read when it is called, so only its path, the dtypes it holds, whether it holds DTensors and (when the graph
+        unpacks its output) its class count. Two trees with equal ``logical()`` run the same captured graphs."""
         items = []
         first: dict[int, str] = {}  # tensor identity -> the first name holding it (ties)
 
@@ -130,9 +177,14 @@ class ModuleTree:
         for i, (name, mod, typ) in enumerate(zip(self.names, self.mods, self.types)):
             if any(a in mod._modules for a in WRAPPER_ATTRS) and isinstance(unwrap(mod), ConvertedBlock):
                 continue
+            cname = unwrapped_path(name)
+            root = _called_root(cname, self.called)
+            if root is not None:
+                if root == cname:  # inside a called module: nothing the graphs read
+                    items.append((cname, "called", typ if self.called[cname] else None, _inside(mod)))
+                continue
             block = isinstance(mod, ConvertedBlock)
             hooks = () if block else tuple(tuple(d.values()) for d in self.hook_snapshot[4 * i:4 * i + 4])
-            cname = unwrapped_path(name)
             items.append((
                 cname, id(mod), original_block_class(typ) if block else typ, hooks,
                 tensors(cname, mod._parameters), tensors(cname, mod._buffers),
@@ -176,17 +228,54 @@ class ModuleTree:
             return added, f"added (a {type(now[added]).__name__})"
         return "", "a parameter or buffer was reassigned"
 
-    def check_hooks(self) -> None:
-        mm = torch.nn.modules.module
-        if mm._global_forward_pre_hooks or mm._global_forward_hooks or mm._global_backward_pre_hooks or mm._global_backward_hooks:
-            kind = next(fn for attr, fn in _GLOBAL_HOOKS if getattr(mm, attr))
-            raise ModuleTreeChangedError(
-                f"a global module hook is registered (torch.nn.modules.module.{kind}; FlopCounterMode and "
-                "ModuleTracker register one too): it would run for the converted model itself but for none of its "
-                "submodules, whose code runs inside a captured graph. Remove the global hook before calling the "
-                "converted model.",
-                module=None, change="global hook",
-            )
+def global_hooks() -> str | None:
+    """The register function of a global module hook that is registered now (``register_module_forward_hook``;
+    FlopCounterMode and ModuleTracker register them), or None."""
+    mm = torch.nn.modules.module
+    return next((fn for attr, fn in _GLOBAL_HOOKS if getattr(mm, attr)), None)
+
+
+def check_global_hooks(entry: Any, name: str) -> None:
+    """A global module hook runs for every module called. A graph with module calls calls the model's intact
+    modules (each block, its attention and MLP, every Linear, Embedding and norm), so the hook fires for them as in
+    the original; the modules whose computation the rewrite changed (the model holding the residual chain, MoDA's
+    attention) run inside their parent's call. A graph without module calls inlines every module below the blocks:
+    ModuleTreeChangedError rather than a hook that silently skips them."""
+    kind = global_hooks()
+    if kind is None or entry.module_calls:
+        return
+    why = ("its graph for this call has every module inlined (converted with module_calls=False, one flat graph, or "
+           "a decoding step continuing a KV cache, which runs inlined)")
+    raise ModuleTreeChangedError(
+        f"a global module hook is registered (torch.nn.modules.module.{kind}; FlopCounterMode and ModuleTracker "
+        f"register one too), but the converted {name} cannot run it for its submodules: {why}. Convert with the "
+        "default module calls, or remove the global hook before calling the converted model.",
+        module=None, change="global hook",
+    )
+
+
+@contextlib.contextmanager
+def outside_the_call() -> Iterator[None]:
+    """A capture traces the model; it is not a call of it. The global module hooks and the dispatch modes the caller
+    runs under (FlopCounterMode, DebugMode, a mode logging ops) are suspended while it traces, so they see the
+    captured graph run, not export's fake tensors. Under a tracer's own mode (fake tensors, make_fx) nothing is
+    suspended."""
+    from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
+
+    mm = torch.nn.modules.module
+    stack = _get_current_dispatch_mode_stack()
+    infra = any(type(m).__module__.startswith(("torch._subclasses", "torch.fx", "torch._functorch", "torch._export"))
+                for m in stack)
+    saved = [(d, OrderedDict(d)) for d in (getattr(mm, attr) for attr, _ in _GLOBAL_HOOKS)]
+    for d, _ in saved:
+        d.clear()
+    try:
+        with contextlib.nullcontext() if infra or not stack else _disable_current_modes():
+            yield
+    finally:
+        for d, s in saved:
+            d.clear()
+            d.update(s)
 
 
 _WARNED: set = set()
