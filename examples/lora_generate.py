@@ -5,7 +5,8 @@ and load it back.
     python examples/lora_generate.py [--out DIR] [--steps N]
 
 Every call structure (training with labels, cached prefill, one-token decoding) gets its own captured graph on first
-use; peft replacing ``q_proj``/``v_proj`` with LoRA layers is noticed on the next call, which recaptures through them.
+use; peft replacing ``q_proj``/``v_proj`` with LoRA layers keeps the graphs, which call those modules live (a decoding
+step's graph inlines them, so a change after decoding recaptures through them).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def main(out: Path, steps: int) -> None:
     recomputed = lora.generate(input_ids=prompt, use_cache=False, **kw)
     print(f"greedy tokens with the KV cache equal recomputing the prefix: {torch.equal(cached, recomputed)}")
 
-    merged = lora.merge_and_unload()  # LoRA folded into q_proj / v_proj: the converted model recaptures once more
+    merged = lora.merge_and_unload()  # LoRA folded into q_proj / v_proj: the decoding graphs inline them, so it recaptures
     merged.save_pretrained(out / "llama-block-msar")
     back = dr.from_pretrained(out / "llama-block-msar")
     with torch.no_grad():

@@ -228,25 +228,22 @@ class ConversionState:
     def capture(self, model: nn.Module, args: tuple, kwargs: dict, structure: str) -> GraphEntry:
         with LOCK.exclusive(), outside_the_call():
             t0 = time.perf_counter()
-            gm, result = capture_and_rewrite(model, self, args, kwargs)
-            self.captures += 1
-            if self.pipeline_stages is not None:
-                split(gm, self.pipeline_stages, **self.pipeline_kw)
-            try:
-                runner = self.keep_blocks(model, gm)
-            except DepthRewriteError:
-                if not gm.meta.get(CACHED_INLINE):
-                    raise
-                # the blocks were split from graphs with module calls, and this cached call's inlined graph exposes
-                # an op the split cannot move (an in-place write inside a module it called, Mixtral's router):
-                # capture it with the module calls too
-                log.info("depthrewrite: %s: the cached call's inlined graph does not split at the blocks; capturing "
-                         "it with module calls", self.original.__name__)
-                gm, result = capture_and_rewrite(model, self, args, kwargs, cached_inline=False)
+            for cached_inline in (True, False):
+                gm, result = capture_and_rewrite(model, self, args, kwargs, cached_inline=cached_inline)
                 self.captures += 1
                 if self.pipeline_stages is not None:
                     split(gm, self.pipeline_stages, **self.pipeline_kw)
-                runner = self.keep_blocks(model, gm)
+                try:
+                    runner = self.keep_blocks(model, gm)
+                    break
+                except DepthRewriteError:
+                    if not gm.meta.get(CACHED_INLINE):
+                        raise
+                    # the blocks were split from graphs with module calls, and this cached call's inlined graph
+                    # exposes an op the split cannot move (an in-place write inside a module it called, Mixtral's
+                    # router): capture it with the module calls too
+                    log.info("depthrewrite: %s: the cached call's inlined graph does not split at the blocks; "
+                             "capturing it with module calls", self.original.__name__)
         guards = guards_of(gm)
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]
         fixed = [f"{name}.shape[{d}]={g}" for name, dims in zip(names, guards) for d, g in dims.items()
