@@ -2,7 +2,7 @@
 
 Each call compares a fingerprint of the module tree (submodules, classes, parameter/buffer identities, hook dicts)
 with the one its graphs were captured from; a change drops the graphs and the call recaptures, so hooks, replaced,
-added and removed submodules are in the graph. Global module hooks stay a ``ModuleTreeChangedError``. A dimension
+added and removed submodules are in the graph. Global module hooks run for the modules the graphs call. A dimension
 export fixed at capture gets a graph of its own per size.
 """
 
@@ -16,7 +16,7 @@ import torch.nn as nn
 
 import depthrewrite as dr
 from depthrewrite.demo.zoo import hf_model
-from depthrewrite.errors import CaptureError, ConfigError, ModuleTreeChangedError
+from depthrewrite.errors import CaptureError
 
 IDS = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
 Q = "model.layers.0.self_attn.q_proj"

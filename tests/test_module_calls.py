@@ -374,7 +374,7 @@ def test_flop_counter_counts_per_module_as_the_original():
     converted graph's glue. A capture inside the mode is not counted (it traces fake tensors)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    m, (args, kwargs), _ = _llama()
+    m, (_, kwargs), _ = _llama()
     ref = copy.deepcopy(m)
     conv = dr.convert(m, "attnres", example_kwargs=kwargs)
 
@@ -400,7 +400,7 @@ def test_flop_counter_counts_per_module_as_the_original():
 def test_module_tracker_sees_the_called_modules():
     from torch.utils.module_tracker import ModuleTracker
 
-    m, (args, kwargs), _ = _llama()
+    m, (_, kwargs), _ = _llama()
     ref = copy.deepcopy(m)
     conv = dr.convert(m, "msar", example_kwargs=kwargs)
 

@@ -46,13 +46,18 @@ class GraphEntry:
     seconds: float
     calls: int = 0
     runner: Any = None  # the module a call runs: glue plus one call per block module (depthrewrite.blocks); None: module
-    #: whether its graphs call the model's intact modules as live modules (convert's module calls; False: every
-    #: module's ops are inlined), which a global module hook (FlopCounterMode, ModuleTracker) needs
-    module_calls: bool = False
 
     @property
     def run(self) -> fx.GraphModule:
         return self.module if self.runner is None else self.runner
+
+    @property
+    def module_calls(self) -> bool:
+        """Whether its graphs call the model's intact modules as live modules (the lowering's ``called`` list that
+        :func:`depthrewrite.blocks.build_runner` records; False: every module's ops are inlined), which a global
+        module hook (FlopCounterMode, ModuleTracker) needs."""
+        calls = self.runner.meta.get("depthrewrite_module_calls") if self.runner is not None else None
+        return bool(calls and calls["called"])
 
     def matches(self, tensors: list[torch.Tensor]) -> bool:
         if len(tensors) != len(self.guards):

@@ -252,7 +252,6 @@ class ConversionState:
             structure += f" ({', '.join(fixed)})"
         entry = GraphEntry(module=gm, structure=structure, guards=guards, seconds=time.perf_counter() - t0,
                            runner=runner)
-        entry.module_calls = bool(called_modules([entry]))
         # the first capture adds model.depthrewrite; what is opaque depends on every graph kept, this one too
         self.tree = ModuleTree(model, called_modules([*self.entries(), entry]))
         log.info("depthrewrite: captured a graph for %s (%s) in %.2f s", self.original.__name__, structure, entry.seconds)
