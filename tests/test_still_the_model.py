@@ -241,14 +241,16 @@ def test_a_cache_filled_by_another_model_is_refused_for_msar():
         conv(IDS[:, 7:8], cache=cache, use_cache=True)
 
 
-def test_chunked_calls_across_a_sliding_window_edge():
+@pytest.mark.parametrize("module_calls", [None, True])
+def test_chunked_calls_across_a_sliding_window_edge(module_calls):
     """A cache length export derives from the new tokens at the window's edge gets a graph of its own when a later
-    call breaks that relation (export's own input check), not a bare RuntimeError."""
+    call breaks that relation (export's own input check), not a bare RuntimeError; with module calls in the decoding
+    steps too (``module_calls=True``), where the block runner must keep that check."""
     from transformers import DynamicCache
 
     torch.manual_seed(0)
     model = hf_model("mistral", layers=2, sliding_window=6).eval()
-    conv = dr.convert(model, "attnres", inplace=False)
+    conv = dr.convert(model, "attnres", inplace=False, module_calls=module_calls)
     ours, theirs = DynamicCache(config=model.config), DynamicCache(config=model.config)
     for a, b in ((0, 3), (3, 5)):
         torch.testing.assert_close(conv(IDS[:, a:b], cache=ours, use_cache=True).logits,
@@ -259,6 +261,10 @@ def test_chunked_calls_across_a_sliding_window_edge():
         assert "sliding window" in str(e)
     else:
         torch.testing.assert_close(got, model(IDS[:, 5:8], cache=theirs, use_cache=True).logits, atol=1e-4, rtol=1e-4)
+    runners = [e.runner for e in conv.__dict__["_depthrewrite"].entries() if e.runner is not None]
+    assert runners
+    for runner in runners:  # export's input-constraint pre-hook skips its check on a module with this attribute
+        assert "_guards_fn" not in runner.__dict__ and "_guards_fn" not in runner._modules
 
 
 def test_a_full_sliding_window_is_a_typed_error():

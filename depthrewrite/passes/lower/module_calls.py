@@ -649,6 +649,11 @@ def lower_module_calls(gm: fx.GraphModule, blocks: tuple[str, ...] = (), live: n
             continue
         if n in gone:
             continue
+        if n.op == "call_module" and n.target == "_guards_fn" and not n.users:
+            # export's input-guard call: the converted model checks inputs itself; kept, it would leave the block
+            # runner a `_guards_fn` attribute of None, and export's input-constraint pre-hook skips its check when
+            # that attribute exists (a relation such as a cache length would go unchecked)
+            continue
         env[n] = out.node_copy(n, env.__getitem__)
     for n in [n for n in out.nodes if n.op == "get_attr" and not n.users]:  # the called modules' own weights
         out.erase_node(n)
