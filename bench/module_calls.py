@@ -30,9 +30,8 @@ import depthrewrite as dr
 from bench.generation import _per_token
 from depthrewrite.zoo import hf_model
 
-# module_calls=True, not the default None: under None a call with a KV cache runs inlined graphs (docs/limitations.md),
-# so cached decoding would compare inlined with inlined; True keeps the module calls there too (no hooks here, so
-# nothing is refused)
+# module_calls=True: with no hooks on the model it runs the same graphs as the default (None); True makes sure a call
+# that cannot keep its module calls fails instead of being measured inlined
 MODES = (("module calls", True), ("inlined", False))
 
 

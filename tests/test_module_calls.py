@@ -420,3 +420,36 @@ def test_module_tracker_sees_the_called_modules():
     assert len(got) == len(want) == 1
     assert want[0] - got[0] == {"LlamaForCausalLM.model"}  # the chain's module runs inside the converted graph
     assert {"LlamaForCausalLM.model.layers.1", "LlamaForCausalLM.model.layers.1.mlp"} <= got[0]
+
+
+@pytest.mark.parametrize("scheme", ["attnres", "msar"])
+def test_decoding_steps_call_the_modules(scheme):
+    """Under the default, the graphs of calls continuing a KV cache (every decoding step of generate()) call the
+    modules too: a hook on q_proj fires once per step as in the original, the generated tokens are the original's,
+    and a global module hook (FlopCounterMode) runs rather than being refused."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    m, (_, kwargs), path = _llama()
+    ref = copy.deepcopy(m)
+    conv = dr.convert(m, scheme, example_kwargs=kwargs)
+    ids = kwargs["input_ids"][:, :6]
+    gen = dict(max_new_tokens=4, do_sample=False, use_cache=True, pad_token_id=0)
+
+    def fires(model):
+        seen = []
+        h = model.get_submodule(path).register_forward_hook(lambda mod, i, out: seen.append(out.shape[1]))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # no "the hook ... is traced" warning
+                out = model.generate(ids, **gen)
+        finally:
+            h.remove()
+        return out, seen
+
+    (got, seen), (want, seen_ref) = fires(conv), fires(ref)
+    assert torch.equal(got, want)
+    assert seen == seen_ref == [6, 1, 1, 1]
+    assert all(e.module_calls for e in conv.__dict__["_depthrewrite"].entries())
+    with FlopCounterMode(display=False) as fc:
+        assert torch.equal(conv.generate(ids, **gen), want)
+    assert fc.get_total_flops() > 0

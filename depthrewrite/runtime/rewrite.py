@@ -48,10 +48,6 @@ def run_pass(pass_name: str, where: str, fn: Callable[..., T], *args: Any) -> T:
         ) from e
 
 
-#: gm.meta key: this graph of a call continuing a KV cache runs inlined although module calls are on
-#: (``module_calls=None``)
-CACHED_INLINE = "depthrewrite_cached_inline"
-
 
 def _accelerate_offloaded(model: nn.Module) -> str | None:
     """The path of a module whose weights accelerate's offload hook keeps off the device (``AlignDevicesHook`` with
@@ -64,13 +60,10 @@ def _accelerate_offloaded(model: nn.Module) -> str | None:
     return None
 
 
-def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict, *, cached_inline: bool = True
-                        ) -> tuple[fx.GraphModule, Any]:
+def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, Any]:
     """Capture ``model`` (a converted model, run as its original class) on one call and rewrite the graph with the
     conversion's scheme; the new parameters are ``model.depthrewrite`` (created by the first capture). Returns the
-    :class:`ConvertedGraphModule` and the rewrite's result; the first capture also fills ``st.report``.
-    ``cached_inline=False``: a call that continues a KV cache keeps the module calls ``module_calls=None`` turns on
-    (else it runs inlined; ``gm.meta[CACHED_INLINE]`` says so)."""
+    :class:`ConvertedGraphModule` and the rewrite's result; the first capture also fills ``st.report``."""
     config = st.config
     handler = get_handler(config)
     name = st.original.__name__
@@ -113,13 +106,6 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict, *,
             "the previous rank's last positions. Use a plan that keeps activations replicated between sublayers "
             "(RowwiseParallel(output_layouts=Replicate()), no SequenceParallel norms; docs/training.md)."
         )
-    cached_inline = cached_inline and module_calls and bool(filled) and not getattr(st, "module_calls_asked", True) \
-        and not tp and sharded is None
-    if cached_inline:
-        # module_calls=None: a call that continues a KV cache (one already holding tokens) runs inlined graphs (with
-        # module calls a sliding window's edge fails inside a block program; docs/limitations.md). Hooks are traced
-        # into its graph, with the usual warning.
-        module_calls = False
     if not module_calls and (tp or sharded is not None):
         # a tensor-parallel plan, or fully_shard on a module that is not a block (torchtitan's apply_fsdp shards the
         # embedding and the output), acts on modules through their hooks: they must stay calls (check_live_modules
@@ -185,8 +171,6 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict, *,
         module_calls = False
         gm, chain, result, keep_cache, box = rewritten(False, keep_cache)
         warn_traced_hooks(model)
-    if cached_inline:
-        warn_traced_hooks(model)
     if not result.modified:
         raise DepthRewriteError(f"{config.name}: the rewrite changed nothing on {name}; not returning an unconverted model")
     sites = tuple((c.site, tuple(c.sources)) for c in result.changes)
@@ -205,8 +189,6 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict, *,
         if module_calls and LOWERED_META in gm.meta:
             st.report = dataclasses.replace(st.report, notes=st.report.notes + (
                 _module_calls_note(gm.meta[LOWERED_META], gm.meta["depthrewrite_blocks"]),))
-    if cached_inline:
-        gm.meta[CACHED_INLINE] = True
     bound_args, bound_kwargs = gm.meta["depthrewrite_inputs"]
     return as_converted(gm, model, st.signature, bound_args, bound_kwargs, st.report), result
 

@@ -25,7 +25,7 @@ from ..pipeline import split
 from .caches import EXTRA_LAYERS, SEEN_TOKENS, check_cache, output_cache, store_history, write_back
 from .entries import LOCK, GraphEntry, describe_value, guards_of, readable_structure, traced_call
 from . import tree as tree_module
-from .rewrite import CACHED_INLINE, capture_and_rewrite
+from .rewrite import capture_and_rewrite
 from .tree import (PLAIN_TENSORS, ModuleTree, called_modules, check_block_hooks, check_global_hooks, direct_reads,
                    outside_the_call, warn_user_hooks)
 
@@ -228,22 +228,11 @@ class ConversionState:
     def capture(self, model: nn.Module, args: tuple, kwargs: dict, structure: str) -> GraphEntry:
         with LOCK.exclusive(), outside_the_call():
             t0 = time.perf_counter()
-            for cached_inline in (True, False):
-                gm, result = capture_and_rewrite(model, self, args, kwargs, cached_inline=cached_inline)
-                self.captures += 1
-                if self.pipeline_stages is not None:
-                    split(gm, self.pipeline_stages, **self.pipeline_kw)
-                try:
-                    runner = self.keep_blocks(model, gm)
-                    break
-                except DepthRewriteError:
-                    if not gm.meta.get(CACHED_INLINE):
-                        raise
-                    # the blocks were split from graphs with module calls, and this cached call's inlined graph
-                    # exposes an op the split cannot move (an in-place write inside a module it called, Mixtral's
-                    # router): capture it with the module calls too
-                    log.info("depthrewrite: %s: the cached call's inlined graph does not split at the blocks; "
-                             "capturing it with module calls", self.original.__name__)
+            gm, result = capture_and_rewrite(model, self, args, kwargs)
+            self.captures += 1
+            if self.pipeline_stages is not None:
+                split(gm, self.pipeline_stages, **self.pipeline_kw)
+            runner = self.keep_blocks(model, gm)
         guards = guards_of(gm)
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]
         fixed = [f"{name}.shape[{d}]={g}" for name, dims in zip(names, guards) for d, g in dims.items()

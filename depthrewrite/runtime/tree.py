@@ -244,8 +244,7 @@ def check_global_hooks(entry: Any, name: str) -> None:
     kind = global_hooks()
     if kind is None or entry.module_calls:
         return
-    why = ("its graph for this call has every module inlined (converted with module_calls=False, one flat graph, or "
-           "a decoding step continuing a KV cache, which runs inlined)")
+    why = "its graph for this call has every module inlined (converted with module_calls=False, or one flat graph)"
     raise ModuleTreeChangedError(
         f"a global module hook is registered (torch.nn.modules.module.{kind}; FlopCounterMode and ModuleTracker "
         f"register one too), but the converted {name} cannot run it for its submodules: {why}. Convert with the "
