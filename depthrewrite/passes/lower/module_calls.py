@@ -332,7 +332,7 @@ def export_with_signatures(model: nn.Module, args: tuple, kwargs: dict, dynamic_
             why = f"{type(e).__name__}: {text.strip().splitlines()[0] if text.strip() else ''}"[:200]
             if named:
                 worst = max(named, key=len)
-                dropped.append((worst, why))
+                dropped.append((worst, "export refused its call signature: " + why))
                 paths.remove(worst)
             else:
                 dropped += [(p, "export refused the signatures: " + why) for p in paths]
@@ -436,16 +436,41 @@ def stamp(gm: fx.GraphModule, ep: Any) -> None:
     """Stamp every node of the unlifted ``gm`` with its capture name and argument fingerprint and keep the
     signatures export recorded in ``gm.meta[SIGNATURES_META]``."""
     sigs = {e.fqn: e.signature for e in ep.module_call_graph if e.fqn and e.signature is not None}
-    regions: dict[str, set[str]] = {}
+    dead = _dead_at_capture(gm.graph)
+    regions: dict[str, list[fx.Node]] = {}
     for n in gm.graph.nodes:
         n.meta[STAMP_META] = (n.name, _fingerprint(n))
-        if n.op in ("call_function", "call_method") and not _is_aux(n):
+        if n.op in ("call_function", "call_method") and not _is_aux(n) and n not in dead:
             for key, v in (n.meta.get("nn_module_stack") or {}).items():
                 if isinstance(v, tuple) and v and v[0] in sigs:
-                    regions.setdefault(key, set()).add(n.name)
+                    regions.setdefault(key, []).append(n)
     gm.meta[SIGNATURES_META] = ModuleCallInfo(
-        signatures=sigs, regions={k: frozenset(v) for k, v in regions.items()},
+        signatures=sigs, regions={k: frozenset(n.name for n in _own_ops(v)) for k, v in regions.items()},
         canon={n.name: _canon(n).name for n in gm.graph.nodes}, dropped=ep.__dict__.get("_dr_dropped", ()))
+
+
+def _own_ops(nodes: list[fx.Node]) -> list[fx.Node]:
+    """A region's ops less the size reads of tensors made outside it: export reuses the first symbol it saw for a
+    size, so an op of the module may take the size of the caller's tensor (litgpt Gemma-2's attention reads the
+    caller's mask slice's length). Such a read stays in the enclosing graph, where that tensor is; the live module
+    computes the sizes it needs from its own inputs."""
+    inside = set(nodes)
+    return [n for n in nodes
+            if not (n.target is torch.ops.aten.sym_size.int and isinstance(n.args[0], fx.Node) and n.args[0] not in inside)]
+
+
+def _dead_at_capture(graph: fx.Graph) -> set[fx.Node]:
+    """The ops nothing reads in the captured graph (an unused ``getitem`` of a multi-output op, a view litgpt computes
+    and drops): the rewrite's dead-code pass removes them, which leaves the module that computes them unchanged, so
+    they are not part of its region. Export's ``_assert_tensor_metadata`` checks keep nothing alive (the pass drops them
+    too)."""
+    dead: set[fx.Node] = set()
+    for n in reversed(graph.nodes):
+        if n.op not in ("call_function", "call_method"):
+            continue
+        if str(n.target) == _ASSERT or (not n.is_impure() and all(u in dead for u in n.users)):
+            dead.add(n)
+    return dead
 
 
 def _name(n: Any) -> str | None:
@@ -582,7 +607,7 @@ def lower_module_calls(gm: fx.GraphModule, blocks: tuple[str, ...] = (), live: n
     gone: set[fx.Node] = set()
     redirect: dict[fx.Node, fx.Node] = {}
     for key, (path, nodes) in sorted(by_key.items(), key=lambda kv: kv[1][0].count(".")):
-        R = [n for n in nodes if n not in gone and role_of(n) is None and _name(n) is not None]
+        R = _own_ops([n for n in nodes if n not in gone and role_of(n) is None and _name(n) is not None])
         if not R:
             continue
         if any(count[_name(n)] > 1 for n in R):
