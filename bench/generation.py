@@ -23,22 +23,27 @@ import depthrewrite as dr
 from depthrewrite.demo.zoo import hf_model
 
 
-def _per_token(model, prefix: int, tokens: int, cache: bool, repeats: int) -> float:
-    vocab = model.config.vocab_size
-    ids = torch.randint(3, vocab, (1, prefix), generator=torch.Generator().manual_seed(prefix))
-    kw = dict(do_sample=False, use_cache=cache, pad_token_id=0, min_new_tokens=1)
+def token_sample(model, ids: torch.Tensor, tokens: int, cache: bool) -> float:
+    """One sample of seconds per generated token: ``(t(generate tokens + 1) - t(generate 1)) / tokens``, greedy."""
+    kw = dict(do_sample=False, use_cache=cache, pad_token_id=0)
 
     def run(n: int) -> float:
         t = time.perf_counter()
         with torch.no_grad():
-            model.generate(ids, max_new_tokens=n, min_new_tokens=n, **{k: v for k, v in kw.items() if k != "min_new_tokens"})
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
         return time.perf_counter() - t
 
-    run(2)  # capture the prefill and decoding graphs, warm up
-    best = float("inf")
-    for _ in range(repeats):
-        best = min(best, (run(tokens + 1) - run(1)) / tokens)
-    return best
+    return (run(tokens + 1) - run(1)) / tokens
+
+
+def prefix_ids(model, prefix: int) -> torch.Tensor:
+    return torch.randint(3, model.config.vocab_size, (1, prefix), generator=torch.Generator().manual_seed(prefix))
+
+
+def _per_token(model, prefix: int, tokens: int, cache: bool, repeats: int) -> float:
+    ids = prefix_ids(model, prefix)
+    token_sample(model, ids, 1, cache)  # capture the prefill and decoding graphs, warm up
+    return min(token_sample(model, ids, tokens, cache) for _ in range(repeats))
 
 
 def rows(layers: int, hidden: int, prefixes: tuple[int, int], tokens: int, repeats: int) -> list[list]:
