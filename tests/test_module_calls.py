@@ -422,8 +422,7 @@ def test_module_tracker_sees_the_called_modules():
     assert {"LlamaForCausalLM.model.layers.1", "LlamaForCausalLM.model.layers.1.mlp"} <= got[0]
 
 
-@pytest.mark.parametrize("scheme", ["attnres", "msar"])
-def test_decoding_steps_call_the_modules(scheme):
+def test_decoding_steps_call_the_modules(scheme="attnres"):
     """Under the default, the graphs of calls continuing a KV cache (every decoding step of generate()) call the
     modules too: a hook on q_proj fires once per step as in the original, the generated tokens are the original's,
     and a global module hook (FlopCounterMode) runs rather than being refused."""

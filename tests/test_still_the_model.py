@@ -241,16 +241,15 @@ def test_a_cache_filled_by_another_model_is_refused_for_msar():
         conv(IDS[:, 7:8], cache=cache, use_cache=True)
 
 
-@pytest.mark.parametrize("module_calls", [None, True])
-def test_chunked_calls_across_a_sliding_window_edge(module_calls):
+def test_chunked_calls_across_a_sliding_window_edge():
     """A cache length export derives from the new tokens at the window's edge gets a graph of its own when a later
-    call breaks that relation (export's own input check), not a bare RuntimeError; with module calls in the decoding
-    steps too (``module_calls=True``), where the block runner must keep that check."""
+    call breaks that relation (export's own input check), not a bare RuntimeError; the decoding steps call the
+    modules, so the block runner must keep that check."""
     from transformers import DynamicCache
 
     torch.manual_seed(0)
     model = hf_model("mistral", layers=2, sliding_window=6).eval()
-    conv = dr.convert(model, "attnres", inplace=False, module_calls=module_calls)
+    conv = dr.convert(model, "attnres", inplace=False)
     ours, theirs = DynamicCache(config=model.config), DynamicCache(config=model.config)
     for a, b in ((0, 3), (3, 5)):
         torch.testing.assert_close(conv(IDS[:, a:b], cache=ours, use_cache=True).logits,
