@@ -57,7 +57,8 @@ def test_hooks_and_flop_counts_inside_the_blocks(framework, name):
         conv(*args, **kwargs)  # every graph these calls use is captured
     captures = st.captures
     with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="depthrewrite")  # no "the hook ... is traced": the projection is called
+        # no "the hook ... is traced" warning: the projection is called
+        warnings.filterwarnings("error", message="depthrewrite")
         got, seen, per = _observe(conv, first, args, kwargs)
     want, seen_ref, per_ref = _observe(ref, first, args, kwargs)
     torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=0)
