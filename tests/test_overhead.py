@@ -115,6 +115,20 @@ def test_traffic_mode_skips_views_and_counts_in_place_once_each_way():
     assert z.shape == (4, 4)
 
 
+def test_grouped_kv_attention_counts_as_repeated_heads():
+    # The CUDA SDPA kernels take K/V with fewer heads than Q (GQA); torch's formulas reject those shapes, so the count
+    # is the one with K/V repeated to Q's heads (what the kernels compute). Formulas called on meta tensors directly.
+    f = cost.flop_mapping()
+    q, kv = torch.empty(2, 8, 16, 32, device="meta"), torch.empty(2, 2, 16, 32, device="meta")
+    lse = torch.empty(2, 8, 16, device="meta")
+    fwd = f[torch.ops.aten._scaled_dot_product_efficient_attention]
+    assert cost._flops(fwd, (q, kv, kv, None, False), {}, (q,)) == cost._flops(fwd, (q, q, q, None, False), {}, (q,))
+    bwd = f[torch.ops.aten._scaled_dot_product_flash_attention_backward]
+    rest = (None, None, 16, 16, 0.0, False, None, None)
+    assert cost._flops(bwd, (q, q, kv, kv, q, lse, *rest), {}, (q, kv, kv)) == \
+        cost._flops(bwd, (q, q, q, q, q, lse, *rest), {}, (q, q, q)) > 0
+
+
 def test_counting_a_converted_step():
     from bench import overhead
 

@@ -533,9 +533,31 @@ class TrafficMode(TorchDispatchMode):
         formula = self._formulas.get(packet)
         cost = self.by_op.setdefault(str(packet), OpCost())
         cost.calls += 1
-        cost.flops += int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
+        cost.flops += _flops(formula, args, kwargs, out) if formula is not None else 0
         cost.bytes += op_bytes(func, args, kwargs, out)
         return out
+
+
+def _heads_repeated(x: Any, heads: int) -> Any:
+    """A meta stand-in for a 4-D (batch, heads, seq, dim) tensor whose head count divides ``heads``, with ``heads``."""
+    if isinstance(x, torch.Tensor) and x.dim() == 4 and x.shape[1] < heads and heads % x.shape[1] == 0:
+        return torch.empty(x.shape[0], heads, *x.shape[2:], dtype=x.dtype, device="meta")
+    if isinstance(x, (tuple, list)):
+        return type(x)(_heads_repeated(y, heads) for y in x)
+    return x
+
+
+def _flops(formula: Callable, args: tuple, kwargs: dict, out: Any) -> int:
+    """``formula``'s count; for attention with grouped K/V heads (GQA: the CUDA kernels take K and V with fewer heads
+    than Q, which torch's sdpa formulas reject), the count with K/V repeated to Q's heads, which is what they compute."""
+    try:
+        return int(formula(*args, **kwargs, out_val=out))
+    except AssertionError:
+        heads = max((a.shape[1] for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor) and a.dim() == 4),
+                    default=0)
+        if not heads:
+            raise
+        return int(formula(*_heads_repeated(args, heads), **kwargs, out_val=_heads_repeated(out, heads)))
 
 
 # ---- one training step ---------------------------------------------------------------------------------------------
