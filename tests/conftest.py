@@ -17,6 +17,13 @@ if not torch.cuda.is_available():
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 torch.backends.cuda.matmul.allow_tf32 = False  # fp32 references are true fp32
+# Every kernel module is decorated now, under the variable as set above: a test that sets TRITON_INTERPRET for itself
+# (tests/kernels/test_dispatch.py) must not be the first importer of one, or that module's kernels would stay in the
+# interpreter for the rest of the process (on a CUDA machine every later test of them then fails).
+import depthrewrite.kernels.depth_attn.fused  # noqa: E402,F401
+import depthrewrite.kernels.mhc.fused  # noqa: E402,F401
+import depthrewrite.kernels.moda.fused  # noqa: E402,F401
+import depthrewrite.kernels.msar.fused  # noqa: E402,F401
 torch.backends.cudnn.allow_tf32 = False
 
 from depthrewrite import capture

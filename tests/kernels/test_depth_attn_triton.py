@@ -23,6 +23,7 @@ from depthrewrite.kernels.depth_attn import (
 )
 from depthrewrite.kernels.depth_attn.op import MAX_SOURCES
 from depthrewrite.kernels.dispatch import kernel_backend
+from depthrewrite.testing import assert_matches
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {
@@ -51,6 +52,8 @@ def _run(backend, fn, inputs, grad_out):
 
 
 def _compare(fn, inputs, grad_out, dtype):
+    if dtype == torch.bfloat16:
+        return _compare_bf16(fn, inputs, grad_out)
     (fa, fr), (ga, gr) = TOL[dtype]
     out_k, g_k = _run("triton", fn, inputs, grad_out)
     out_r, g_r = _run("reference", fn, inputs, grad_out)
@@ -60,6 +63,22 @@ def _compare(fn, inputs, grad_out, dtype):
     for i, (a, b) in enumerate(zip(g_k, g_r)):
         assert a.dtype == b.dtype and a.shape == b.shape, i
         torch.testing.assert_close(a.float(), b.float(), atol=ga, rtol=gr, msg=lambda m: f"input {i}: {m}")
+
+
+def _compare_bf16(fn, inputs, grad_out):
+    """bf16: the kernel against the reference run in fp32 on upcast inputs (the bf16 reference is itself further from
+    that than the kernel: measured on an H200, 2026-12-04, gradients 1.7e-3 relative error for the kernel against
+    2.6e-3 for the bf16 reference, so an elementwise kernel-vs-bf16-reference check fails on the reference's rounding)."""
+    out_k, g_k = _run("triton", fn, inputs, grad_out)
+    up = lambda t: t.float() if t.dtype == torch.bfloat16 else t  # noqa: E731
+    gos = tuple(up(g) for g in grad_out) if isinstance(grad_out, tuple) else up(grad_out)
+    out_r, g_r = _run("reference", fn, [up(t) for t in inputs], gos)
+    for i, (a, b) in enumerate(zip(out_k, out_r)):
+        assert a.shape == b.shape
+        assert_matches(f"output {i}", a, b, torch.bfloat16, "fwd")
+    for i, (a, b) in enumerate(zip(g_k, g_r)):
+        assert a.dtype == inputs[i].dtype and a.shape == b.shape, i
+        assert_matches(f"grad of input {i}", a, b, torch.bfloat16, "grad")
 
 
 # ---- depth_attn -------------------------------------------------------------------------------------------------------

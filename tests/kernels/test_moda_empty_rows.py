@@ -15,6 +15,8 @@ import torch
 from depthrewrite.kernels.dispatch import kernel_backend
 from depthrewrite.kernels.moda import moda_attn, moda_attn_ref
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # where the Triton path runs (on CPU: the interpreter)
+
 
 def naive(q, k, v, keep, Kd, Vd, lam, scale, softcap=0.0):
     """Concatenated logits row by row in fp64; a row with zero total weight outputs 0 (no gradient)."""
@@ -66,7 +68,8 @@ PATHS = [
 
 @pytest.mark.parametrize("path, softcap", PATHS)
 def test_rows_with_nothing_visible_are_zero_and_poison_nothing(path, softcap):
-    xs = _inputs()
+    cpu = _inputs()
+    xs = [t.to(DEV) for t in cpu] if path == "triton" else cpu
     diff = [0, 1, 2, 4, 5, 6]
     ins = [t.clone().requires_grad_() if i in diff else t for i, t in enumerate(xs)]
     if path == "ref-autograd":
@@ -77,8 +80,9 @@ def test_rows_with_nothing_visible_are_zero_and_poison_nothing(path, softcap):
             with torch.no_grad():  # the reference's no-grad forward takes the CPU flash path
                 torch.testing.assert_close(moda_attn(*xs, 0.3, False, 0.0, None, softcap), out.detach(),
                                            rtol=1e-5, atol=1e-5)
-    ref_in = [t.double().clone().requires_grad_() if i in diff else t for i, t in enumerate(xs)]
+    ref_in = [t.double().clone().requires_grad_() if i in diff else t for i, t in enumerate(cpu)]
     want = naive(*ref_in, 0.3, softcap)
+    out = out.cpu()
     assert torch.isfinite(out).all()
     assert (out[0, 0, :2] == 0).all() and (out[0, 2, :2] == 0).all()  # λ = 0 and λ < 0 heads, pad query rows
     assert (out[0, 1, :2] != 0).any()  # λ > 0: depth-only attention there
@@ -92,7 +96,7 @@ def test_rows_with_nothing_visible_are_zero_and_poison_nothing(path, softcap):
     exp = torch.autograd.grad(want, [ref_in[i] for i in diff], go.double())
     for i, a, b in zip(diff, got, exp):
         assert torch.isfinite(a).all(), f"input {i}"
-        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4, msg=lambda m, i=i: f"input {i}: {m}")
+        torch.testing.assert_close(a.double().cpu(), b, rtol=1e-4, atol=1e-4, msg=lambda m, i=i: f"input {i}: {m}")
 
 
 @pytest.mark.parametrize("path", ["reference", "triton", "ref-autograd"])
@@ -102,7 +106,9 @@ def test_finfo_min_mask_with_lambda_zero_is_the_original_attention(path):
     (a pad row: nothing downstream reads it) gives finite gradients, λ's included."""
     q, k, v, keep, Kd, Vd, _ = _inputs()
     mask = torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
-    w = torch.zeros(4, requires_grad=True)
+    dev = DEV if path == "triton" else "cpu"
+    q, k, v, mask, Kd, Vd = (t.to(dev) for t in (q, k, v, mask, Kd, Vd))
+    w = torch.zeros(4, device=dev, requires_grad=True)
     ins = [t.clone().requires_grad_() for t in (q, k, v, Kd, Vd)]
     args = (ins[0], ins[1], ins[2], mask, ins[3], ins[4], w, 0.3, False, 0.0, None, 0.0)
     if path == "ref-autograd":
@@ -113,7 +119,7 @@ def test_finfo_min_mask_with_lambda_zero_is_the_original_attention(path):
     sdpa = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
                                                             attn_mask=mask, scale=0.3)
     torch.testing.assert_close(out, sdpa, rtol=1e-5, atol=1e-5)
-    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
+    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).to(dev)
     go[0, :, :2] = 0  # the pad rows
     go[1, :, 3] = 0
     if path == "ref-autograd":
