@@ -10,7 +10,8 @@ OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 PY=${PYTHON:-python3}
-{ $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"
+{ $PY -c "import torch, triton
+print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"
   nvidia-smi; } > "$OUT/env.txt" 2>&1
 head -1 "$OUT/env.txt"
 # Timeouts sum to under 9.5 minutes, so the whole script fits one device call (10 minutes at most) with a fresh
@@ -34,7 +35,8 @@ tail -25 "$OUT/overhead.txt"
 # 3b. torchao float8 training through a converted model (skipped on CPU; needs compute capability >= 8.9 and
 # torchao on the machine); ~1 minute
 if $PY -c "import torchao" 2>/dev/null; then
-  timeout 50 $PY -m pytest -q tests/test_torchao.py -k float8 -p no:cacheprovider 2>&1 | tail -15 > "$OUT/torchao-float8.txt"
+  timeout 50 $PY -m pytest -q tests/test_torchao.py -k float8 -p no:cacheprovider 2>&1 | tail -15 \
+    > "$OUT/torchao-float8.txt"
   tail -2 "$OUT/torchao-float8.txt"
 fi
 # 4. optional (AOT=1): the ahead-of-time compile check for sm_80 and sm_90 (registers, spills; needs no GPU, a few

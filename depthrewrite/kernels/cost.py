@@ -548,8 +548,8 @@ def _heads_repeated(x: Any, heads: int) -> Any:
 
 
 def _flops(formula: Callable, args: tuple, kwargs: dict, out: Any) -> int:
-    """``formula``'s count; for attention with grouped K/V heads (GQA: the CUDA kernels take K and V with fewer heads
-    than Q, which torch's sdpa formulas reject), the count with K/V repeated to Q's heads, which is what they compute."""
+    """``formula``'s count; for attention with grouped K/V heads (GQA: the CUDA kernels take K and V with fewer
+    heads than Q, which torch's sdpa formulas reject), the count with K/V repeated to Q's heads: what they compute."""
     try:
         return int(formula(*args, **kwargs, out_val=out))
     except AssertionError:

@@ -68,7 +68,8 @@ def _compare(fn, inputs, grad_out, dtype):
 def _compare_bf16(fn, inputs, grad_out):
     """bf16: the kernel against the reference run in fp32 on upcast inputs (the bf16 reference is itself further from
     that than the kernel: measured on an H200, 2026-12-04, gradients 1.7e-3 relative error for the kernel against
-    2.6e-3 for the bf16 reference, so an elementwise kernel-vs-bf16-reference check fails on the reference's rounding)."""
+    2.6e-3 for the bf16 reference, so an elementwise kernel-vs-bf16-reference check fails on the reference's
+    rounding)."""
     out_k, g_k = _run("triton", fn, inputs, grad_out)
     up = lambda t: t.float() if t.dtype == torch.bfloat16 else t  # noqa: E731
     gos = tuple(up(g) for g in grad_out) if isinstance(grad_out, tuple) else up(grad_out)
