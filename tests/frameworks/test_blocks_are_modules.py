@@ -57,8 +57,16 @@ def _step(model, args, kwargs):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, saved[0]
 
 
-def _checkpointing(framework: str):
-    """The framework's own helper: torchtune's set_activation_checkpointing, else torch's (litgpt's recipes use it)."""
+def _checkpointing(framework: str, mode: str = "full"):
+    """The framework's own helper: torchtune's set_activation_checkpointing, torchtitan's FullAC / SelectiveAC,
+    OLMo-core's Transformer.apply_activation_checkpointing, else torch's (litgpt's recipes use it)."""
+    if framework == "torchtitan":
+        from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+        cls = {"full": FullAC, "selective": SelectiveAC}[mode]
+        return lambda m: cls(cls.Config()).apply(m)
+    if framework == "olmo_core":
+        return lambda m: m.apply_activation_checkpointing(mode)
     if framework == "torchtune":
         require("torchtune", "torchtune.training", "torchtune.modules")
         from torchtune.modules import TransformerSelfAttentionLayer
@@ -71,13 +79,16 @@ def _checkpointing(framework: str):
     return lambda m: apply_activation_checkpointing(m, check_fn=lambda x: isinstance(x, Block))
 
 
-@pytest.mark.parametrize("framework, name", [("litgpt", "gemma-2-2b"), ("torchtune", "llama3")])
-def test_framework_checkpointing_acts_per_block(framework, name):
+@pytest.mark.parametrize("framework, name, mode", [
+    ("litgpt", "gemma-2-2b", "full"), ("torchtune", "llama3", "full"), ("torchtitan", "llama3", "full"),
+    ("torchtitan", "llama3", "selective"), ("olmo_core", "llama_like", "full"),  # SelectiveAC: what it saves itself
+], ids=["litgpt", "torchtune", "torchtitan-full", "torchtitan-selective", "olmo_core"])
+def test_framework_checkpointing_acts_per_block(framework, name, mode):
     model, args, kwargs = build(framework, name)
     model.train()
     conv = _convert(model, args, kwargs, "msar", blocks=2, **dr.scheme("msar").exact)
     loss0, grads0, saved0 = _step(conv, args, kwargs)
-    _checkpointing(framework)(conv)
+    _checkpointing(framework, mode)(conv)
     loss1, grads1, saved1 = _step(conv, args, kwargs)
     assert saved1 < 0.7 * saved0, (saved1, saved0)
     torch.testing.assert_close(loss1, loss0)
@@ -85,3 +96,32 @@ def test_framework_checkpointing_acts_per_block(framework, name):
     assert {strip(n) for n in grads1} == set(grads0)
     for n, g in grads1.items():
         torch.testing.assert_close(g, grads0[strip(n)], atol=1e-6, rtol=1e-5)
+
+
+def test_torchtitan_apply_compile_compiles_each_block():
+    """torchtitan's compile-per-block helper (``apply_compile``: ``block.compile(fullgraph=True)`` for each of
+    ``model.layers``) on a converted model: one training step equals eager (aot_eager here: inductor costs ~40 s)."""
+    model, args, kwargs = build("torchtitan", "llama3")
+    require("torchtitan", "torchtitan.models.llama3.parallelize", "torchtitan.distributed.parallel_dims")
+    from torchtitan.config import CompileConfig
+    from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.models.llama3.parallelize import apply_compile
+
+    model.train()
+    conv = _convert(model, args, kwargs, "attnres", blocks=2)
+    loss0, grads0, _ = _step(conv, args, kwargs)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch():  # apply_compile sets two dynamo flags process-wide: undone on exit
+        apply_compile(conv, compile_config=CompileConfig(enable=True, components=["model"], backend="aot_eager"),
+                      parallel_dims=ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1))
+        assert all(getattr(b, "_compiled_call_impl", None) is not None for b in conv.layers.children())
+        from torch._dynamo.utils import counters
+
+        counters.clear()
+        loss1, grads1, _ = _step(conv, args, kwargs)
+        assert counters["stats"]["unique_graphs"] >= 1  # the blocks ran compiled (not bypassed by the runtime)
+    torch._dynamo.reset()
+    torch.testing.assert_close(loss1, loss0)
+    assert set(grads1) == set(grads0)
+    for n, g in grads1.items():
+        torch.testing.assert_close(g, grads0[n], atol=1e-6, rtol=1e-5)
