@@ -37,6 +37,10 @@ def main(out: Path, steps: int) -> None:
     with torch.no_grad():
         err = (conv(ids) - model(ids)).abs().max() / model(ids).abs().max()
     print(f"\nmax |Δlogits| / max |logits| at init: {err:.1e}")
+    # a checkpoint of the original model (a pretrained lit_model.pth) loads; only the new parameters are missing
+    missing = conv.load_state_dict(model.state_dict(), strict=False).missing_keys
+    print(f"the original's state dict: {len(missing)} missing keys, all new: "
+          f"{all(k.startswith('depthrewrite.') for k in missing)}")
 
     corpus = Corpus.stdlib(max_bytes=1_000_000)
     gen = torch.Generator().manual_seed(0)

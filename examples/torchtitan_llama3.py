@@ -41,6 +41,10 @@ def main(out: Path, steps: int) -> None:
     with torch.no_grad():
         err = (conv(ids) - model(ids)).abs().max() / model(ids).abs().max()
     print(f"\nmax |Δlogits| / max |logits| at init: {err:.1e}")
+    # a checkpoint of the original model loads; only the new depthrewrite.* parameters are missing
+    missing = conv.load_state_dict(model.state_dict(), strict=False).missing_keys
+    print(f"the original's state dict: {len(missing)} missing keys, all new: "
+          f"{all(k.startswith('depthrewrite.') for k in missing)}")
 
     SelectiveAC(SelectiveAC.Config()).apply(conv)  # torchtitan's per-block activation checkpointing
     print(f"layers.0 is now {type(conv.layers['0']).__name__}")
