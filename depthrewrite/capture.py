@@ -7,9 +7,10 @@ size). The captured graph keeps ``nn_module_stack`` on every node, which the ana
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
-import dataclasses
+import re
 from typing import Any
 
 import torch
@@ -415,6 +416,18 @@ def _explain_export_error(model: nn.Module, e: BaseException, args: tuple, kwarg
                 "call without it, e.g. within torchtune.modules.common_utils.disable_kv_cache(model), or remove it "
                 "with delete_kv_caches(model)), or of input checks. Remove the check, or call the model in a way "
                 f"that does not reach it. (export: {type(e).__name__}: {first})")
+    m = re.search(r"Unsupported input type <class '([\w.]+)'>", text)
+    if m:
+        cls = m.group(1).rsplit(".", 1)[-1]
+        found = [k for k, v in [*((f"args[{i}]", a) for i, a in enumerate(args)), *kwargs.items()]
+                 if any(type(x).__name__ == cls for x in torch.utils._pytree.tree_leaves(v))]
+        which = f" ({', '.join(found)})" if found else ""
+        hint = (" A FlexAttention BlockMask: build it inside the model's forward, or convert the model with SDPA "
+                "attention (torchtitan: each layer's attention.inner_attention = ScaledDotProductAttention.Config(); "
+                "docs/frameworks/torchtitan.md)." if cls == "BlockMask" else "")
+        return (f"torch.export could not capture {name}: an input{which} is a {cls}, which torch.export does not take "
+                f"as an input (only tensors, numbers and containers of them). Pass it in another form, or let the "
+                f"model build it from plain inputs.{hint} (export: {type(e).__name__}: {first})")
     return f"torch.export could not capture {name}: {type(e).__name__}: {first}{at}\n{_GENERIC_ADVICE}"
 
 

@@ -23,3 +23,16 @@ def test_exact_at_init(name, scheme, options, tol):
 @pytest.mark.parametrize("name", cases(FRAMEWORK))
 def test_training_step(name, scheme, options, tol):
     check_training_step(FRAMEWORK, name, scheme, options)
+
+
+def test_flex_attention_build_is_refused_naming_the_block_mask():
+    """torchtitan's default attention for language models (FlexAttention) takes a BlockMask input, which torch.export
+    does not take: a CaptureError naming the argument and the SDPA alternative, not export's generic advice."""
+    import depthrewrite as dr
+    from depthrewrite.errors import CaptureError
+
+    from .models import build
+
+    model, args, kwargs = build(FRAMEWORK, "llama3", attention="flex")
+    with pytest.raises(CaptureError, match=r"an input \(attention_masks\) is a BlockMask.*ScaledDotProductAttention"):
+        dr.convert(model, "attnres", example_inputs=args, example_kwargs=kwargs)
