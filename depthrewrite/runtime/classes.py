@@ -120,6 +120,23 @@ class ConvertedModel(ConvertedBase):
     def pipeline_cuts(self) -> tuple[int, ...] | None:
         return self.graph_module().pipeline_cuts
 
+    # -- re-initialisation
+
+    def to_empty(self, *, device, recurse: bool = True):
+        """``nn.Module.to_empty``, then the new parameters (``model.depthrewrite``) back to their init. ``to_empty``
+        leaves every parameter uninitialised for the caller's init routine to fill, and the frameworks' routines only
+        know their own modules (torchtitan's ``init_states`` initialises torchtitan modules, OLMo-core's
+        ``init_weights`` calls ``reset_parameters`` where a module has one): the new parameters would stay garbage
+        memory. At their init the converted model is again the original function of whatever weights that routine
+        writes."""
+        out = super().to_empty(device=device, recurse=recurse)
+        new = self._modules.get("depthrewrite")
+        if new is not None:
+            for m in new.modules():
+                if m is not new and callable(getattr(m, "reset_parameters", None)):
+                    m.reset_parameters()
+        return out
+
     # -- save and load
 
     def save_pretrained(self, save_directory, *args, **kwargs):

@@ -23,3 +23,36 @@ def test_exact_at_init(name, scheme, options, tol):
 @pytest.mark.parametrize("name", cases(FRAMEWORK))
 def test_training_step(name, scheme, options, tol):
     check_training_step(FRAMEWORK, name, scheme, options)
+
+
+@pytest.mark.parametrize("scheme, options", [("attnres", {"blocks": 2}), ("msar", "exact"), ("mhc", "exact"),
+                                             ("moda", "exact")], ids=["block-attnres", "msar", "mhc", "moda"])
+def test_init_weights_and_generation_module(scheme, options):
+    """OLMo-core's own flows re-initialise a model in place: ``Transformer.init_weights`` (which its train and
+    generation modules call after parallelising) runs ``to_empty`` and then every module's ``reset_parameters``. The
+    new parameters reset to their init with it (they used to stay uninitialised memory: NaN logits), so the
+    converted model is again the original function, and ``TransformerGenerationModule.generate_batch`` (greedy, no
+    cache: OLMo-core's torch attention backend has none) gives the original's tokens."""
+    import torch
+
+    import depthrewrite as dr
+
+    from .models import _stubbed, build
+
+    with _stubbed(FRAMEWORK):
+        from olmo_core.generate.generation_module import GenerationConfig, TransformerGenerationModule
+    model, args, kwargs = build(FRAMEWORK, "llama_like")
+    opts = dict(dr.scheme(scheme).exact) if options == "exact" else options
+    conv = dr.convert(model, scheme, example_inputs=args, inplace=False, **opts)
+    with torch.no_grad():
+        for p in conv.depthrewrite.parameters():  # trained-looking: init_weights must put them back
+            p.add_(torch.randn_like(p))
+    conv.init_weights(max_seq_len=64, device=torch.device("cpu"))
+    model.init_weights(max_seq_len=64, device=torch.device("cpu"))  # the same seeded init for the original
+    with torch.no_grad():
+        torch.testing.assert_close(conv(*args), model(*args), rtol=1e-5, atol=1e-5)
+    cfg = GenerationConfig(pad_token_id=0, eos_token_id=1, max_new_tokens=5, do_sample=False, use_cache=False)
+    prompt = args[0][:1, :5]
+    got = TransformerGenerationModule(conv, cfg, device=torch.device("cpu")).generate_batch(prompt, log_timing=False)
+    want = TransformerGenerationModule(model, cfg, device=torch.device("cpu")).generate_batch(prompt, log_timing=False)
+    assert got[0].tolist() == want[0].tolist()

@@ -36,3 +36,28 @@ def test_flex_attention_build_is_refused_naming_the_block_mask():
     model, args, kwargs = build(FRAMEWORK, "llama3", attention="flex")
     with pytest.raises(CaptureError, match=r"an input \(attention_masks\) is a BlockMask.*ScaledDotProductAttention"):
         dr.convert(model, "attnres", example_inputs=args, example_kwargs=kwargs)
+
+
+@pytest.mark.parametrize("scheme", ["block-attnres", "mhc"])
+def test_to_empty_and_init_states(scheme):
+    """torchtitan's trainer materialises a model with ``to_empty`` and then ``init_states()``, which initialises
+    torchtitan's own modules only: the new parameters go back to their init in ``to_empty`` (they used to stay
+    uninitialised memory), so the converted model is again the original function of the re-initialised weights."""
+    import torch
+
+    import depthrewrite as dr
+
+    from .models import build
+
+    model, args, kwargs = build(FRAMEWORK, "llama3")
+    name, opts = ("attnres", {"blocks": 2}) if scheme == "block-attnres" else (scheme, dict(dr.scheme(scheme).exact))
+    conv = dr.convert(model, name, example_inputs=args, inplace=False, **opts)
+    with torch.no_grad():
+        for p in conv.depthrewrite.parameters():  # trained-looking
+            p.add_(torch.randn_like(p))
+    for m in (conv, model):
+        m.to_empty(device="cpu")
+        torch.manual_seed(5)  # torchtitan's init draws from the global generator
+        m.init_states()
+    with torch.no_grad():
+        torch.testing.assert_close(conv(*args), model(*args), rtol=1e-5, atol=1e-5)

@@ -64,6 +64,13 @@ class _Site(nn.Module):
         self.query = nn.Parameter(torch.zeros(d, dtype=dtype, device=device))
         self.gain = nn.Parameter(torch.ones(d, dtype=dtype, device=device))
 
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Back to the init, in place (what ``to_empty`` + ``reset_parameters`` recipes call: OLMo-core's
+        ``init_weights``, meta-device initialisation)."""
+        self.query.zero_()
+        self.gain.fill_(1.0)
+
 
 def _emit(ed: ChainEditor, name: str, sources: list[fx.Node], eps: float, scale: float) -> fx.Node:
     ed.site_module(name, lambda: _Site(ed.chain.hidden_size, ed.dtype, ed.device))

@@ -88,14 +88,26 @@ class _HCSite(nn.Module):
         super().__init__()
         n = config.streams
         kw = dict(dtype=torch.float32, device=device)
-        self.phi = nn.Parameter(torch.randn(n * d, n * n + 2 * n, **kw) * config.phi_std)
+        self._init = (n, config.phi_std, config.eps, float(config.alpha_init))
+        self.phi = nn.Parameter(torch.empty(n * d, n * n + 2 * n, **kw))
+        self.bias = nn.Parameter(torch.empty(n * n + 2 * n, **kw))
+        self.alpha = nn.Parameter(torch.empty(3, **kw))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The init, in place (also what ``to_empty`` + ``reset_parameters`` recipes call: OLMo-core's
+        ``init_weights``, meta-device initialisation): φ ~ N(0, phi_std²) drawn from the global generator."""
+        n, phi_std, eps, alpha_init = self._init
+        kw = dict(dtype=torch.float32, device=self.phi.device)
+        self.phi.copy_(torch.randn(self.phi.shape, **kw) * phi_std)
         b_res = -5.0 * (1.0 - torch.eye(n, **kw))
         # b_pre: σ(b_pre) + ε = 1/n, so H_pre sums to 1 with the +ε floor (the spec's −log(n−1), corrected for ε): the
         # sublayer then reads the stream itself, not (1 + nε) times it (a norm with its own ε is not quite scale-free)
-        q = 1.0 / n - config.eps
+        q = 1.0 / n - eps
         b_pre = math.log(q / (1.0 - q)) if q > 0 else -math.log(n - 1)
-        self.bias = nn.Parameter(torch.cat([torch.full((n,), b_pre, **kw), torch.zeros(n, **kw), b_res.flatten()]))
-        self.alpha = nn.Parameter(torch.full((3,), float(config.alpha_init), **kw))
+        self.bias.copy_(torch.cat([torch.full((n,), b_pre, **kw), torch.zeros(n, **kw), b_res.flatten()]))
+        self.alpha.fill_(alpha_init)
 
 
 def _rewrite_mhc(gm: fx.GraphModule, chain: Chain, config: MHCConfig) -> PassResult:

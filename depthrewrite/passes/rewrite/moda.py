@@ -679,9 +679,17 @@ class _KVProj(nn.Module):
         super().__init__()
         width = hk * (d + (d if dv is None else dv))
         self.weight = nn.Parameter(torch.empty(width, D, dtype=dtype, device=device))
-        nn.init.normal_(self.weight, std=D ** -0.5)
         if bias:
-            self.bias = nn.Parameter(torch.zeros(width, dtype=dtype, device=device))
+            self.bias = nn.Parameter(torch.empty(width, dtype=dtype, device=device))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The init, in place (also what ``to_empty`` + ``reset_parameters`` recipes call: OLMo-core's
+        ``init_weights``, meta-device initialisation): weight ~ N(0, 1/D), bias 0."""
+        nn.init.normal_(self.weight, std=self.weight.shape[1] ** -0.5)
+        if hasattr(self, "bias"):
+            self.bias.zero_()
 
 
 def _key_site(k: int, attn_sites: list[int], mode: str) -> int:
@@ -698,6 +706,11 @@ class _Lambda(nn.Module):
     def __init__(self, hq: int, dtype, device):
         super().__init__()
         self.depth_weight = nn.Parameter(torch.zeros(hq, dtype=dtype, device=device))
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """λ back to 0, in place (``to_empty`` + ``reset_parameters`` recipes)."""
+        self.depth_weight.zero_()
 
 
 def _viewed(n: fx.Node) -> fx.Node | None:

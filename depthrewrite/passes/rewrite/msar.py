@@ -118,17 +118,28 @@ class _MSARSite(nn.Module):
         super().__init__()
         m = len(kernels) + 1
         kw = dict(dtype=dtype, device=device)
-        self.query = nn.Parameter(torch.zeros(m, d, **kw))
-        self.gain = nn.Parameter(torch.ones(m, d, **kw))
-        self.conv = nn.ParameterList()
-        for k in kernels:
-            w = torch.zeros(d, k, **kw)
-            w[:, k - 1] = 1.0  # the current token is the last tap
-            self.conv.append(nn.Parameter(w))
+        self.query = nn.Parameter(torch.empty(m, d, **kw))
+        self.gain = nn.Parameter(torch.empty(m, d, **kw))
+        self.conv = nn.ParameterList([nn.Parameter(torch.empty(d, k, **kw)) for k in kernels])
         if mixer:  # the "mean" mixer has no parameters (an unused one would break DDP)
-            self.phi = nn.Parameter(torch.zeros(m * d, m, **kw))
-            self.bias = nn.Parameter(torch.full((m,), -math.log(m - 1), **kw))
-            self.alpha = nn.Parameter(torch.full((1,), 0.01, **kw))
+            self.phi = nn.Parameter(torch.empty(m * d, m, **kw))
+            self.bias = nn.Parameter(torch.empty(m, **kw))
+            self.alpha = nn.Parameter(torch.empty(1, **kw))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The init, in place (also what ``to_empty`` + ``reset_parameters`` recipes call: OLMo-core's
+        ``init_weights``, meta-device initialisation)."""
+        self.query.zero_()
+        self.gain.fill_(1.0)
+        for w in self.conv:
+            w.zero_()
+            w[:, -1] = 1.0  # the current token is the last tap
+        if hasattr(self, "phi"):
+            self.phi.zero_()
+            self.bias.fill_(-math.log(self.query.shape[0] - 1))
+            self.alpha.fill_(0.01)
 
 
 AUTO_MASK = "attention_mask"
