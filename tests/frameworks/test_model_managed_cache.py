@@ -19,7 +19,7 @@ litgpt = pytest.importorskip("litgpt")
 from litgpt.generate.base import generate as litgpt_generate  # noqa: E402
 
 SCHEMES = {"block-attnres": ("attnres", {"blocks": 2}), "mhc": ("mhc", {}), "block-msar": ("msar", {"blocks": 2}),
-           "moda": ("moda", {"preserve_init": True})}
+           "moda": ("moda", {"preserve_init": True}), "attnres": ("attnres", {}), "msar": ("msar", {})}
 PROMPT = 6
 
 
@@ -49,7 +49,7 @@ def _fresh_cache(conv):
     conv.set_kv_cache(batch_size=1)
 
 
-@pytest.mark.parametrize("key", ["block-attnres", "mhc", "moda"])
+@pytest.mark.parametrize("key", ["block-attnres", "attnres", "mhc", "moda"])
 def test_per_token_schemes_decode_exactly_with_the_models_cache(key):
     conv, ids = converted(key)
     with torch.no_grad():
@@ -77,8 +77,9 @@ def test_litgpt_generate_equals_uncached_greedy(key):
     assert got.tolist() == want.tolist()
 
 
-def test_msar_starts_a_sequence_exactly_and_refuses_to_continue_one():
-    conv, ids = converted("block-msar")
+@pytest.mark.parametrize("key", ["block-msar", "msar"])
+def test_msar_starts_a_sequence_exactly_and_refuses_to_continue_one(key):
+    conv, ids = converted(key)
     with torch.no_grad():
         full = conv(ids)
         _fresh_cache(conv)
@@ -126,3 +127,30 @@ def test_float_token_ids_name_the_dtype_first():
 def test_convert_of_something_that_is_not_a_model(bad):
     with pytest.raises(ConfigError, match="takes a torch.nn.Module"):
         dr.convert(bad, "attnres")
+
+
+@pytest.mark.parametrize("key", ["block-attnres", "attnres", "mhc", "moda"])
+def test_litgpt_generate_at_init_gives_the_originals_tokens(key):
+    """What a user converting a pretrained litgpt checkpoint sees first: at init, litgpt's own generate() with its KV
+    cache returns the original model's greedy tokens (mHC with alpha_init=0, its exact option). MoDA (preserve_init)
+    decodes step by step exactly (above) but generate()'s prefill reads keys and values of the whole cache length
+    where its depth slots need this call's own tokens: a typed refusal, before anything is computed."""
+    scheme, opts = SCHEMES[key]
+    opts = {**opts, **dr.scheme(scheme).exact}
+    model = _gpt()
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        conv = dr.convert(model, scheme, inplace=False, example_inputs=(ids,), **opts)
+    prompt = ids[0, :PROMPT]
+    tokens = []
+    with torch.no_grad():
+        for m in (model, conv):
+            m.set_kv_cache(batch_size=1)
+            if key == "moda" and m is conv:
+                with pytest.raises(ConfigError, match=r"MoDA: the keys/values .* KV cache.*model-managed cache"):
+                    litgpt_generate(m, prompt, max_returned_tokens=PROMPT + 8, temperature=0.0, top_k=1)
+                return
+            tokens.append(litgpt_generate(m, prompt, max_returned_tokens=PROMPT + 8, temperature=0.0, top_k=1).tolist())
+            m.clear_kv_cache()
+    assert tokens[1] == tokens[0]
