@@ -76,6 +76,39 @@ def _verify(name: str, schemes: list[str]) -> list[str]:
     return ok
 
 
+#: the training frameworks' test models (tests/frameworks/models.py) and the test file that converts each into every
+#: scheme (tests/frameworks/contract.py: every registered scheme, Full and Block forms, init equivalence + a step)
+FRAMEWORK_TESTS = {"litgpt": "test_litgpt.py", "torchtitan": "test_torchtitan.py", "torchtune": "test_torchtune.py",
+                   "olmo_core": "test_olmo_core.py"}
+
+
+def framework_rows() -> list[str]:
+    """One row per framework model the tests build: detection run here on the framework's own class."""
+    import importlib.util
+
+    from tests.frameworks import contract
+    from tests.frameworks.models import CASES, FRAMEWORKS, _stubbed, build
+
+    schemes = ", ".join(dict.fromkeys(p.values[0] + ("-block" if "blocks" in p.values[1] else "")
+                                      for p in contract.SCHEMES))
+    rows = []
+    for fw, name in CASES:
+        test = f"`tests/frameworks/{FRAMEWORK_TESTS[fw]}`"
+        if importlib.util.find_spec(FRAMEWORKS[fw]) is None:
+            rows.append(f"| {fw} `{name}` | — | not installed where this page was generated | | | {test} |")
+            continue
+        with _stubbed(fw):
+            model, args, kwargs = build(fw, name)
+        chain = dr.detect_chain(dr.capture(model, args, kwargs or None))
+        kinds = Counter(s.kind for s in chain.sublayers)
+        readings = sorted({s.reading for s in chain.sublayers})
+        rows.append(f"| {fw} `{name}` | {type(model).__name__} | {len(chain)} "
+                    f"({', '.join(f'{n} {k}' for k, n in kinds.items())}) | {', '.join(readings)} | "
+                    f"{chain.final_norm.short} | {schemes} ({test}) |")
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.architectures", description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "architectures.md")
@@ -126,6 +159,16 @@ table is generated, and every row is also asserted by a test:
 | spec | class | sublayers | reading | final norm | schemes (init-equivalence tested) |
 |---|---|---|---|---|---|
 """ + "\n".join(rows) + """
+
+## Training frameworks
+
+The training frameworks' own model classes, built tiny from their own configs by `tests/frameworks/models.py` (with
+""" + str(LAYERS) + """ blocks; one page per framework in [frameworks/](frameworks/index.md)). Every row's schemes are converted,
+checked exact at init and trained one step by the test named.
+
+| framework and model | class | sublayers | reading | final norm | schemes (init-equivalence tested) |
+|---|---|---|---|---|---|
+""" + "\n".join(framework_rows()) + """
 
 Refusals are explained in [concepts](concepts.md#what-is-refused-and-how) and [limitations](limitations.md).
 Reproduce one row:
