@@ -80,9 +80,14 @@ def main(out: Path, steps: int) -> None:
     print(f"reloaded {path.name} ({path.stat().st_size / 1e6:.1f} MB): same logits {same}")
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """The module docstring as the description, and every option's default in --help."""
+
+
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=Path("out/litgpt"))
-    ap.add_argument("--steps", type=int, default=10)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    ap.add_argument("--out", type=Path, default=Path("depthrewrite-examples/litgpt_gpt"),
+                    help="output folder (lit_model.pth goes in it)")
+    ap.add_argument("--steps", type=int, default=10, help="training steps on the standard-library corpus")
     a = ap.parse_args()
     main(a.out, a.steps)

@@ -58,9 +58,14 @@ def main(out: Path, steps: int) -> None:
         print(f"reloaded the DCP checkpoint into a fresh conversion: same logits {torch.equal(again(x), conv(x))}")
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """The module docstring as the description, and every option's default in --help."""
+
+
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=Path("out/olmo_core"))
-    ap.add_argument("--steps", type=int, default=5)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    ap.add_argument("--out", type=Path, default=Path("depthrewrite-examples/olmo_core_llama"),
+                    help="output folder (the DCP checkpoint goes in dcp/ inside it)")
+    ap.add_argument("--steps", type=int, default=5, help="training steps")
     a = ap.parse_args()
     main(a.out, a.steps)

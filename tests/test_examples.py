@@ -15,32 +15,45 @@ EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.py"))
 FRAMEWORKS = ("litgpt", "torchtitan", "torchtune", "olmo_core")
 
 
-#: runs an example whose framework needs the test stand-ins (tests/frameworks/models.py: torchtune and OLMo-core
-#: import packages at load that building a model never uses and CI does not install): the framework modules the
-#: example imports are imported under the stand-ins first, then the script runs unchanged
+def example_framework(script: Path) -> str | None:
+    """The training framework ``script`` imports, if any."""
+    text = script.read_text()
+    return next((fw for fw in FRAMEWORKS if re.search(rf"^(from|import) {fw}\b", text, re.MULTILINE)), None)
+
+
+def framework_installed(fw: str) -> bool:
+    return importlib.util.find_spec(fw) is not None
+
+
+def import_example_framework(script: Path, fw: str) -> None:
+    """Import the framework modules ``script`` imports under the test stand-ins (tests/frameworks/models.py: torchtune
+    and OLMo-core import, at load, packages that building a model never uses and CI does not install); the script
+    then runs unchanged, finding them imported."""
+    from tests.frameworks.models import _stubbed
+
+    with _stubbed(fw):
+        for m in re.findall(rf"^(?:from|import) ({fw}[\w.]*)", script.read_text(), re.MULTILINE):
+            importlib.import_module(m)
+
+
+#: a framework example in a fresh interpreter: its framework's modules imported under the stand-ins, then the script
 _RUN_STUBBED = """
-import importlib, re, runpy, sys
+import runpy, sys
+from pathlib import Path
 sys.path.insert(0, {root!r})
-from tests.frameworks import models
+from tests.test_examples import import_example_framework
 fw, script = sys.argv[1], sys.argv[2]
 sys.argv = [script, *sys.argv[3:]]
-with models._stubbed(fw):
-    for m in re.findall(rf"^(?:from|import) ({{fw}}[\\w.]*)", open(script).read(), re.M):
-        importlib.import_module(m)
+import_example_framework(Path(script), fw)
 runpy.run_path(script, run_name="__main__")
 """
-
-
-def _framework(script: Path) -> str | None:
-    text = script.read_text()
-    return next((fw for fw in FRAMEWORKS if re.search(rf"^(from|import) {fw}\b", text, re.M)), None)
 
 
 @pytest.mark.parametrize("script", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_example_runs(script, tmp_path):
     cmd = [sys.executable, str(script)]
-    if fw := _framework(script):
-        if importlib.util.find_spec(fw) is None:
+    if fw := example_framework(script):
+        if not framework_installed(fw):
             pytest.skip(f"{fw} is not installed (pip install --no-deps, see pyproject's `frameworks` extra)")
         cmd = [sys.executable, "-c", _RUN_STUBBED.format(root=str(Path(__file__).parent.parent)), fw, str(script)]
     proc = subprocess.run([*cmd, "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
