@@ -33,7 +33,14 @@ timeout 120 $PY -m bench.overhead --device cuda --dtype bf16 --layers 8 --hidden
   --no-compile --json "$OUT/overhead.json" 2>&1 | grep -v -i "warn" > "$OUT/overhead.txt"
 tail -25 "$OUT/overhead.txt"
 # 3b. torchao float8 training through a converted model (skipped on CPU; needs compute capability >= 8.9 and
-# torchao on the machine); ~1 minute
+# torchao on the machine); ~1 minute. The lent H200's image has no torchao (2026-12-04): carry its wheel in .whl/
+# (ignored by git; name .whl in the device call's carry), fetched here with
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 -d .whl torchao==0.18.0
+if ! $PY -c "import torchao" 2>/dev/null && ls .whl/torchao-*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/torchao-site .whl/torchao-*.whl \
+    && export PYTHONPATH="/tmp/torchao-site:$PYTHONPATH"
+fi
 if $PY -c "import torchao" 2>/dev/null; then
   timeout 50 $PY -m pytest -q tests/test_torchao.py -k float8 -p no:cacheprovider 2>&1 | tail -15 \
     > "$OUT/torchao-float8.txt"
