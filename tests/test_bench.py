@@ -5,6 +5,7 @@ No speed is asserted here: measurements live in bench/RESULTS.md."""
 from __future__ import annotations
 
 import importlib
+import math
 
 import pytest
 import torch
@@ -71,4 +72,6 @@ def test_module_calls_bench_runs_side_by_side_on_cpu():
                               conv_layers=2)
     assert [r[:2] for r in table] == [["vanilla", "-"], ["attnres", "module calls"], ["attnres", "inlined"],
                                       ["attnres", "ratio"]]
-    assert all(float(x) > 0 for r in table[1:3] for x in r[2:])
+    # numbers, not their size: a per-token figure is a difference of two timings (t(n + 1 tokens) - t(1 token)), which
+    # at 2 tokens and 1 repeat can come out at or below 0 on a busy machine; speed is measured in bench/, not asserted
+    assert all(math.isfinite(float(x)) for r in table[1:3] for x in r[2:])
