@@ -76,6 +76,14 @@ def _verify(name: str, schemes: list[str]) -> list[str]:
     return ok
 
 
+def detection_cells(model, chain) -> str:
+    """The class, sublayers, reading and final-norm cells of one row: what detection found in ``model``."""
+    kinds = Counter(s.kind for s in chain.sublayers)
+    readings = sorted({s.reading for s in chain.sublayers})
+    return (f"{type(model).__name__} | {len(chain)} ({', '.join(f'{n} {k}' for k, n in kinds.items())}) | "
+            f"{', '.join(readings)} | {chain.final_norm.short}")
+
+
 #: the training frameworks' test models (tests/frameworks/models.py) and the test file that converts each into every
 #: scheme (tests/frameworks/contract.py: every registered scheme, Full and Block forms, init equivalence + a step)
 FRAMEWORK_TESTS = {"litgpt": "test_litgpt.py", "torchtitan": "test_torchtitan.py", "torchtune": "test_torchtune.py",
@@ -100,11 +108,7 @@ def framework_rows() -> list[str]:
         with _stubbed(fw):
             model, args, kwargs = build(fw, name)
         chain = dr.detect_chain(dr.capture(model, args, kwargs or None))
-        kinds = Counter(s.kind for s in chain.sublayers)
-        readings = sorted({s.reading for s in chain.sublayers})
-        rows.append(f"| {fw} `{name}` | {type(model).__name__} | {len(chain)} "
-                    f"({', '.join(f'{n} {k}' for k, n in kinds.items())}) | {', '.join(readings)} | "
-                    f"{chain.final_norm.short} | {schemes} ({test}) |")
+        rows.append(f"| {fw} `{name}` | {detection_cells(model, chain)} | {schemes} ({test}) |")
         print(rows[-1], flush=True)
     return rows
 
@@ -118,8 +122,6 @@ def main(argv: list[str] | None = None) -> int:
     for name in zoo_names():
         model, gm = zoo_graph(name)
         chain = dr.detect_chain(gm)
-        kinds = Counter(s.kind for s in chain.sublayers)
-        readings = sorted({s.reading for s in chain.sublayers})
         passing, refused = tested_schemes(name)
         if args.verify and passing:
             verified = _verify(name, passing)
@@ -129,10 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         schemes = ", ".join(passing) or "detection only"
         if refused:
             schemes += " (refused: " + ", ".join(refused) + ")"
-        rows.append(
-            f"| `{name}` | {type(model).__name__} | {len(chain)} ({', '.join(f'{n} {k}' for k, n in kinds.items())}) "
-            f"| {', '.join(readings)} | {chain.final_norm.short} | {schemes} |"
-        )
+        rows.append(f"| `{name}` | {detection_cells(model, chain)} | {schemes} |")
         print(rows[-1], flush=True)
     for name, test in REFUSED.items():
         model, gm = zoo_graph(name)
@@ -163,8 +162,8 @@ table is generated, and every row is also asserted by a test:
 ## Training frameworks
 
 The training frameworks' own model classes, built tiny from their own configs by `tests/frameworks/models.py` (with
-""" + str(LAYERS) + """ blocks; one page per framework in [frameworks/](frameworks/index.md)). Every row's schemes are converted,
-checked exact at init and trained one step by the test named.
+""" + str(LAYERS) + """ blocks; one page per framework in [frameworks/](frameworks/index.md)). Every row's schemes are
+converted, checked exact at init and trained one step by the test named.
 
 | framework and model | class | sublayers | reading | final norm | schemes (init-equivalence tested) |
 |---|---|---|---|---|---|
