@@ -61,12 +61,13 @@ class _Site(nn.Module):
 
     def __init__(self, d: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
-        self.query = nn.Parameter(torch.zeros(d, dtype=dtype, device=device))
-        self.gain = nn.Parameter(torch.ones(d, dtype=dtype, device=device))
+        self.query = nn.Parameter(torch.empty(d, dtype=dtype, device=device))
+        self.gain = nn.Parameter(torch.empty(d, dtype=dtype, device=device))
+        self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Back to the init, in place (what ``to_empty`` + ``reset_parameters`` recipes call: OLMo-core's
+        """The init, in place (also what ``to_empty`` + ``reset_parameters`` recipes call: OLMo-core's
         ``init_weights``, meta-device initialisation)."""
         self.query.zero_()
         self.gain.fill_(1.0)

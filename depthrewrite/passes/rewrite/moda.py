@@ -705,11 +705,12 @@ def _key_site(k: int, attn_sites: list[int], mode: str) -> int:
 class _Lambda(nn.Module):
     def __init__(self, hq: int, dtype, device):
         super().__init__()
-        self.depth_weight = nn.Parameter(torch.zeros(hq, dtype=dtype, device=device))
+        self.depth_weight = nn.Parameter(torch.empty(hq, dtype=dtype, device=device))
+        self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """λ back to 0, in place (``to_empty`` + ``reset_parameters`` recipes)."""
+        """The init, λ = 0, in place (also what ``to_empty`` + ``reset_parameters`` recipes call)."""
         self.depth_weight.zero_()
 
 
