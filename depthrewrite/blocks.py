@@ -674,6 +674,15 @@ def hf_checkpointing_drops_cache(model: nn.Module) -> bool:
     return any(m.__dict__.get("gradient_checkpointing") is True for m in model.modules())
 
 
+def _stand_in_buffer(v: torch.Tensor) -> torch.Tensor:
+    """A plain tensor for a DTensor buffer while capturing: its local values where every rank holds the whole tensor
+    (replicated), else zeros of its full shape (a capture reads shapes; the graph reads it only inside a module
+    called live)."""
+    if all(p.is_replicate() for p in v.placements):
+        return v.to_local().detach().clone()
+    return torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+
+
 @contextlib.contextmanager
 def blocks_for_capture(model: nn.Module, paths: tuple[str, ...] | None) -> Iterator[None]:
     """While capturing: every block at ``paths`` is its original class in its container slot (wrappers such as
@@ -681,7 +690,8 @@ def blocks_for_capture(model: nn.Module, paths: tuple[str, ...] | None) -> Itera
     block call (FSDP2's, a user's; transformers' output-recording hooks stay: they are traced), not compiled; every
     activation-checkpointing flag is off (the captured graph is plain; blocks are checkpointed at run time); and
     FSDP2-sharded parameters are stood in for by zeros of their full shape (a capture reads shapes only; the check
-    capture runs compares like with like). Everything is put back after."""
+    capture runs compares like with like), DTensor buffers by :func:`_stand_in_buffer`. Everything is put back
+    after."""
     undo: list[Callable[[], None]] = []
     try:
         for p in paths or ():
@@ -720,6 +730,10 @@ def blocks_for_capture(model: nn.Module, paths: tuple[str, ...] | None) -> Itera
                     m._parameters[k] = nn.Parameter(torch.zeros(v.shape, dtype=v.dtype, device=v.device),
                                                     requires_grad=v.requires_grad)
                     undo.append(lambda d=m._parameters, k=k, v=v: d.__setitem__(k, v))
+            for k, v in list(m._buffers.items()):  # torchtitan's parallelize makes its RoPE cache a replicated DTensor
+                if v is not None and is_dtensor(v):
+                    m._buffers[k] = _stand_in_buffer(v)
+                    undo.append(lambda d=m._buffers, k=k, v=v: d.__setitem__(k, v))
         yield
     finally:
         for u in reversed(undo):

@@ -268,9 +268,21 @@ def _titan_deepseek_v3(attn_backend: str) -> Any:
 _TITAN = {"llama3": _titan_llama3, "qwen3": _titan_qwen3, "deepseek_v3": _titan_deepseek_v3}
 
 
-def _torchtitan(name: str, attention: str = "sdpa") -> nn.Module:
+def _titan_sharding(cfg: Any, name: str, sharding: str) -> None:
+    """torchtitan's own tensor-parallel plan on ``cfg`` (what its trainer's config converters set before building):
+    ``"tp"`` keeps activations replicated between modules, ``"sp"`` shards them along the sequence."""
+    mod = importlib.import_module(f"torchtitan.models.{name}.sharding")
+    extra = {"enable_ep": False} if name != "llama3" else {}
+    getattr(mod, f"set_{name}_sharding_config")(cfg, enable_sp=sharding == "sp", **extra)
+
+
+def _torchtitan(name: str, attention: str = "sdpa", sharding: str | None = None, tie: bool | None = None) -> nn.Module:
     require("torchtitan", f"torchtitan.models.{name}")
     cfg = _titan_attention(_TITAN[name]("flex"), attention)
+    if tie is not None:
+        cfg.enable_weight_tying = tie
+    if sharding is not None:  # applied by model.parallelize(parallel_dims)
+        _titan_sharding(cfg, name, sharding)
     model = cfg.build()
     model.init_states()
     model._test_flex = attention == "flex"
@@ -338,7 +350,8 @@ def build(framework: str, name: str, *, seed: int = 0, **kw: Any) -> tuple[nn.Mo
     missing. ``kw`` go to the framework's config (litgpt: ``Config.from_name``; torchtune: the model builder;
     OLMo-core: ``TransformerConfig.llama_like``) or, for torchtitan, ``attention="sdpa"`` (default: causal SDPA,
     CPU-trainable) or ``"flex"`` (the registry's FlexAttention, whose backward has no CPU kernel; the example kwargs
-    then carry ``positions`` and the model's own ``get_attention_masks(positions)`` BlockMask)."""
+    then carry ``positions`` and the model's own ``get_attention_masks(positions)`` BlockMask), ``sharding="tp"`` or
+    ``"sp"`` (its own tensor-parallel plan, applied by ``model.parallelize``) and ``tie`` (weight tying)."""
     if framework not in _BUILDERS:
         raise KeyError(f"unknown framework {framework!r}; known: {sorted(_BUILDERS)}")
     fn, names = _BUILDERS[framework]

@@ -4,7 +4,13 @@ torchtitan's ``apply_fsdp_to_decoder`` (embedding, each block, norm + output, ro
 ``blocks`` strategy: each block and the embeddings; its ``full`` strategy, which also shards ``lm_head``, is a typed
 refusal). They shard modules that are not blocks, so the converted model runs with module calls (docs/training.md): each sharded module is called as the
 live module and its FSDP2 hooks gather its parameters. One forward/backward on half the batch per rank gives the
-loss and the gradients of one process on the whole batch."""
+loss and the gradients of one process on the whole batch.
+
+torchtitan's own tensor parallelism (issue #24 item 2, #25 item 2) runs in the same workers: its Llama3 / Qwen3
+sharding configs (``set_llama3_sharding_config``, as its trainer sets them) and ``model.parallelize(parallel_dims)``
+on a 2-rank TP mesh, converting before and after parallelising. Its modules keep activations as DTensors between
+them; the converted graph computes its depth mixing on their (replicated) local values and hands them back as
+DTensors (docs/training.md). Each rank runs the whole batch: loss and gradients equal one process."""
 
 from __future__ import annotations
 
@@ -34,7 +40,20 @@ CASES = [
     # record that call's signature, so it cannot be called as a module, and its FSDP hooks could not run
     ("olmo_core-full-attnres", "olmo_core", "llama_like", "apply_fsdp:full", "attnres"),
 ]
-REFUSED = {"olmo_core-full-attnres": "lm_head is sharded with FSDP (fully_shard): its parameters are gathered by hooks"}
+# torchtitan's own TP: recipe "parallelize" = convert, then model.parallelize; ":first" = the reverse; ":sp" with its
+# sequence-parallel plan; the name "qwen3-untied": Qwen3 (fused q/k/v, QK-norm) without weight tying
+TP_CASES = [
+    *[(f"torchtitan-tp-{s}", "torchtitan", "llama3", "parallelize", s) for s in ("attnres", "msar", "mhc",
+                                                                                  "block-attnres")],
+    ("torchtitan-tp-first-block-msar", "torchtitan", "llama3", "parallelize:first", "block-msar"),
+    ("torchtitan-tp-qwen3-mhc", "torchtitan", "qwen3-untied", "parallelize", "mhc"),
+    ("torchtitan-tp-moda", "torchtitan", "llama3", "parallelize", "moda"),  # MoDA rewrites the attention: refused
+    ("torchtitan-tp-sp-attnres", "torchtitan", "llama3", "parallelize:sp", "attnres"),
+]
+CASES += TP_CASES
+REFUSED = {"olmo_core-full-attnres": "lm_head is sharded with FSDP (fully_shard): its parameters are gathered by hooks",
+           "torchtitan-tp-moda": "layers.0.attention has its forward replaced on the instance"}
+SP_REFUSED = "torchtitan-tp-sp-attnres"
 _FRAMEWORKS = {c[1] for c in CASES}
 pytestmark = pytest.mark.skipif(any(importlib.util.find_spec(f) is None for f in _FRAMEWORKS),
                                 reason="needs torchtitan, torchtune and OLMo-core (the `frameworks` extra)")
@@ -66,9 +85,62 @@ def _shard(model, framework: str, recipe: str, mesh) -> None:
             m.set_gradient_divide_factor(1.0)
 
 
+def _titan_tp_case(name: str, recipe: str, scheme: str) -> dict:
+    """torchtitan's own TP on 2 ranks (each runs the whole batch) against one process, for ``scheme``."""
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    from tests.frameworks.models import build, example_inputs
+
+    parallel_dims.device_type = "cpu"  # torchtitan picks "cuda" when it finds no accelerator
+    dims = parallel_dims.ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=WORLD, pp=1, ep=1, world_size=WORLD,
+                                      spmd_backend="partial_dtensor")
+    dims.build_mesh()
+    arch, _, variant = name.partition("-")
+    order = recipe.partition(":")[2]
+    model, _, _ = build("torchtitan", arch, sharding="sp" if order == "sp" else "tp",
+                        **({"tie": False} if variant == "untied" else {}))
+    model.train()
+    (ids,), _ = example_inputs(model)
+
+    def randomise(*convs):
+        g = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for ps in zip(*(c.depthrewrite.parameters() for c in convs)):
+                r = torch.randn(ps[0].shape, generator=g) * 0.1
+                for p in ps:
+                    p.copy_(r)
+
+    if order == "first":  # parallelise, then convert (the reference converts an unsharded copy)
+        ref = dr.convert(copy.deepcopy(model), scheme, example_inputs=(ids,))
+        model.parallelize(dims)
+        conv = dr.convert(model, scheme, example_inputs=(ids,))
+        randomise(conv, ref)
+    else:
+        conv = dr.convert(model, scheme, example_inputs=(ids,))
+        randomise(conv)
+        ref = copy.deepcopy(conv)
+        conv.parallelize(dims)
+    out = conv(ids)
+    out = out.full_tensor() if hasattr(out, "full_tensor") else out  # its output plan shards the vocabulary
+    loss = out.float().pow(2).mean()
+    loss.backward()
+    want = ref(ids).float().pow(2).mean()
+    want.backward()
+    grads = {n: p.grad for n, p in ref.named_parameters()}
+    worst = 0.0
+    for n, p in conv.named_parameters():
+        got = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        worst = max(worst, (got - grads[n]).abs().max().item())
+    sharded = sum(type(p).__name__ == "DTensor" for p in conv.parameters())
+    return dict(loss=loss.item(), ref=want.item(), grad=worst, module_calls=conv.__dict__["_depthrewrite"].module_calls,
+                sharded=sharded)
+
+
 def _case(mesh, rank: int, framework: str, name: str, recipe: str, scheme: str) -> dict:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     from tests.frameworks.models import _stubbed, build
+
+    if recipe.startswith("parallelize"):
+        return _titan_tp_case(name, recipe, scheme)
 
     with _stubbed(framework):
         model, args, kwargs = build(framework, name)
@@ -129,8 +201,8 @@ def recipe_results(tmp_path_factory):
     return torch.load(tmp / "rank0.pt")
 
 
-@pytest.mark.parametrize("case", [c[0] for c in CASES if c[0] not in REFUSED])
-def test_framework_fsdp_recipe_trains_as_one_process(recipe_results, case):
+@pytest.mark.parametrize("case", [c[0] for c in CASES if c[0] not in REFUSED and c[0] != SP_REFUSED])
+def test_framework_recipe_trains_as_one_process(recipe_results, case):
     got = recipe_results[case]
     assert "error" not in got, got
     assert abs(got["loss"] - got["ref"]) <= 1e-5, got
@@ -144,3 +216,11 @@ def test_a_sharded_module_that_cannot_be_called_is_a_typed_error(recipe_results,
     got = recipe_results[case]
     assert got.get("error") == "ModuleCallError", got
     assert REFUSED[case] in got["text"] and "its call stays inlined" in got["text"]
+
+
+def test_torchtitan_sequence_parallelism_is_a_typed_error(recipe_results):
+    """Its sequence-parallel plan leaves the stream sharded along the sequence between modules: a ConfigError
+    naming the module and the placement, not a mixed-tensor error from inside DTensor."""
+    got = recipe_results[SP_REFUSED]
+    assert got.get("error") == "ConfigError", got
+    assert "tok_embeddings returned a DTensor placed as (Shard(dim=1),)" in got["text"], got

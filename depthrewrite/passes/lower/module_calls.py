@@ -125,20 +125,38 @@ def take_hooks_out(mod: nn.Module, undo: list) -> int:
     return removed
 
 
+def take_forward_out(mod: nn.Module, undo: list) -> int:
+    """Take out a ``forward`` set on the instance (torchtitan's ``Module.parallelize`` wraps each sharded module's
+    forward with the redistribution of its inputs and outputs, ``self.forward = ...``) for a capture, so the trace
+    sees the class's computation; a callable that puts it back goes to ``undo``. Returns 1 if one was taken out:
+    like a hook, it then runs only where the module is called live."""
+    own = mod.__dict__.get("forward")
+    if own is None or getattr(own, "__func__", None) is getattr(type(mod), "forward", None):
+        return 0
+    del mod.__dict__["forward"]
+    undo.append(lambda m=mod, f=own: m.__dict__.__setitem__("forward", f))
+    return 1
+
+
 @contextlib.contextmanager
-def hooks_out_for_capture(model: nn.Module) -> Iterator[dict[str, int]]:
+def hooks_out_for_capture(model: nn.Module) -> Iterator[dict[str, str]]:
     """While capturing with module calls: the run-time hooks of every candidate module (tensor parallelism's input
-    and output redistribution, a user's forward hook) are taken out, so the trace sees the module's own computation
+    and output redistribution, a user's forward hook) and a forward set on its instance are taken out, so the trace sees the module's own computation
     and nothing torch.export cannot follow (DTensor). A module that is then called runs its hooks at run time; one
-    that stays inlined would skip them, which :func:`check_live_modules` refuses. Yields ``{path: hooks taken
+    that stays inlined would skip them, which :func:`check_live_modules` refuses. Yields ``{path: what was taken
     out}``; everything is put back after."""
-    removed: dict[str, int] = {}
+    removed: dict[str, str] = {}
     undo: list[Any] = []
     try:
         for path in candidate_paths(model):
             n = take_hooks_out(model.get_submodule(path), undo)
             if n:
-                removed[path] = n
+                removed[path] = f"{n} hook(s) that fire at run time"
+        for path, mod in model.named_modules():  # a stateless module's too (torchtitan's inner attention)
+            if path and take_forward_out(mod, undo):
+                what = ("its forward replaced on the instance (torchtitan's Module.parallelize, say), which runs only "
+                        "where it is called")
+                removed[path] = f"{removed[path]} and {what}" if path in removed else what
         yield removed
     finally:
         for u in reversed(undo):
@@ -250,10 +268,30 @@ def sequence_parallel(model: nn.Module) -> tuple[str, str] | None:
 
 
 @torch.fx.wrap
-def check_local_shape(t: Any, dims: tuple | None, path: str, parent: str, why: str) -> Any:
+def check_local_shape(t: Any, dims: tuple | None, path: str, parent: str, why: str, to_output: bool = False) -> Any:
     """Run-time check after a call of a module with tensor-parallel parameters: its output has the sizes the graph
     around it was traced with (static dimensions). A plan that leaves the output sharded (``ColwiseParallel``'s
-    local output) fails here, with a ConfigError, instead of in a reshape further down."""
+    local output) fails here, with a ConfigError, instead of in a reshape further down.
+
+    A DTensor output (torchtitan's ``Module.parallelize`` keeps activations as DTensors between its modules) that
+    every rank holds whole (replicated) continues as its local tensor: the graph's own ops (the depth mixing, with
+    plain replicated parameters) compute on plain tensors, and the next module call takes it back as a DTensor. A
+    sharded one is a ConfigError unless it is what the model returns (``to_output``: torchtitan's vocabulary-sharded
+    logits, as the original returns them)."""
+    if is_dtensor(t):
+        if all(p.is_replicate() for p in t.placements):
+            t = t.to_local()
+        elif to_output:
+            return t
+        else:
+            from ...errors import ConfigError
+
+            raise ConfigError(
+                f"{path} returned a DTensor placed as {tuple(t.placements)}: its tensor-parallel plan leaves the "
+                "activations between modules sharded (sequence parallelism, or a sharded output), but the converted "
+                "model's graph computes its depth mixing on whole tensors between module calls. Use a plan whose "
+                "modules return replicated activations (torchtitan: enable_sequence_parallel=False; docs/training.md)."
+            )
     if dims is None or not isinstance(t, torch.Tensor):
         return t
     if t.dim() == len(dims) and all(d is None or d == s for d, s in zip(dims, t.shape)):
@@ -271,8 +309,54 @@ def check_local_shape(t: Any, dims: tuple | None, path: str, parent: str, why: s
     )
 
 
+def _dtensor_mesh(module: nn.Module) -> Any:
+    """The device mesh of the first DTensor parameter or buffer of ``module`` itself (not its submodules), or None."""
+    for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+        if is_dtensor(t):
+            return t.device_mesh
+    return None
+
+
+def _takes_dtensors(model: nn.Module, path: str) -> bool:
+    """Whether the module at ``path`` computes on DTensors it does not make itself: it holds tensor-parallel
+    parameters or buffers of its own but no ``ParallelStyle`` hook turns plain inputs into DTensors (torchtitan's
+    ``Module.parallelize``: a norm with a replicated weight expects a DTensor stream; a module whose children hold
+    the DTensors, such as an attention, takes what its children's hooks or wrapped forwards redistribute)."""
+    mod = model.get_submodule(path)
+    if any(next(_styles_of(h), None) is not None for attr in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs")
+           for h in getattr(mod, attr, {}).values()):
+        return False
+    return _dtensor_mesh(mod) is not None
+
+
+@torch.fx.wrap
+def as_replicated(t: Any, module: nn.Module) -> Any:
+    """A plain floating tensor going into a call of ``module`` (see :func:`_takes_dtensors`) as a replicated DTensor on
+    the module's mesh: every rank computed the same values (the graph's ops between module calls run on whole
+    tensors), which is what a replicated DTensor stream held in the original."""
+    if not isinstance(t, torch.Tensor) or is_dtensor(t) or not t.is_floating_point():
+        return t
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = _dtensor_mesh(module)
+    if mesh is None:
+        return t
+    return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+def _replicated(graph: fx.Graph, x: Any, module: fx.Node, stack: dict) -> Any:
+    """``as_replicated(x, module)`` for a floating tensor node ``x`` (anything else unchanged)."""
+    v = x.meta.get("val") if isinstance(x, fx.Node) else None
+    if not isinstance(v, torch.Tensor) or not v.is_floating_point():
+        return x
+    r = graph.create_node("call_function", as_replicated, (x, module), name=f"{x.name}_replicated")
+    r.meta.update({k: v for k, v in x.meta.items() if k in ("val", "tensor_meta")})
+    r.meta["nn_module_stack"] = stack
+    return r
+
+
 def check_live_modules(model: nn.Module, gm: fx.GraphModule, called: list[str], inlined: list[tuple[str, str]],
-                       removed_hooks: dict[str, int], where: str) -> None:
+                       removed_hooks: dict[str, str], where: str) -> None:
     """After the lowering: every module whose hooks were taken out for the capture, and every module holding a
     tensor-parallel (DTensor, not FSDP2's) parameter, must run as a live module (called itself or inside a called
     module). Otherwise its hooks would not fire, or the graph would read a DTensor as a plain tensor: ConfigError
@@ -292,12 +376,13 @@ def check_live_modules(model: nn.Module, gm: fx.GraphModule, called: list[str], 
     for path, n in removed_hooks.items():
         if path in in_graph and not runs_live(path):
             what = ("is sharded with FSDP (fully_shard): its parameters are gathered by hooks around its call"
-                    if is_fsdp(model.get_submodule(path)) else f"has {n} hook(s) that fire at run time")
+                    if is_fsdp(model.get_submodule(path)) else f"has {n}")
             modules.append((path, why.get(path, "not a call of its own")))
             problems.append(f"{path} {what}, but its call stays inlined ({modules[-1][1]})")
     for path, mod in model.named_modules():
         if path in in_graph and not runs_live(path) and not _fsdp_managed(model, path):
-            own = [k for k, p in mod.named_parameters(recurse=False) if is_dtensor(p)]
+            own = [k for k, p in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]
+                   if is_dtensor(p)]
             if own:
                 modules.append((path, why.get(path, "not a call of its own")))
                 problems.append(f"{path}.{own[0]} is a DTensor (tensor parallelism), but {path}'s call stays inlined "
@@ -639,9 +724,13 @@ def lower_module_calls(gm: fx.GraphModule, blocks: tuple[str, ...] = (), live: n
             path, inputs, outs, parent, key = plan[n]
             sig = info.signatures[path]
             flat = [env[inputs[a.name]] if a.name in inputs else a.value for a in sig.inputs]
+            checked = path in tp
+            if checked and _takes_dtensors(live, path):
+                mod_node = out.create_node("get_attr", path, name=f"_dr_module_{len(called)}")
+                mod_node.meta["nn_module_stack"] = parent
+                flat = [_replicated(out, x, mod_node, parent) for x in flat]
             args, kwargs = pytree.tree_unflatten(flat, sig.in_spec)
             leaf = sig.out_spec.is_leaf()
-            checked = path in tp
             call = out.create_node("call_module", path, tuple(args), dict(kwargs),
                                    name=outs[0][1].name if leaf and outs[0][1] is not None and not checked
                                    else f"_dr_call_{len(called)}")
@@ -663,8 +752,9 @@ def lower_module_calls(gm: fx.GraphModule, blocks: tuple[str, ...] = (), live: n
                     dims = tuple(d if isinstance(d, int) else None for d in v.shape) if isinstance(v, torch.Tensor) else None
                     parent_path = path.rpartition(".")[0]
                     why = next((w for p, w in refused if p == parent_path), "")
-                    r = out.create_node("call_function", check_local_shape, (r, dims, path, parent_path, why),
-                                        name=src.name)
+                    to_output = bool(src.users) and all(u.op == "output" for u in src.users)
+                    r = out.create_node("call_function", check_local_shape,
+                                        (r, dims, path, parent_path, why, to_output), name=src.name)
                     r.meta.update({k: v for k, v in src.meta.items() if k in ("val", "tensor_meta")})
                     r.meta["nn_module_stack"] = parent
                 env[src] = r
