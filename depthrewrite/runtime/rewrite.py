@@ -60,6 +60,15 @@ def _accelerate_offloaded(model: nn.Module) -> str | None:
     return None
 
 
+def _fsdp1_wrapped(model: nn.Module) -> str | None:
+    """The path of the first submodule that is a ``FullyShardedDataParallel`` wrapper (FSDP1), or None."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None
+    return next((n for n, m in model.named_modules() if n and isinstance(m, FullyShardedDataParallel)), None)
+
+
 def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, Any]:
     """Capture ``model`` (a converted model, run as its original class) on one call and rewrite the graph with the
     conversion's scheme; the new parameters are ``model.depthrewrite`` (created by the first capture). Returns the
@@ -85,6 +94,14 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) ->
         raise ConfigError(
             f"the converted {name} ({config.name}) cannot decode with a filled KV cache: {why}. Call it without a "
             "cache (use_cache=False; generate(..., use_cache=False) recomputes the sequence at every step)."
+        )
+    fsdp1 = _fsdp1_wrapped(model)
+    if fsdp1 is not None:
+        raise ConfigError(
+            f"{name}.{fsdp1} is wrapped by FullyShardedDataParallel (FSDP1: Lightning's FSDPStrategy, litgpt's "
+            "pretrain and full fine-tuning recipes), whose flat parameters a converted model does not support (it "
+            "needs a GPU and is untested). Shard with fully_shard (FSDP2) after converting: Lightning's "
+            "ModelParallelStrategy, litgpt's LoRA parallelize_fn, or fully_shard per block (docs/training.md)."
         )
     offloaded = _accelerate_offloaded(model)
     if offloaded is not None:

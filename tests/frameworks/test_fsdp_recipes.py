@@ -1,8 +1,10 @@
 """The frameworks' own FSDP2 recipes on their own converted models (issue #24 item 4, #25 item 2), 2 gloo ranks:
 torchtitan's ``apply_fsdp_to_decoder`` (embedding, each block, norm + output, root), torchtune's ``shard_model``
-(each layer plus ``tok_embeddings`` and ``output`` by name) and OLMo-core's ``Transformer.apply_fsdp`` (its
+(each layer plus ``tok_embeddings`` and ``output`` by name), OLMo-core's ``Transformer.apply_fsdp`` (its
 ``blocks`` strategy: each block and the embeddings; its ``full`` strategy, which also shards ``lm_head``, is a typed
-refusal). They shard modules that are not blocks, so the converted model runs with module calls (docs/training.md): each sharded module is called as the
+refusal) and litgpt's ``finetune.lora.parallelize_fn`` (checkpoint_wrapper per block, every Linear, block and the
+root sharded). litgpt's FSDP1 recipes (Lightning's ``FSDPStrategy``) need a GPU: an FSDP1 wrapper is a typed
+refusal. They shard modules that are not blocks, so the converted model runs with module calls (docs/training.md): each sharded module is called as the
 live module and its FSDP2 hooks gather its parameters. One forward/backward on half the batch per rank gives the
 loss and the gradients of one process on the whole batch.
 
@@ -36,6 +38,9 @@ CASES = [
     *[(f"torchtitan-{s}", "torchtitan", "llama3", "apply_fsdp_to_decoder", s) for s in SCHEMES],
     *[(f"torchtune-{s}", "torchtune", "llama3", "shard_model", s) for s in ("attnres", "mhc")],
     *[(f"olmo_core-{s}", "olmo_core", "llama_like", "apply_fsdp:blocks", s) for s in ("attnres", "msar")],
+    # litgpt's multi-device LoRA recipe (Lightning's ModelParallelStrategy calls it): checkpoint_wrapper on every
+    # block, fully_shard on every trainable Linear, every wrapped block and the root
+    *[(f"litgpt-{s}", "litgpt", "Llama-3.2-1B", "lora.parallelize_fn", s) for s in ("attnres", "msar", "mhc")],
     # its "full" strategy also shards lm_head, whose forward takes a string (loss_reduction="mean"): export cannot
     # record that call's signature, so it cannot be called as a module, and its FSDP hooks could not run
     ("olmo_core-full-attnres", "olmo_core", "llama_like", "apply_fsdp:full", "attnres"),
@@ -62,7 +67,12 @@ pytestmark = pytest.mark.skipif(any(importlib.util.find_spec(f) is None for f in
 def _shard(model, framework: str, recipe: str, mesh) -> None:
     from torch.distributed.fsdp import FSDPModule
 
-    if framework == "torchtitan":
+    if framework == "litgpt":
+        from litgpt.finetune.lora import parallelize_fn
+        from torch.distributed.device_mesh import init_device_mesh
+
+        parallelize_fn(model, init_device_mesh("cpu", (WORLD,), mesh_dim_names=("data_parallel",)))
+    elif framework == "torchtitan":
         from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 
         apply_fsdp_to_decoder(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32, pp_enabled=False)
@@ -224,3 +234,22 @@ def test_torchtitan_sequence_parallelism_is_a_typed_error(recipe_results):
     got = recipe_results[SP_REFUSED]
     assert got.get("error") == "ConfigError", got
     assert "tok_embeddings returned a DTensor placed as (Shard(dim=1),)" in got["text"], got
+
+
+def test_an_fsdp1_wrapper_is_a_typed_error():
+    """FSDP1 (``FullyShardedDataParallel``, what Lightning's FSDPStrategy wraps each litgpt Block in) cannot be built
+    without a GPU; a wrapper put in a block's slot, as its auto-wrap policy does, makes the next call a ConfigError
+    that says to use fully_shard, never an untested run."""
+    import torch.nn as nn
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from tests.frameworks.models import build
+
+    model, args, _ = build("litgpt", "pythia-14m")
+    conv = dr.convert(model, "attnres", example_inputs=args)
+    wrapper = FullyShardedDataParallel.__new__(FullyShardedDataParallel)
+    nn.Module.__init__(wrapper)
+    wrapper._fsdp_wrapped_module = conv.transformer.h[0]
+    conv.transformer.h[0] = wrapper
+    with pytest.raises(dr.ConfigError, match=r"transformer\.h\.0 is wrapped by FullyShardedDataParallel .*fully_shard"):
+        conv(*args)
