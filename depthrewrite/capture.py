@@ -42,7 +42,12 @@ def _is_timm(model: nn.Module) -> bool:
 def example_inputs_for(model: nn.Module, batch: int = DEFAULT_BATCH, seq: int = DEFAULT_SEQ) -> ExampleInputs:
     """Example ``(args, kwargs)``: token ids (or an image) for Hugging Face models, an image for timm models, token ids
     for any other model with an ``nn.Embedding``; :class:`CaptureError` otherwise."""
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    device = next((p.device for p in model.parameters() if p.device.type != "meta"), None)
+    if device is None:  # every weight offloaded by accelerate (meta until its hook loads it): its execution device
+        hooks = [h for m in model.modules() for h in getattr(m.__dict__.get("_hf_hook"), "hooks",
+                                                             (m.__dict__.get("_hf_hook"),))]
+        device = torch.device(next((h.execution_device for h in hooks
+                                    if getattr(h, "execution_device", None) is not None), "cpu"))
     if _is_hf(model):
         cfg = model.config
         kwargs: dict[str, Any] = {}

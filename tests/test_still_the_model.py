@@ -7,6 +7,7 @@ Conversions are shared per module (one per model and scheme) and every call stru
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -479,22 +480,52 @@ def test_a_global_module_hook_fires_for_the_called_modules():
         h.remove()
 
 
-def test_accelerate_offload_is_a_typed_error():
-    """accelerate's cpu_offload keeps weights on the meta device and loads them in each module's own forward hook;
-    the graphs read the depth-mixing parameters and the glue directly: a ConfigError naming the module, after
-    conversion and before it (never a CaptureError from inside accelerate)."""
+@pytest.mark.parametrize("scheme", ["attnres", "msar", "mhc", "moda"])
+def test_accelerate_cpu_offload_after_conversion(scheme):
+    """accelerate's cpu_offload keeps weights on the meta device and loads them in each module's own forward: a
+    converted model calls those modules live, and what its graphs read directly (the depth-mixing parameters, MoDA's
+    rewritten attention) is loaded by the same hooks around the call. Logits equal the model before offloading,
+    with trained-looking new parameters, and the weights are offloaded again after the call."""
     accelerate = pytest.importorskip("accelerate")
-    from depthrewrite.errors import ConfigError
 
     torch.manual_seed(0)
-    conv = dr.convert(hf_model("llama", layers=2).eval(), "attnres")
-    conv(IDS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        conv = dr.convert(hf_model("llama", layers=2).eval(), scheme)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in conv.depthrewrite.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    want = conv(IDS).logits
     accelerate.cpu_offload(conv, execution_device=torch.device("cpu"))
-    with pytest.raises(ConfigError, match=r"LlamaForCausalLM\.model\.embed_tokens is offloaded by accelerate"):
-        conv(IDS)
-    orig = accelerate.cpu_offload(hf_model("llama", layers=2).eval(), execution_device=torch.device("cpu"))
-    with pytest.raises(ConfigError, match="offloaded by accelerate"):
-        dr.convert(orig, "attnres")
+    assert {p.device.type for p in conv.parameters()} == {"meta"}
+    torch.testing.assert_close(conv(IDS).logits, want, rtol=0, atol=1e-6)
+    assert {p.device.type for p in conv.parameters()} == {"meta"}  # offloaded again
+
+
+def test_accelerate_offload_before_conversion_disk_offload_and_generate(tmp_path):
+    """Converting a model accelerate already offloads (its example inputs go to the hooks' execution device), then
+    generate() and disk_offload: the original's tokens and logits, no capture per call."""
+    accelerate = pytest.importorskip("accelerate")
+
+    torch.manual_seed(0)
+    model = hf_model("llama", layers=2).eval()
+    orig = copy.deepcopy(model)
+    accelerate.cpu_offload(model, execution_device=torch.device("cpu"))
+    conv = dr.convert(model, "msar")
+    torch.testing.assert_close(conv(IDS).logits, orig(IDS).logits, rtol=1e-5, atol=1e-5)
+    st = conv.__dict__["_depthrewrite"]
+    captures = st.captures
+    conv(IDS)
+    assert st.captures == captures and st.recaptures == 0
+    prompt = IDS[:, :4]
+    assert torch.equal(conv.generate(prompt, max_new_tokens=4, do_sample=False),
+                       orig.generate(prompt, max_new_tokens=4, do_sample=False))
+
+    other = dr.convert(hf_model("llama", layers=2).eval(), "attnres")
+    want = other(IDS).logits
+    accelerate.disk_offload(other, str(tmp_path), execution_device=torch.device("cpu"))
+    torch.testing.assert_close(other(IDS).logits, want, rtol=0, atol=1e-6)
 
 
 # ---- direct calls as HF code makes them ---------------------------------------------------------------------------

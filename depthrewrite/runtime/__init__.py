@@ -36,6 +36,7 @@ cycle anywhere in the package):
 - :mod:`.entries`: call structures, :class:`~.entries.GraphEntry` (a graph and its size guards), the capture lock;
 - :mod:`.tree`: the module-tree fingerprint and the hook checks and warnings;
 - :mod:`.caches`: the transformers KV cache (write-back, MSAR's decoding state in extra layers), in one place;
+- :mod:`.offload`: accelerate's offloaded modules, loaded around what the graphs read directly and while capturing;
 - :mod:`.classes`: the converted class, and the class a model has while it is captured;
 - :mod:`.rewrite`: one capture of a call, rewritten and lowered to module calls;
 - :mod:`.state`: :class:`~.state.ConversionState`, which runs a call.

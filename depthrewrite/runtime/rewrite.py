@@ -27,6 +27,7 @@ from ..passes.rewrite.msar_decode import DECODE_META
 from ..views.report import ConvertReport, SiteInfo
 from .caches import history_inputs
 from .classes import as_original
+from .offload import offload_hooks
 from .tree import warn_traced_hooks
 
 log = logging.getLogger(__name__)
@@ -47,17 +48,6 @@ def run_pass(pass_name: str, where: str, fn: Callable[..., T], *args: Any) -> T:
             "in your model; please report it with the model's config (the cause is chained below)."
         ) from e
 
-
-
-def _accelerate_offloaded(model: nn.Module) -> str | None:
-    """The path of a module whose weights accelerate's offload hook keeps off the device (``AlignDevicesHook`` with
-    ``offload=True``; accelerate's ``SequentialHook`` chains several), or None."""
-    for n, m in model.named_modules():
-        hook = m.__dict__.get("_hf_hook")
-        for h in getattr(hook, "hooks", (hook,)):
-            if getattr(h, "offload", False) is True:
-                return n or "(the model)"
-    return None
 
 
 def _fsdp1_wrapped(model: nn.Module) -> str | None:
@@ -103,15 +93,7 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) ->
             "needs a GPU and is untested). Shard with fully_shard (FSDP2) after converting: Lightning's "
             "ModelParallelStrategy, litgpt's LoRA parallelize_fn, or fully_shard per block (docs/training.md)."
         )
-    offloaded = _accelerate_offloaded(model)
-    if offloaded is not None:
-        raise ConfigError(
-            f"{name}.{offloaded} is offloaded by accelerate (cpu_offload, disk_offload or a device_map with offloaded "
-            "weights): its weights stay on the meta device and are loaded in its own forward hook. A converted "
-            "model's graphs read the depth-mixing parameters (model.depthrewrite) and the glue between modules "
-            "directly, so they cannot run offloaded. Load the model onto its devices without offloading (a device_map "
-            "of devices only), or convert and run it without accelerate's offload."
-        )
+    offloaded = next((n or "(the model)" for n, _, _ in offload_hooks(model)), None)
     module_calls = getattr(st, "module_calls", False)
     tp = tensor_parallel(model)
     sp = sequence_parallel(model) if tp else None
@@ -123,12 +105,13 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) ->
             "the previous rank's last positions. Use a plan that keeps activations replicated between sublayers "
             "(RowwiseParallel(output_layouts=Replicate()), no SequenceParallel norms; docs/training.md)."
         )
-    if not module_calls and (tp or sharded is not None):
+    if not module_calls and (tp or sharded is not None or offloaded is not None):
         # a tensor-parallel plan, or fully_shard on a module that is not a block (torchtitan's apply_fsdp shards the
         # embedding and the output), acts on modules through their hooks: they must stay calls (check_live_modules
         # refuses one whose call cannot be kept)
         log.info("depthrewrite: %s: %s; converting with module calls", name,
-                 "tensor-parallel parameters" if tp else f"{sharded} is sharded with FSDP")
+                 "tensor-parallel parameters" if tp else f"{sharded} is sharded with FSDP" if sharded is not None
+                 else f"{offloaded} is offloaded by accelerate")
         st.module_calls = module_calls = True
 
     def captured(module_calls: bool, keep_cache: bool) -> tuple:
@@ -182,7 +165,7 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) ->
         # module calls by default (not asked for, not needed by TP or FSDP): a hooked module whose call cannot be
         # kept (one flat graph inlines every module; MoDA's attention is rewritten) is traced into the graph instead,
         # as without module calls (the module-tree check warns that its side effects happen at capture only)
-        if getattr(st, "module_calls_asked", True) or tp or sharded is not None:
+        if getattr(st, "module_calls_asked", True) or tp or sharded is not None or offloaded is not None:
             raise
         log.info("depthrewrite: %s; capturing without module calls (hooks traced)", e)
         module_calls = False

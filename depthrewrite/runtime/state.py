@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect as _inspect
 import logging
@@ -24,6 +25,7 @@ from ..passes.rewrite.msar_decode import HISTORY_META
 from ..pipeline import split
 from .caches import EXTRA_LAYERS, SEEN_TOKENS, check_cache, output_cache, store_history, write_back
 from .entries import LOCK, GraphEntry, describe_value, guards_of, readable_structure, traced_call
+from .offload import loaded, offload_hooks, offloaded_reads
 from . import tree as tree_module
 from .rewrite import capture_and_rewrite
 from .tree import (PLAIN_TENSORS, ModuleTree, called_modules, check_block_hooks, check_global_hooks, direct_reads,
@@ -226,7 +228,8 @@ class ConversionState:
         return None, pos, kw, key, bound
 
     def capture(self, model: nn.Module, args: tuple, kwargs: dict, structure: str) -> GraphEntry:
-        with LOCK.exclusive(), outside_the_call():
+        # accelerate's offloaded modules hold meta weights outside their own forward: loaded while capturing
+        with LOCK.exclusive(), outside_the_call(), loaded(offload_hooks(model)):
             t0 = time.perf_counter()
             gm, result = capture_and_rewrite(model, self, args, kwargs)
             self.captures += 1
@@ -241,6 +244,7 @@ class ConversionState:
             structure += f" ({', '.join(fixed)})"
         entry = GraphEntry(module=gm, structure=structure, guards=guards, seconds=time.perf_counter() - t0,
                            runner=runner)
+        entry.offloaded = tuple(offloaded_reads(model, direct_reads([entry])))
         # the first capture adds model.depthrewrite; what is opaque depends on every graph kept, this one too
         self.tree = ModuleTree(model, called_modules([*self.entries(), entry]))
         log.info("depthrewrite: captured a graph for %s (%s) in %.2f s", self.original.__name__, structure, entry.seconds)
@@ -341,7 +345,8 @@ class ConversionState:
         if not tracing and tree_module.CHECK_MODULE_TREE:
             check_global_hooks(entry, self.original.__name__)
         try:
-            out = (entry.module if exporting else entry.run)(*pos, **kw)
+            with loaded(entry.offloaded) if entry.offloaded else contextlib.nullcontext():
+                out = (entry.module if exporting else entry.run)(*pos, **kw)
         except RuntimeError as e:
             # export's own input check (a relation between sizes our guards do not model, e.g. a cache length derived
             # from the new tokens at a sliding window's edge) fails before anything runs: this call gets its own graph
