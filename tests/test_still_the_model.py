@@ -524,8 +524,26 @@ def test_accelerate_offload_before_conversion_disk_offload_and_generate(tmp_path
 
     other = dr.convert(hf_model("llama", layers=2).eval(), "attnres")
     want = other(IDS).logits
-    accelerate.disk_offload(other, str(tmp_path), execution_device=torch.device("cpu"))
+    accelerate.disk_offload(other, str(tmp_path / "disk"), execution_device=torch.device("cpu"))
     torch.testing.assert_close(other(IDS).logits, want, rtol=0, atol=1e-6)
+
+
+def test_accelerate_device_map_with_offloaded_weights(tmp_path):
+    """``dispatch_model`` with a device_map that offloads a block, the final norm and the new parameters to disk:
+    the graphs captured before are kept (the module tree reads the same), what they read directly is loaded around
+    each call; logits equal the model before dispatching (MoDA: its rewritten attention reads the block's weights)."""
+    accelerate = pytest.importorskip("accelerate")
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        conv = dr.convert(hf_model("llama", layers=2).eval(), "moda")
+    want = conv(IDS).logits
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "disk", "model.layers.1": "cpu", "model.norm": "disk",
+                  "model.rotary_emb": "cpu", "lm_head": "cpu", "depthrewrite": "disk"}
+    accelerate.dispatch_model(conv, device_map=device_map, offload_dir=str(tmp_path))
+    assert conv.model.layers[0].self_attn.q_proj.weight.device.type == "meta"
+    torch.testing.assert_close(conv(IDS).logits, want, rtol=0, atol=1e-6)
 
 
 # ---- direct calls as HF code makes them ---------------------------------------------------------------------------

@@ -165,6 +165,8 @@ class ConversionState:
                      self.original.__name__, *wrapped)
             return False
         self.tree = new
+        for e in self.entries():  # accelerate may have offloaded what a kept graph reads directly (dispatch_model)
+            e.offloaded = tuple(offloaded_reads(model, direct_reads([e])))
         return True
 
     def _subclass_read_inline(self, model: nn.Module) -> tuple[str, str] | None:
