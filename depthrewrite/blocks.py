@@ -623,6 +623,83 @@ def share_live(gm: fx.GraphModule, model: nn.Module) -> None:
             mine[k] = theirs[k]
 
 
+class _ChainModule:
+    """The module that holds the residual chain (HF's ``LlamaModel`` under ``LlamaForCausalLM``), for the runner's
+    :func:`enter_module` / :func:`exit_module` nodes: a plain object, not a submodule (the runner would otherwise
+    hold it, and a global hook would see a call of it)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+
+def _global_hooks() -> tuple[dict, dict, dict]:
+    mm = torch.nn.modules.module
+    return mm._global_forward_pre_hooks, mm._global_forward_hooks, mm._global_forward_hooks_always_called
+
+
+@torch.fx.wrap
+def enter_module(ref: _ChainModule) -> None:
+    """Where the module holding the chain starts in the runner: the global forward pre-hooks (FlopCounterMode,
+    ModuleTracker) run for it as when the original calls it (its inputs are keywords, which such hooks do not
+    get). Nothing under a compiler."""
+    pre, _, _ = _global_hooks()
+    if not pre or torch.compiler.is_compiling():
+        return
+    for h in list(pre.values()):
+        if h(ref.module, ()) is not None:
+            raise _hook_changed_io(ref.module, "inputs")
+
+
+@torch.fx.wrap
+def exit_module(ref: _ChainModule, output: Any) -> None:
+    """Where the module holding the chain ends (its last operation, the final norm's call): the global forward
+    hooks run for it with that output."""
+    _, post, _ = _global_hooks()
+    if not post or torch.compiler.is_compiling():
+        return
+    for h in list(post.values()):
+        if h(ref.module, (), output) is not None:
+            raise _hook_changed_io(ref.module, "output")
+
+
+def _hook_changed_io(module: nn.Module, what: str) -> Exception:
+    from .errors import ModuleTreeChangedError
+
+    return ModuleTreeChangedError(
+        f"a global module hook returned new {what} for {type(module).__name__}, the module that holds the residual "
+        "chain: a converted model computes that module as its graphs, so it cannot take them. Register the hook on a "
+        "module inside the blocks, or on the converted model itself.", module=None, change="global hook",
+    )
+
+
+def _mark_chain_modules(graph: fx.Graph, model: nn.Module, paths: tuple[str, ...], attrs: dict[str, Any]) -> None:
+    """Put :func:`enter_module` before the first and :func:`exit_module` after the last node of each module above
+    the blocks (not the root, which the caller calls itself, nor a container): their computation is the runner's
+    glue, so a global module hook would otherwise never see them, as it does in the original."""
+    if not paths:
+        return
+    parts = paths[0].split(".")
+    chain = [p for p in (".".join(parts[:i]) for i in range(1, len(parts)))
+             if all(q.startswith(p + ".") for q in paths) and not isinstance(get_path(model, p), _CONTAINERS)]
+    nodes = list(graph.nodes)
+    for i, path in enumerate(chain):
+        inside = [n for n in nodes if (n.op == "call_module" and str(n.target).startswith(path + "."))
+                  or any(isinstance(v, tuple) and v and v[0] == path
+                         for v in (n.meta.get("nn_module_stack") or {}).values())]
+        mod = get_path(model, path)
+        if not inside or mod is None:
+            continue
+        name = f"_dr_chain_{i}"
+        attrs[name] = _ChainModule(mod)
+        with graph.inserting_before(inside[0]):
+            ref = graph.get_attr(name)
+            graph.call_function(enter_module, (ref,))
+        with graph.inserting_after(inside[-1]):
+            ref = graph.get_attr(name)
+        with graph.inserting_after(ref):
+            graph.call_function(exit_module, (ref, inside[-1]))
+
+
 def build_runner(gm: fx.GraphModule, model: nn.Module, paths: tuple[str, ...],
                  checkpoint: Callable[[nn.Module], bool]) -> tuple[fx.GraphModule | None, str | None]:
     """``(runner, None)``: a module running ``gm``'s graph (a converted model's flat graph) as glue plus one call per
@@ -635,6 +712,7 @@ def build_runner(gm: fx.GraphModule, model: nn.Module, paths: tuple[str, ...],
     if isinstance(split, str):
         return None, split
     root: dict[str, Any] = {}
+    _mark_chain_modules(split.graph, model, paths, split.attrs)
     consts = 0
     for n in split.graph.nodes:
         if n.op == "get_attr" and n.target not in split.attrs and not live(n.target):

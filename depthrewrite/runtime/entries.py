@@ -36,6 +36,25 @@ def describe_value(value: Any) -> Any:
     return (str(spec), tuple(map(_describe_leaf, leaves)))
 
 
+def call_graph(gm: fx.GraphModule, args: tuple, kwargs: dict) -> Any:
+    """Run ``gm`` (a runner or flat graph) as ``gm(*args, **kwargs)`` does, but not as a module call: its own forward
+    pre-hooks (export's input checks) run, then its forward. A global module hook (FlopCounterMode, ModuleTracker)
+    then sees the model's modules that the graph calls, never the graph module itself, which the original does not
+    have. A graph with any other hook is called as a module."""
+    if gm._forward_hooks or gm._backward_hooks or gm._backward_pre_hooks or gm._forward_hooks_with_kwargs:
+        return gm(*args, **kwargs)
+    for k, h in gm._forward_pre_hooks.items():
+        if k in gm._forward_pre_hooks_with_kwargs:
+            r = h(gm, args, kwargs)
+            if r is not None:
+                args, kwargs = r
+        else:
+            r = h(gm, args)
+            if r is not None:
+                args = r if isinstance(r, tuple) else (r,)
+    return gm.forward(*args, **kwargs)
+
+
 @dataclasses.dataclass
 class GraphEntry:
     """One captured and rewritten graph: the call structure it serves, its shape guards and how long capture took."""

@@ -24,7 +24,7 @@ from ..passes.lower.module_calls import is_dtensor
 from ..passes.rewrite.msar_decode import HISTORY_META
 from ..pipeline import split
 from .caches import EXTRA_LAYERS, SEEN_TOKENS, check_cache, output_cache, store_history, write_back
-from .entries import LOCK, GraphEntry, describe_value, guards_of, readable_structure, traced_call
+from .entries import LOCK, GraphEntry, call_graph, describe_value, guards_of, readable_structure, traced_call
 from .offload import loaded, offload_hooks, offloaded_reads
 from . import tree as tree_module
 from .rewrite import capture_and_rewrite
@@ -348,7 +348,7 @@ class ConversionState:
             check_global_hooks(entry, self.original.__name__)
         try:
             with loaded(entry.offloaded) if entry.offloaded else contextlib.nullcontext():
-                out = (entry.module if exporting else entry.run)(*pos, **kw)
+                out = entry.module(*pos, **kw) if exporting else call_graph(entry.run, pos, kw)
         except RuntimeError as e:
             # export's own input check (a relation between sizes our guards do not model, e.g. a cache length derived
             # from the new tokens at a sliding window's edge) fails before anything runs: this call gets its own graph
@@ -357,7 +357,8 @@ class ConversionState:
             entry, pos, kw = self.select(model, args, kwargs, fresh=True)
             if tree_module.CHECK_MODULE_TREE:
                 check_global_hooks(entry, self.original.__name__)
-            out = entry.run(*pos, **kw)
+            with loaded(entry.offloaded) if entry.offloaded else contextlib.nullcontext():
+                out = call_graph(entry.run, pos, kw)
         self.last[bool(model.training)] = entry
         entry.calls += 1
         history = None
