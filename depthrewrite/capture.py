@@ -7,11 +7,14 @@ size). The captured graph keeps ``nn_module_stack`` on every node, which the ana
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
+import io
 import logging
 import re
-from typing import Any
+import sys
+from typing import Any, Iterator
 
 import torch
 import torch.fx as fx
@@ -498,6 +501,34 @@ def drop_fake_state(model: nn.Module) -> list[str]:
     return dropped
 
 
+class _WithoutPartialGraphs(io.TextIOBase):
+    """sys.stderr while torch.export runs: torch.export prints the partial graph of a failed trace (the whole model,
+    hundreds of lines) to stderr before raising, once per attempt; the CaptureError says what failed. Such a write
+    goes to this module's debug log instead; everything else passes through."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+
+    def write(self, text: str) -> int:
+        if "def forward(self" in text[:400]:
+            log.debug("torch.export's partial graph of a failed trace:\n%s", text)
+            return len(text)
+        return self.real.write(text)
+
+    def flush(self) -> None:
+        self.real.flush()
+
+
+@contextlib.contextmanager
+def _quiet_partial_graphs() -> Iterator[None]:
+    real = sys.stderr
+    sys.stderr = _WithoutPartialGraphs(real)
+    try:
+        yield
+    finally:
+        sys.stderr = real
+
+
 def capture(
     model: nn.Module,
     example_inputs: tuple | None = None,
@@ -567,12 +598,13 @@ def capture(
         level = quiet.level
         quiet.setLevel(logging.ERROR)
         try:
-            if module_calls:
-                from .passes.lower.module_calls import export_with_signatures
+            with _quiet_partial_graphs():
+                if module_calls:
+                    from .passes.lower.module_calls import export_with_signatures
 
-                ep = export_with_signatures(model, args, kwargs, dyn)
-            else:
-                ep = torch.export.export(model, args, kwargs, dynamic_shapes=dyn, strict=False)
+                    ep = export_with_signatures(model, args, kwargs, dyn)
+                else:
+                    ep = torch.export.export(model, args, kwargs, dynamic_shapes=dyn, strict=False)
         finally:
             quiet.setLevel(level)
     except Exception as e:  # torch.export raises many types; all of them mean the same to our user

@@ -98,8 +98,9 @@ def test_msar_starts_a_sequence_exactly_and_refuses_to_continue_one(key):
         torch.testing.assert_close(conv(ids), full)  # without the cache, the whole sequence: as before
 
 
-def test_torchtune_cache_refusal_names_the_assert_and_what_to_do():
-    """torchtune's KVCache.update asserts on a tensor's value: the CaptureError names that line and the way out."""
+def test_torchtune_cache_refusal_names_the_assert_and_what_to_do(capsys):
+    """torchtune's KVCache.update asserts on a tensor's value: the CaptureError names that line and the way out, and
+    torch.export's partial graph of the failed trace (hundreds of lines, once per attempt) is not printed."""
     from depthrewrite.errors import CaptureError
     from tests.frameworks.models import build
 
@@ -111,8 +112,10 @@ def test_torchtune_cache_refusal_names_the_assert_and_what_to_do():
     B, T = args[0].shape
     conv.setup_caches(batch_size=B, dtype=torch.float32, decoder_max_seq_len=32)
     mask = torch.tril(torch.ones(T, 32, dtype=torch.bool))[None].expand(B, -1, -1)
+    capsys.readouterr()
     with pytest.raises(CaptureError, match=r"kv_cache\.py:\d+ in KVCache\.update.*disable_kv_cache"):
         conv(*args, mask=mask, input_pos=torch.arange(T)[None].expand(B, -1))
+    assert "def forward(self" not in capsys.readouterr().err
 
 
 def test_float_token_ids_name_the_dtype_first():
