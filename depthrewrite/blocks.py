@@ -632,17 +632,12 @@ class _ChainModule:
         self.module = module
 
 
-def _global_hooks() -> tuple[dict, dict, dict]:
-    mm = torch.nn.modules.module
-    return mm._global_forward_pre_hooks, mm._global_forward_hooks, mm._global_forward_hooks_always_called
-
-
 @torch.fx.wrap
 def enter_module(ref: _ChainModule) -> None:
     """Where the module holding the chain starts in the runner: the global forward pre-hooks (FlopCounterMode,
     ModuleTracker) run for it as when the original calls it (its inputs are keywords, which such hooks do not
     get). Nothing under a compiler."""
-    pre, _, _ = _global_hooks()
+    pre = torch.nn.modules.module._global_forward_pre_hooks
     if not pre or torch.compiler.is_compiling():
         return
     for h in list(pre.values()):
@@ -654,7 +649,7 @@ def enter_module(ref: _ChainModule) -> None:
 def exit_module(ref: _ChainModule, output: Any) -> None:
     """Where the module holding the chain ends (its last operation, the final norm's call): the global forward
     hooks run for it with that output."""
-    _, post, _ = _global_hooks()
+    post = torch.nn.modules.module._global_forward_hooks
     if not post or torch.compiler.is_compiling():
         return
     for h in list(post.values()):
@@ -695,8 +690,6 @@ def _mark_chain_modules(graph: fx.Graph, model: nn.Module, paths: tuple[str, ...
             ref = graph.get_attr(name)
             graph.call_function(enter_module, (ref,))
         with graph.inserting_after(inside[-1]):
-            ref = graph.get_attr(name)
-        with graph.inserting_after(ref):
             graph.call_function(exit_module, (ref, inside[-1]))
 
 

@@ -47,9 +47,9 @@ def example_inputs_for(model: nn.Module, batch: int = DEFAULT_BATCH, seq: int = 
     for any other model with an ``nn.Embedding``; :class:`CaptureError` otherwise."""
     device = next((p.device for p in model.parameters() if p.device.type != "meta"), None)
     if device is None:  # every weight offloaded by accelerate (meta until its hook loads it): its execution device
-        hooks = [h for m in model.modules() for h in getattr(m.__dict__.get("_hf_hook"), "hooks",
-                                                             (m.__dict__.get("_hf_hook"),))]
-        device = torch.device(next((h.execution_device for h in hooks
+        from .runtime.offload import accelerate_hooks
+
+        device = torch.device(next((h.execution_device for m in model.modules() for h in accelerate_hooks(m)
                                     if getattr(h, "execution_device", None) is not None), "cpu"))
     if _is_hf(model):
         cfg = model.config

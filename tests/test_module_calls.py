@@ -421,7 +421,8 @@ def test_module_tracker_sees_the_called_modules():
     got, want = parents(conv), parents(ref)
     assert len(got) == len(want) == 1
     assert got == want  # the chain's module (LlamaModel) too: the global hooks run where its glue starts and ends
-    assert {"LlamaForCausalLM.model", "LlamaForCausalLM.model.layers.1", "LlamaForCausalLM.model.layers.1.mlp"} <= got[0]
+    assert {"LlamaForCausalLM.model", "LlamaForCausalLM.model.layers.1",
+            "LlamaForCausalLM.model.layers.1.mlp"} <= got[0]
 
 
 def test_decoding_steps_call_the_modules(scheme="attnres"):

@@ -65,7 +65,7 @@ class GraphEntry:
     seconds: float
     calls: int = 0
     runner: Any = None  # the module a call runs: glue plus one call per block module (depthrewrite.blocks); None: module
-    offloaded: tuple = ()  # (path, module, hook) of accelerate-offloaded modules its graphs read directly (runtime.offload)
+    offloaded: tuple = ()  # (path, module, hook): accelerate-offloaded modules its graphs read directly (.offload)
 
     @property
     def run(self) -> fx.GraphModule:

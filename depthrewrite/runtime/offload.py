@@ -17,30 +17,31 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["loaded", "offload_hooks", "offloaded_reads"]
+__all__ = ["accelerate_hooks", "loaded", "offload_hooks", "offloaded_reads"]
+
+
+def accelerate_hooks(module: nn.Module) -> tuple:
+    """The hooks accelerate put on ``module`` itself (its ``_hf_hook``; a ``SequentialHook`` chains several)."""
+    hook = module.__dict__.get("_hf_hook")
+    return () if hook is None else tuple(getattr(hook, "hooks", (hook,)))
 
 
 def offload_hooks(model: nn.Module) -> list[tuple[str, nn.Module, Any]]:
     """``(path, module, hook)`` for every submodule whose accelerate hook offloads its weights (``AlignDevicesHook``
-    with ``offload=True``; accelerate's ``SequentialHook`` chains several)."""
-    out = []
-    for n, m in model.named_modules():
-        hook = m.__dict__.get("_hf_hook")
-        for h in getattr(hook, "hooks", (hook,)):
-            if getattr(h, "offload", False) is True:
-                out.append((n, m, h))
-    return out
+    with ``offload=True``)."""
+    return [(n, m, h) for n, m in model.named_modules() for h in accelerate_hooks(m)
+            if getattr(h, "offload", False) is True]
 
 
-def offloaded_reads(model: nn.Module, reads: set[str]) -> list[tuple[str, nn.Module, Any]]:
+def offloaded_reads(model: nn.Module, reads: set[str]) -> tuple[tuple[str, nn.Module, Any], ...]:
     """The offloaded modules (:func:`offload_hooks`) one of whose parameters or buffers is in ``reads`` (paths the
     graphs read with ``get_attr``, outside any module call)."""
     hooks = offload_hooks(model)
     if not hooks:
-        return []
+        return ()
     owners = {p.rpartition(".")[0] for p in reads}
-    return [(n, m, h) for n, m, h in hooks if n in owners
-            or (getattr(h, "place_submodules", False) and any(o == n or o.startswith(n + ".") for o in owners))]
+    return tuple((n, m, h) for n, m, h in hooks if n in owners
+                 or (getattr(h, "place_submodules", False) and any(o == n or o.startswith(n + ".") for o in owners)))
 
 
 @contextlib.contextmanager

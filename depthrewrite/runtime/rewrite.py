@@ -105,10 +105,11 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) ->
             "the previous rank's last positions. Use a plan that keeps activations replicated between sublayers "
             "(RowwiseParallel(output_layouts=Replicate()), no SequenceParallel norms; docs/training.md)."
         )
-    if not module_calls and (tp or sharded is not None or offloaded is not None):
-        # a tensor-parallel plan, or fully_shard on a module that is not a block (torchtitan's apply_fsdp shards the
-        # embedding and the output), acts on modules through their hooks: they must stay calls (check_live_modules
-        # refuses one whose call cannot be kept)
+    # a tensor-parallel plan, fully_shard on a module that is not a block (torchtitan's apply_fsdp shards the
+    # embedding and the output) and accelerate's offload act on modules through their hooks: they must stay calls
+    # (check_live_modules refuses one whose call cannot be kept)
+    kept_calls = tp or sharded is not None or offloaded is not None
+    if not module_calls and kept_calls:
         log.info("depthrewrite: %s: %s; converting with module calls", name,
                  "tensor-parallel parameters" if tp else f"{sharded} is sharded with FSDP" if sharded is not None
                  else f"{offloaded} is offloaded by accelerate")
@@ -165,7 +166,7 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) ->
         # module calls by default (not asked for, not needed by TP or FSDP): a hooked module whose call cannot be
         # kept (one flat graph inlines every module; MoDA's attention is rewritten) is traced into the graph instead,
         # as without module calls (the module-tree check warns that its side effects happen at capture only)
-        if getattr(st, "module_calls_asked", True) or tp or sharded is not None or offloaded is not None:
+        if getattr(st, "module_calls_asked", True) or kept_calls:
             raise
         log.info("depthrewrite: %s; capturing without module calls (hooks traced)", e)
         module_calls = False

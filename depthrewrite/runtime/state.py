@@ -37,6 +37,13 @@ log = logging.getLogger(__name__)
 # ---- the conversion state -----------------------------------------------------------------------------------------
 
 
+def _run(entry: GraphEntry, pos: tuple, kw: dict, exporting: bool = False) -> Any:
+    """One call of ``entry``'s graphs (inside torch.export: the flat graph, as a module call), with what they read of
+    accelerate's offloaded modules loaded around it."""
+    with loaded(entry.offloaded) if entry.offloaded else contextlib.nullcontext():
+        return entry.module(*pos, **kw) if exporting else call_graph(entry.run, pos, kw)
+
+
 class ConversionState:
     """Everything depthrewrite keeps on a converted model (``model.__dict__["_depthrewrite"]``): the recipe (scheme
     config, original class and signature, example inputs, pipeline stages), the report of the first capture, and the
@@ -166,7 +173,7 @@ class ConversionState:
             return False
         self.tree = new
         for e in self.entries():  # accelerate may have offloaded what a kept graph reads directly (dispatch_model)
-            e.offloaded = tuple(offloaded_reads(model, direct_reads([e])))
+            e.offloaded = offloaded_reads(model, direct_reads([e]))
         return True
 
     def _subclass_read_inline(self, model: nn.Module) -> tuple[str, str] | None:
@@ -246,7 +253,7 @@ class ConversionState:
             structure += f" ({', '.join(fixed)})"
         entry = GraphEntry(module=gm, structure=structure, guards=guards, seconds=time.perf_counter() - t0,
                            runner=runner)
-        entry.offloaded = tuple(offloaded_reads(model, direct_reads([entry])))
+        entry.offloaded = offloaded_reads(model, direct_reads([entry]))
         # the first capture adds model.depthrewrite; what is opaque depends on every graph kept, this one too
         self.tree = ModuleTree(model, called_modules([*self.entries(), entry]))
         log.info("depthrewrite: captured a graph for %s (%s) in %.2f s", self.original.__name__, structure, entry.seconds)
@@ -347,8 +354,7 @@ class ConversionState:
         if not tracing and tree_module.CHECK_MODULE_TREE:
             check_global_hooks(entry, self.original.__name__)
         try:
-            with loaded(entry.offloaded) if entry.offloaded else contextlib.nullcontext():
-                out = entry.module(*pos, **kw) if exporting else call_graph(entry.run, pos, kw)
+            out = _run(entry, pos, kw, exporting)
         except RuntimeError as e:
             # export's own input check (a relation between sizes our guards do not model, e.g. a cache length derived
             # from the new tokens at a sliding window's edge) fails before anything runs: this call gets its own graph
@@ -357,8 +363,7 @@ class ConversionState:
             entry, pos, kw = self.select(model, args, kwargs, fresh=True)
             if tree_module.CHECK_MODULE_TREE:
                 check_global_hooks(entry, self.original.__name__)
-            with loaded(entry.offloaded) if entry.offloaded else contextlib.nullcontext():
-                out = call_graph(entry.run, pos, kw)
+            out = _run(entry, pos, kw)
         self.last[bool(model.training)] = entry
         entry.calls += 1
         history = None

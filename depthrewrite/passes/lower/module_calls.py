@@ -141,8 +141,9 @@ def take_forward_out(mod: nn.Module, undo: list) -> int:
 @contextlib.contextmanager
 def hooks_out_for_capture(model: nn.Module) -> Iterator[dict[str, str]]:
     """While capturing with module calls: the run-time hooks of every candidate module (tensor parallelism's input
-    and output redistribution, a user's forward hook) and a forward set on its instance are taken out, so the trace sees the module's own computation
-    and nothing torch.export cannot follow (DTensor). A module that is then called runs its hooks at run time; one
+    and output redistribution, a user's forward hook) and a forward set on any module's instance (torchtitan's
+    parallelize, accelerate's hooks) are taken out, so the trace sees the module's own computation and nothing
+    torch.export cannot follow (DTensor). A module that is then called runs its hooks at run time; one
     that stays inlined would skip them, which :func:`check_live_modules` refuses. Yields ``{path: what was taken
     out}``; everything is put back after."""
     removed: dict[str, str] = {}
