@@ -55,7 +55,11 @@ def _cases() -> dict[str, tuple]:
             (_g(1, 2, 6, 8), _g(1, 2, 6, 8), _g(1, 2, 6, 8), torch.rand(1, 1, 6, 6) > 0.3, _g(1, 6, 2, 2, 8),
              _g(1, 6, 2, 2, 8), None, 0.3, False, 0.0, None, 0.0),
         ),  # fmt: skip
-        "moda_slots": (OPS.moda_slots.default, ([_g(1, 2, 6, 8) for _ in range(3)],)),
+        "moda_attn_slots": (  # slots as their writers made them: one [B, Hk, T, d] each, a transposed one among them
+            OPS.moda_attn_slots.default,
+            (_g(1, 4, 6, 8), _g(1, 2, 6, 8), _g(1, 2, 6, 8), None, [_g(1, 2, 6, 8), _g(1, 6, 2, 8).transpose(1, 2)],
+             [_g(1, 2, 6, 8), _g(1, 2, 6, 8)], torch.rand(4), 0.3, True, 0.0, None, 0.0),
+        ),  # fmt: skip
     }
 
 

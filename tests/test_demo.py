@@ -156,7 +156,7 @@ def test_corpus_from_dir_keeps_files_apart(tmp_path):
         ("attnres", {"blocks": 2}, {"depth_attn": 4, "sums": 2}),  # 2 layers = 4 sublayers: sites 1..3 + output
         ("msar", {}, {"msar_mix": 4, "sums": 0}),
         ("mhc", {}, {"mhc_pre": 4, "mhc_post": 4, "mhc_collapse": 1}),
-        ("moda", {}, {"moda_attn": 1}),
+        ("moda", {}, {"moda_attn_slots": 1}),
     ],
 )
 def test_rewritten_graph_is_read_from_the_converted_graph(scheme, options, expect, tmp_path):

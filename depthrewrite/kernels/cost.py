@@ -16,8 +16,9 @@ term by term):
 A backward op recomputes what it needs of the forward from the inputs (as the ops do: nothing but the inputs is
 saved), then the gradients; both are counted. Two exceptions keep our counts comparable with torch's: the sequence
 part of ``moda_attn`` (and its backward) is counted exactly as torch counts SDPA (the two matmuls forward, five
-backward, full T×S: no causal discount, no softmax), so MoDA's extra is its depth part and the merge; and
-``moda_slots`` (a layout copy) counts 0. Torch's own registry counts matmuls, convolutions and attention only:
+backward, full T×S: no causal discount, no softmax), so MoDA's extra is its depth part and the merge; and the
+stacking of ``moda_attn_slots``'s slots (a layout copy) counts 0. Torch's own registry counts matmuls, convolutions
+and attention only:
 elementwise aten ops (norms, activations, residual adds, the loss) count 0 on both the vanilla and the converted
 side, whereas our ops count all their arithmetic. The extra FLOPs of a converted model are therefore its depth ops'
 arithmetic (plus any new matmul), an upper estimate of what a compute-bound kernel has to do.
@@ -368,9 +369,14 @@ def moda_attn_backward_flop(grad: Shape, q: Shape, k: Shape, v: Shape, attn_mask
     return flop_counter.sdpa_backward_flop_count(grad, q, k, v) + depth
 
 
-def moda_slots_flop(keys: list[Shape], *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
-    """A layout copy: no arithmetic."""
-    return 0
+def moda_attn_slots_flop(q: Shape, k: Shape, v: Shape, attn_mask: Shape | None, slots_k: list[Shape],
+                         slots_v: list[Shape], *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    """:func:`moda_attn_flop` of the slots stacked token-major (the stack is a layout copy: no arithmetic)."""
+    def stacked(slots: list[Shape]) -> Shape:
+        B, Hk, T, d = slots[0]
+        return (B, T, len(slots), Hk, d)
+
+    return moda_attn_flop(q, k, v, attn_mask, stacked(slots_k), stacked(slots_v), *args, **kwargs)
 
 
 #: op name (``torch.ops.depthrewrite.<name>``) -> FLOP formula over argument shapes
@@ -392,7 +398,7 @@ FORMULAS: dict[str, Callable[..., int]] = {
     "mhc_post_backward": mhc_post_backward_flop,
     "moda_attn": moda_attn_flop,
     "moda_attn_backward": moda_attn_backward_flop,
-    "moda_slots": moda_slots_flop,
+    "moda_attn_slots": moda_attn_slots_flop,
 }
 
 

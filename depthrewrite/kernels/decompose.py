@@ -107,10 +107,14 @@ def _moda_entries() -> dict[str, tuple[Callable, Callable]]:
             for g, x in zip(got, like)
         )
 
+    def attn_slots(q, k, v, attn_mask, slots_k, slots_v, depth_weight, scale, is_causal, dropout_p, seed, softcap):
+        return attn(q, k, v, attn_mask, moda_slots_ref(slots_k), moda_slots_ref(slots_v), depth_weight, scale,
+                    is_causal, dropout_p, seed, softcap)
+
     return {
         "moda_attn": (m.moda_attn, attn),
+        "moda_attn_slots": (m.moda_attn_slots, attn_slots),
         "moda_attn_backward": (m.moda_attn_backward, attn_bwd),
-        "moda_slots": (None, moda_slots_ref),
     }
 
 

@@ -92,7 +92,7 @@ def scheme_tags(graph: fx.Graph) -> set[str]:
 
 
 def depth_op_name(n: fx.Node) -> str | None:
-    """``"moda_slots"`` for a call of ``torch.ops.depthrewrite.moda_slots``; None for any other node."""
+    """``"moda_attn_slots"`` for a call of ``torch.ops.depthrewrite.moda_attn_slots``; None for any other node."""
     if n.op != "call_function" or getattr(n.target, "namespace", None) != "depthrewrite":
         return None
     return op_name(n)

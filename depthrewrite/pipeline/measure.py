@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from ..passes.rewrite.registry import scheme
-from .nodes import CLONE_KEY, is_depth_op, is_split
+from .nodes import CLONE_KEY, is_split, reads_as_depth_state
 from .records import Boundary, Crossing, PipelineInfo
 
 __all__ = ["boundary_info", "measure", "example_batch", "flat_inputs", "specialise", "crossings"]
@@ -159,7 +159,7 @@ def measure(converted, cuts: Sequence[int], example_inputs: tuple | None, exampl
             v = vals.get(n)
             if not isinstance(v, torch.Tensor):
                 continue
-            depth = n in labels or any(is_depth_op(u) for u in n.users)
+            depth = n in labels or any(reads_as_depth_state(u, n) for u in n.users)
             rows.append(Crossing(
                 name=n.name, label=labels.get(n, _side_label(n)), kind="depth" if depth else "side", shape=tuple(v.shape),
                 dtype=str(v.dtype).replace("torch.", ""), bytes_per_token=v.numel() * v.element_size() / tokens,

@@ -8,9 +8,10 @@ import torch.distributed.pipelining  # noqa: F401  (registers torch.ops.pippy._p
 import torch.fx as fx
 
 from ..passes.analyse.ops import op_name
-from ..passes.rewrite.registry import depth_state_ops
+from ..passes.rewrite.registry import depth_state_inputs
 
-__all__ = ["PIPE_SPLIT", "CLONE_KEY", "is_split", "op_name", "is_depth_op", "nondeterministic", "is_sym"]
+__all__ = ["PIPE_SPLIT", "CLONE_KEY", "is_split", "op_name", "is_depth_op", "reads_as_depth_state", "nondeterministic",
+           "is_sym"]
 
 PIPE_SPLIT = torch.ops.pippy._pipe_split.default
 CLONE_KEY = "depthrewrite_pipeline_recomputed"  # node.meta: the side value a per-stage copy recomputes
@@ -22,8 +23,18 @@ def is_split(n: fx.Node) -> bool:
 
 
 def is_depth_op(n: fx.Node) -> bool:
-    """A ``depthrewrite::`` op whose inputs are depth state (any registered scheme's ``state_ops``)."""
-    return n.op == "call_function" and getattr(n.target, "namespace", None) == "depthrewrite" and op_name(n) in depth_state_ops()
+    """A ``depthrewrite::`` op of a registered scheme (it reads depth state; see :func:`reads_as_depth_state`)."""
+    return (n.op == "call_function" and getattr(n.target, "namespace", None) == "depthrewrite"
+            and depth_state_inputs(op_name(n), n.args) is not None)
+
+
+def reads_as_depth_state(user: fx.Node, n: fx.Node) -> bool:
+    """Whether ``user`` (a node reading ``n``) is a depth op reading ``n`` as depth state (its scheme's
+    ``state_args``: MoDA's attention reads its slots as depth state, its q/k/v not)."""
+    if user.op != "call_function" or getattr(user.target, "namespace", None) != "depthrewrite":
+        return False
+    got = depth_state_inputs(op_name(user), user.args)
+    return got is not None and any(x is n for x in got)
 
 
 def nondeterministic(n: fx.Node) -> bool:

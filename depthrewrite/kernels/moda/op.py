@@ -1,5 +1,5 @@
-"""``depthrewrite::moda_attn`` and ``depthrewrite::moda_slots``: MoDA's joint attention and the token-major slot
-layout as registered ops.
+"""``depthrewrite::moda_attn`` and ``depthrewrite::moda_attn_slots``: MoDA's joint attention as registered ops, over
+stacked token-major depth slots (the kernel's layout) and over the slot tensors themselves (what the rewrite inserts).
 
 ``moda_attn`` runs the fused Triton kernel (``fused.py``, imported lazily) when
 :func:`~depthrewrite.kernels.dispatch.route` picks it: the backend decision, then the gate :func:`.limits.covers`
@@ -7,7 +7,8 @@ layout as registered ops.
 own registered op, ``depthrewrite::moda_attn_backward`` (one opaque node per site in a compiled backward graph), which dispatches the
 same way: the Triton backward (recomputes the LSE, then dQ + depth gradients and dK/dV) or the reference
 recomputation. Dropout masks come from a seed input, so the reference recomputation sees the same masks.
-``moda_slots`` is a layout copy and stays a PyTorch op."""
+``moda_attn_slots`` stacks its slots inside the call (the stack is not kept) and saves the slot tensors for backward,
+so a model keeps each slot once, not one stacked copy per reading site."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from .reference import (
     moda_slots_ref,
 )
 
-__all__ = ["moda_attn", "moda_attn_backward", "moda_slots", "covers", "kernel_covers"]
+__all__ = ["moda_attn", "moda_attn_backward", "moda_attn_slots", "covers", "kernel_covers"]
 
 def kernel_covers(q, k, v, attn_mask, depth_k, depth_v, depth_weight, dropout_p) -> bool:
     """Whether the fused kernel handles this call (``covers(...) is None``; :func:`.limits.covers` says why not)."""
@@ -51,6 +52,12 @@ def moda_attn(
     seed: torch.Tensor | None,
     softcap: float,
 ) -> torch.Tensor:
+    return _forward(q, k, v, attn_mask, depth_k, depth_v, depth_weight, scale, is_causal, dropout_p, seed, softcap)
+
+
+def _forward(q, k, v, attn_mask, depth_k, depth_v, depth_weight, scale, is_causal, dropout_p, seed, softcap):
+    """The body of :func:`moda_attn` (and of :func:`moda_attn_slots` once it has stacked its slots): the Triton
+    kernel where :func:`route` picks it, else the reference."""
     if _use_kernel(q, k, v, attn_mask, depth_k, depth_v, depth_weight, dropout_p, "depthrewrite::moda_attn"):
         from .fused import moda_attn_fwd
 
@@ -59,11 +66,15 @@ def moda_attn(
     return moda_attn_ref(q, k, v, attn_mask, depth_k, depth_v, depth_weight, scale, is_causal, dropout_p, seed, softcap)
 
 
-@moda_attn.register_fake
-def _(q, k, v, attn_mask, depth_k, depth_v, depth_weight, scale, is_causal, dropout_p, seed, softcap):
+def _fake_out(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     B, H, T, _ = q.shape
     dv = v.shape[-1]  # the value head dim; SDPA's output layout ([B, T, H, dv] in memory)
     return q.new_empty_strided((B, H, T, dv), (T * H * dv, dv, H * dv, 1))
+
+
+@moda_attn.register_fake
+def _(q, k, v, attn_mask, depth_k, depth_v, depth_weight, scale, is_causal, dropout_p, seed, softcap):
+    return _fake_out(q, v)
 
 
 
@@ -286,34 +297,68 @@ register_kernel_info(
 )
 
 
-@torch.library.custom_op("depthrewrite::moda_slots", mutates_args=())
-def moda_slots(keys: list[torch.Tensor]) -> torch.Tensor:
-    return moda_slots_ref(keys)
+@torch.library.custom_op("depthrewrite::moda_attn_slots", mutates_args=())
+def moda_attn_slots(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    slots_k: list[torch.Tensor],
+    slots_v: list[torch.Tensor],
+    depth_weight: torch.Tensor | None,
+    scale: float,
+    is_causal: bool,
+    dropout_p: float,
+    seed: torch.Tensor | None,
+    softcap: float,
+) -> torch.Tensor:
+    """:func:`moda_attn` over the depth slots as their writers made them: n tensors ``[B, Hk, T, d]`` (keys) and
+    ``[B, Hk, T, dv]`` (values), any strides, stacked token-major (:func:`.reference.moda_slots_ref`) inside the call
+    and freed after it. What autograd keeps for backward is the slot tensors themselves, which every later reader
+    shares, so a model keeps each slot once (O(L)) instead of one stacked copy per reading site (O(L²)); backward
+    stacks them again (a layout copy) and runs :func:`moda_attn_backward`."""
+    return _forward(q, k, v, attn_mask, moda_slots_ref(slots_k), moda_slots_ref(slots_v), depth_weight, scale,
+                    is_causal, dropout_p, seed, softcap)
 
 
-@moda_slots.register_fake
-def _(keys):
-    B, Hk, T, d = keys[0].shape
-    return keys[0].new_empty((B, T, len(keys), Hk, d))
+@moda_attn_slots.register_fake
+def _(q, k, v, attn_mask, slots_k, slots_v, depth_weight, scale, is_causal, dropout_p, seed, softcap):
+    return _fake_out(q, v)
 
 
 def _slots_setup(ctx, inputs, output):
-    ctx.n = len(inputs[0])
+    q, k, v, attn_mask, slots_k, slots_v, depth_weight, scale, is_causal, dropout_p, seed, softcap = inputs
+    ctx.n = len(slots_k)
+    ctx.save_for_backward(q, k, v, attn_mask, depth_weight, seed, output, *slots_k, *slots_v)
+    ctx.scale, ctx.is_causal, ctx.dropout_p, ctx.softcap = scale, is_causal, dropout_p, softcap
 
 
 def _slots_backward(ctx, grad):
-    # [B, T, n, Hk, d] -> n x [B, Hk, T, d]
-    return [g.transpose(1, 2) for g in grad.unbind(2)]
+    q, k, v, attn_mask, depth_weight, seed, out, *slots = ctx.saved_tensors
+    slots_k, slots_v = slots[: ctx.n], slots[ctx.n :]
+    mask_grad = bool(attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[3])
+    dq, dk, dv, dmask, dkd, dvd, dlam = moda_attn_backward(
+        grad, q, k, v, attn_mask, moda_slots_ref(slots_k), moda_slots_ref(slots_v), depth_weight, out,
+        ctx.scale, ctx.is_causal, ctx.dropout_p, seed, ctx.softcap, mask_grad,
+    )
+    # [B, T, n, Hk, d] -> n x [B, Hk, T, d]: views of the stacked gradient
+    return (
+        dq, dk, dv, dmask if mask_grad else None, [g.transpose(1, 2) for g in dkd.unbind(2)],
+        [g.transpose(1, 2) for g in dvd.unbind(2)], dlam if depth_weight is not None else None,
+        None, None, None, None, None,
+    )
 
 
-moda_slots.register_autograd(_slots_backward, setup_context=_slots_setup)
+moda_attn_slots.register_autograd(_slots_backward, setup_context=_slots_setup)
 
 register_kernel_info(
     KernelInfo(
-        op="depthrewrite::moda_slots",
-        forward="none: a layout copy (one torch.stack of the slots' token-major views into [B, T, n, Hk, d])",
-        backward="none: views of the incoming gradient",
-        fuses="nothing (one strided copy; no arithmetic to fuse)",
-        falls_back="always the PyTorch layout copy",
+        op="depthrewrite::moda_attn_slots",
+        forward="moda_attn's kernel (or reference) on the slots stacked token-major in one layout copy, freed after "
+        "the call",
+        backward="the slots stacked again (a layout copy), then depthrewrite::moda_attn_backward; the depth "
+        "gradients go back to the slots as views",
+        fuses="as moda_attn; autograd keeps each slot tensor once however many sites read it",
+        falls_back="as moda_attn",
     )
 )

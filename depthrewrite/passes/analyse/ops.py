@@ -185,7 +185,7 @@ def _wrapper_output_index(node: fx.Node) -> tuple[fx.Node, int] | None:
 
 def op_name(n: fx.Node) -> str | None:
     """The name of the aten or custom op ``n`` calls, without namespace and overload (``"to"``, ``"dropout"``,
-    ``"moda_slots"``), or None when ``n`` calls no op overload."""
+    ``"moda_attn_slots"``), or None when ``n`` calls no op overload."""
     packet = getattr(n.target, "overloadpacket", None)
     return getattr(packet, "__name__", None) if packet is not None else None
 

@@ -28,7 +28,7 @@ __all__ = [
     "schemes",
     "scheme",
     "scheme_of_op",
-    "depth_state_ops",
+    "depth_state_inputs",
     "get_handler",
     "scheme_config",
     "scheme_names",
@@ -153,8 +153,9 @@ class Scheme:
         ops: the ``depthrewrite::<op>`` ops its rewrite inserts (names without the namespace; ``()`` for a scheme of
             aten ops only). Any of them marks a graph as converted to this scheme (:func:`scheme_of_op`, read by the
             compile backend's ``scheme=`` check); the first is the one per mixing site (the contract test counts it).
-        state_ops: the ops among ``ops`` whose tensor inputs are depth state (what a stage boundary carries); None: all
-            of ``ops``. MoDA's attention reads q/k/v and the mask too, so only its ``moda_slots`` count.
+        state_args: per op among ``ops`` whose inputs are not all depth state (what a stage boundary carries), the
+            positions of the arguments that are (a tensor, or a list of them); None: every tensor input of every op in
+            ``ops`` is. MoDA's attention reads q/k/v and the mask too: only its slot lists (arguments 4 and 5) count.
         block_form: whether the config takes ``blocks`` / ``block_size`` (Block AttnRes, Block MSAR): pipeline cuts
             then fall on block boundaries, and ``block-<name>`` is an alias with ``blocks=DEFAULT_BLOCKS``.
         doc: its docs page, relative to the repository root (``"docs/attnres.md"``).
@@ -184,7 +185,7 @@ class Scheme:
     config: type
     handler: Callable
     ops: tuple[str, ...]
-    state_ops: tuple[str, ...] | None = None
+    state_args: dict[str, tuple[int, ...]] | None = None
     block_form: bool = False
     doc: str = ""
     exact: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -258,9 +259,21 @@ def scheme(name_or_config: str | SchemeConfig) -> Scheme:
     return _SCHEMES[key]
 
 
-def depth_state_ops() -> frozenset[str]:
-    """Every registered scheme's ``state_ops`` (the ops whose inputs are depth state)."""
-    return frozenset(op for s in _SCHEMES.values() for op in (s.ops if s.state_ops is None else s.state_ops))
+def depth_state_inputs(op: str, args: tuple) -> list | None:
+    """What of a ``depthrewrite::<op>`` call's ``args`` is depth state (a stage boundary carries it): the arguments at
+    the op's ``state_args`` positions, lists flattened; ``args`` itself where every input is; None when ``op`` is not
+    a depth op of any registered scheme."""
+    s = scheme_of_op(op)
+    if s is None:
+        return None
+    where = (s.state_args or {}).get(op)
+    if where is None:
+        return list(args)
+    out: list = []
+    for i in where:
+        a = args[i] if i < len(args) else None
+        out.extend(a if isinstance(a, (list, tuple)) else [a])
+    return out
 
 
 def scheme_of_op(op: str) -> Scheme | None:

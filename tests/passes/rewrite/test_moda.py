@@ -10,7 +10,7 @@ import torch
 
 import depthrewrite as dr
 from depthrewrite import AttentionPatternError, ConfigError
-from depthrewrite.kernels.moda import moda_attn, moda_slots
+from depthrewrite.kernels.moda import moda_attn, moda_attn_slots, moda_slots_ref
 
 from ...conftest import build_zoo_model
 from .helpers import INIT_RTOL, assert_matches_reference, inputs_for, logits, rel_err
@@ -77,9 +77,40 @@ def test_op_matches_naive_joint_softmax(Hq, Hk, T, n, causal, with_mask, lam, so
 
 def test_slots_are_token_major():
     ks = [torch.randn(2, 3, 5, 4) for _ in range(3)]  # [B, Hk, T, d]
-    s = moda_slots(ks)
+    s = moda_slots_ref(ks)
     assert s.shape == (2, 5, 3, 3, 4) and s.is_contiguous()
     assert torch.equal(s[1, 4, 2], ks[2][1, :, 4])  # token 4's slot 2 is contiguous in memory
+
+
+@pytest.mark.parametrize("lam", [False, True])
+def test_attn_over_slot_tensors_equals_attn_over_their_stack(lam):
+    """moda_attn_slots (what the rewrite inserts: the slot tensors as written, any strides) computes moda_attn of
+    their token-major stack, forward and backward, and keeps the slot tensors themselves for backward, not a stack."""
+    g = torch.Generator().manual_seed(3)
+    B, Hq, Hk, T, d, n = 2, 4, 2, 5, 8, 3
+    r = lambda *s: torch.randn(*s, dtype=torch.float64, generator=g, requires_grad=True)  # noqa: E731
+    q, k, v = r(B, Hq, T, d), r(B, Hk, T, d), r(B, Hk, T, d)
+    ks = [r(B, Hk, T, d) for _ in range(n - 1)] + [r(B, T, Hk, d)]  # the last one transposed, as a V view is
+    vs = [r(B, Hk, T, d) for _ in range(n)]
+    slots_k = [*ks[:-1], ks[-1].transpose(1, 2)]
+    lam_t = (torch.rand(Hq, dtype=torch.float64, generator=g) + 0.5).requires_grad_() if lam else None
+    stacked = []
+
+    def pack(t):
+        stacked.append(t.shape)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = moda_attn_slots(q, k, v, None, slots_k, vs, lam_t, 0.6, True, 0.0, None, 0.0)
+    assert (B, T, n, Hk, d) not in stacked  # no stacked copy is kept for backward
+    ref = moda_attn(q, k, v, None, moda_slots_ref(slots_k), moda_slots_ref(vs), lam_t, 0.6, True, 0.0, None, 0.0)
+    torch.testing.assert_close(out, ref)
+    leaves = [t for t in (q, k, v, *ks, *vs, lam_t) if t is not None]
+    g1 = torch.autograd.grad(out.square().sum(), leaves)
+    g2 = torch.autograd.grad(ref.square().sum(), leaves)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b)
+    torch.library.opcheck(moda_attn_slots, (q, k, v, None, slots_k, vs, lam_t, 0.6, True, 0.0, None, 0.0))
 
 
 def test_rope_cancels_for_same_position_slots():
@@ -218,7 +249,7 @@ def test_mingpt_textbook_attention():
         out = a(ids)
         assert rel_err(out, ref) > 1e-3
         torch.testing.assert_close(out, b(ids), rtol=1e-5, atol=1e-5)
-    attn = [n for n in a.graph.nodes if n.target is torch.ops.depthrewrite.moda_attn.default]
+    attn = [n for n in a.graph.nodes if n.target is torch.ops.depthrewrite.moda_attn_slots.default]
     assert attn and all(n.args[3] is None and n.args[8] is True for n in attn)  # no mask tensor: is_causal
 
 
@@ -232,13 +263,14 @@ def test_preserve_init_with_rotated_ffn_keys():
 
 
 def _moda_inputs(conv, *args):
-    """(q, Kd) of every moda_attn node of a converted model, recorded while it runs."""
+    """(q, Kd) of every MoDA attention of a converted model, recorded while it runs (Kd: its key slots stacked
+    token-major, [B, T, n, Hk, d])."""
     seen = []
 
     class Rec(torch.fx.Interpreter):
         def call_function(self, target, a, kw):
-            if target is torch.ops.depthrewrite.moda_attn.default:
-                seen.append((a[0], a[4]))
+            if target is torch.ops.depthrewrite.moda_attn_slots.default:
+                seen.append((a[0], moda_slots_ref(a[4])))
             return super().call_function(target, a, kw)
 
     gm = conv.graph_module()
@@ -434,7 +466,7 @@ def test_masked_fill_with_a_data_mask_is_a_sequence_mask():
     conv = dr.convert(model, "moda", preserve_init=True, example_inputs=(idx,), inplace=False).eval()
     with torch.no_grad():
         assert rel_err(conv(idx), model(idx)) <= INIT_RTOL
-    attn = [n for n in conv.graph.nodes if n.target is torch.ops.depthrewrite.moda_attn.default]
+    attn = [n for n in conv.graph.nodes if n.target is torch.ops.depthrewrite.moda_attn_slots.default]
     assert attn and all(n.args[3] is not None and n.args[8] is False for n in attn)
 
 
@@ -592,7 +624,7 @@ def test_mask_scale_softcap_in_order_are_exact(variant, causal, softcap):
         for p in model.qkv.parameters():
             p.mul_(4.0)  # sharp attention: a misplaced mask would show
     conv = dr.convert(model, "moda", preserve_init=True, example_inputs=(torch.randint(1, 32, (2, 8)),), inplace=False).eval()
-    attn = [n for n in conv.graph.nodes if n.target is torch.ops.depthrewrite.moda_attn.default]
+    attn = [n for n in conv.graph.nodes if n.target is torch.ops.depthrewrite.moda_attn_slots.default]
     assert attn and all(n.args[8] is causal and n.args[11] == softcap for n in attn)
     for shape in ((2, 8), (1, 1), (3, 5)):
         idx = torch.randint(1, 32, shape)
