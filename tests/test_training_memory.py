@@ -101,3 +101,22 @@ def test_with_hf_checkpointing_a_training_call_returns_no_cache_as_the_original(
     conv.activation_checkpointing_enable()
     out = conv(_ids(conv), labels=_ids(conv))
     assert out.get("cache") is None and out.get("past_key_values") is None
+
+
+def test_moda_keeps_each_depth_slot_once():
+    """MoDA's attention keeps the slot tensors its writers made (shared by every later reader), not a stacked copy
+    per reading site, and an FFN slot's values do not keep its raw keys alive: with checkpointing, what a step keeps
+    beyond the original's is one K and one V per slot that a later attention reads (the slots of every sublayer but
+    the last layer's) and the mask and RoPE tables the blocks read, so it grows linearly in depth."""
+    base = _llama(False)
+    base.activation_checkpointing_enable()
+    ref, _ = step_bytes(base, _ids(base))
+    model = _llama(False)
+    conv = dr.convert(model, "moda", preserve_init=True, example_inputs=(_ids(model),))
+    conv.activation_checkpointing_enable()
+    saved, _ = step_bytes(conv, _ids(conv))
+    cfg = model.config
+    slot = SEQ * cfg.num_key_value_heads * cfg.head_dim * 4  # one K or V slot of one sublayer, fp32 bytes
+    read_later = 2 * (cfg.num_hidden_layers - 1)  # attention and FFN slots of every layer before the last
+    side = SEQ * SEQ + 2 * slot  # what the blocks receive besides: the causal bool mask, the RoPE cos/sin tables
+    assert saved <= ref + 2 * read_later * slot + side, (saved - ref) / slot

@@ -756,19 +756,24 @@ def _own_alias(graph: fx.Graph, x: fx.Node, made: dict[fx.Node, fx.Node]) -> fx.
     return own
 
 
+def _slot_args(n: fx.Node) -> list[fx.Node]:
+    """The depth slots a ``moda_attn_slots`` call reads: its key slots, then its value slots."""
+    return [*n.args[4], *n.args[5]]
+
+
 def _slots_leave_as_their_own(graph: fx.Graph) -> None:
     """Make every depth slot cross out of its block as a tensor of its own, not a view.
 
     A slot is typically a view of what its block computed (the attention's V is ``v_proj(x).view(..).transpose(1,
     2)``, an FFN slot a slice of ``kv_proj``'s output), and a block module returning a view makes FSDP2 warn (an
     in-place op on it would skip the pre-backward all-gather). No copy is made: the layout ops between the slot and
-    the tensor it views (its base) are given to the readers of the slot (the ``moda_slots`` stacks, which run between
-    the blocks): ops only the slot's readers use lose their module stack, so the block split places them outside the
-    block; ops the block itself also reads (its own attention reads its K and V) are copied for the readers. The block
-    then returns the base (a tensor of its own), and the readers see the same strided views as before, so values and
+    the tensor it views (its base) are given to the readers of the slot (the ``moda_attn_slots`` of later sublayers):
+    ops only the slot's readers use lose their module stack, so the block split places them outside the block; ops
+    the block itself also reads (its own attention reads its K and V) are copied for the readers. The block then
+    returns the base (a tensor of its own), and the readers see the same strided views as before, so values and
     gradients are unchanged (up to the order in which a base's two gradient contributions are summed)."""
-    stacks = [n for n in graph.nodes if depth_op_name(n) == "moda_slots"]
-    slots = dict.fromkeys(x for n in stacks for x in n.args[0])
+    stacks = [n for n in graph.nodes if depth_op_name(n) == "moda_attn_slots"]
+    slots = dict.fromkeys(x for n in stacks for x in _slot_args(n))
     made: dict[fx.Node, fx.Node] = {}
     for slot in slots:
         chain, x = [], slot  # the slot, then each tensor the one before views, up to the base (excluded)
@@ -779,10 +784,10 @@ def _slots_leave_as_their_own(graph: fx.Graph) -> None:
         if not chain:
             if base is not x:
                 for n in stacks:
-                    if slot in n.args[0]:
+                    if slot in _slot_args(n):
                         n.replace_input_with(slot, base)
             continue
-        readers, keep = {n for n in stacks if slot in n.args[0]}, 0
+        readers, keep = {n for n in stacks if slot in _slot_args(n)}, 0
         for c in chain:  # the top of the chain that only the slot's readers use moves out as it is
             if not set(c.users) <= readers:
                 break
@@ -805,7 +810,7 @@ def _slots_leave_as_their_own(graph: fx.Graph) -> None:
             chain[keep - 1].replace_input_with(shared[0], env[shared[0]])
         else:
             for n in stacks:
-                if slot in n.args[0]:
+                if slot in _slot_args(n):
                     n.replace_input_with(slot, env[slot])
 
 
@@ -878,8 +883,6 @@ def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassR
         if a is not None and slots_k:
             name = f"moda_{k}"
             with graph.inserting_before(a.node):
-                Kd = graph.call_function(ops.moda_slots.default, (list(slots_k),))
-                Vd = graph.call_function(ops.moda_slots.default, (list(slots_v),))
                 lam = None
                 if config.preserve_init:
                     ed.site_module(name, lambda: _Lambda(hq, ed.dtype, ed.device))
@@ -890,9 +893,10 @@ def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassR
                 seed = None
                 if a.dropout_p > 0:
                     seed = graph.call_function(aten.randint.low, (0, 2**31 - 1, [1]), {"device": ed.device})
-                new = graph.call_function(
-                    ops.moda_attn.default,
-                    (a.q, a.k, a.v, mask, Kd, Vd, lam, a.scale, a.is_causal, a.dropout_p, seed, a.softcap),
+                new = graph.call_function(  # the slots as their writers made them: each kept once for backward
+                    ops.moda_attn_slots.default,
+                    (a.q, a.k, a.v, mask, list(slots_k), list(slots_v), lam, a.scale, a.is_causal, a.dropout_p, seed,
+                     a.softcap),
                 )
             inherit_meta(new, a.node, NodeRole("moda_attn", k, config.name))
             a.node.replace_all_uses_with(new)
@@ -900,7 +904,7 @@ def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassR
             n = len(slots_k)
             flops = 2 * hq * (d + dv) * n  # depth QKᵀ and PV
             changes.append(Change(
-                site=k, module=s.module, created=(Kd.name, Vd.name, new.name), replaced=a.node.name,
+                site=k, module=s.module, created=(new.name,), replaced=a.node.name,
                 sources=tuple(labels), params=name if config.preserve_init else None,
                 detail=f"{a.form}; +{flops:,} FLOPs/token; depth KV {n * kv_width:,} values/token",
                 state_elements=n * kv_width,
@@ -936,26 +940,28 @@ def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassR
             name = f"kv_proj_{k}"
             ed.site_module(name, lambda: _KVProj(D, hk, d, bias, ed.dtype, ed.device, dv=dv))
             with graph.inserting_before(anchor.next):  # after the normed input (and the key path's inputs)
+                # keys and values as two products with the weight's two row blocks (keys first: one parameter, as
+                # saved): each is a tensor of its own, so once the key path has made the keys, the values slot keeps
+                # only the values alive (a slice of one [.., Hk·(d + dv)] product would keep the raw keys too)
                 w = ed.get_attr(f"{name}.weight")
-                lin_args = (src, w, ed.get_attr(f"{name}.bias")) if bias else (src, w)
-                kv = graph.call_function(aten.linear.default, lin_args)
-                pre = []
-                if bias:  # linear of a 3-d input with a bias returns a view of addmm's [B·T, N] product at run time:
-                    # alias it as a tensor of its own (no copy), so the FFN slots' base crosses the block as one
-                    sizes = sizes_of(graph, src, 2)
-                    pre = [kv, *(x for x in sizes if isinstance(x, fx.Node))]
-                    kv = graph.call_function(aten._unsafe_view.default, (kv, [*sizes, kv_width]))
-                if dv == d:
-                    kv5 = graph.call_function(aten.unflatten.int, (kv, -1, [2, hk, d]))  # [B, T, 2, Hk, d]
-                    k_tok = graph.call_function(aten.select.int, (kv5, -3, 0))  # [B, T, Hk, d]
-                    v_tok = graph.call_function(aten.select.int, (kv5, -3, 1))
-                    made = [*pre, kv, kv5, k_tok, v_tok]
-                else:  # keys [.., :Hk·d], values [.., Hk·d:] of another head dim (MLA)
-                    k_flat = graph.call_function(aten.slice.Tensor, (kv, -1, 0, hk * d))
-                    v_flat = graph.call_function(aten.slice.Tensor, (kv, -1, hk * d, kv_width))
-                    k_tok = graph.call_function(aten.unflatten.int, (k_flat, -1, [hk, d]))  # [B, T, Hk, d]
-                    v_tok = graph.call_function(aten.unflatten.int, (v_flat, -1, [hk, dv]))  # [B, T, Hk, dv]
-                    made = [*pre, kv, k_flat, v_flat, k_tok, v_tok]
+                bias_w = ed.get_attr(f"{name}.bias") if bias else None
+                made, outs = [], []
+                for lo, hi, hd in ((0, hk * d, d), (hk * d, kv_width, dv)):
+                    wx = graph.call_function(aten.slice.Tensor, (w, 0, lo, hi))
+                    bx = graph.call_function(aten.slice.Tensor, (bias_w, 0, lo, hi)) if bias else None
+                    part = graph.call_function(aten.linear.default, (src, wx, bx) if bias else (src, wx))
+                    made += [wx, *([bx] if bias else []), part]
+                    if bias:  # linear of a 3-d input with a bias returns a view of addmm's [B·T, N] product at run
+                        # time: alias it as a tensor of its own (no copy), so the slot's base crosses the block as one
+                        sizes = sizes_of(graph, src, 2)
+                        made += [x for x in sizes if isinstance(x, fx.Node)]
+                        part = graph.call_function(aten._unsafe_view.default, (part, [*sizes, hi - lo]))
+                        made.append(part)
+                    tok = graph.call_function(aten.unflatten.int, (part, -1, [hk, hd]))  # [B, T, Hk, d | dv]
+                    made.append(tok)
+                    outs.append((part, tok))
+                (k_flat, k_tok), (_, v_tok) = outs
+                kv = k_flat  # the report names the keys' product
                 vf = graph.call_function(aten.transpose.int, (v_tok, 1, 2))
                 made.append(vf)
                 if kp is None:
@@ -963,8 +969,7 @@ def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassR
                     made.append(kf)
                 else:
                     if kp.layout == "flat":
-                        k0 = graph.call_function(aten.slice.Tensor, (kv, -1, 0, hk * d))
-                        k0 = graph.call_function(aten.clone.default, (k0,), {"memory_format": torch.contiguous_format})
+                        k0 = k_flat
                     elif kp.layout == "bhtd":
                         k0 = graph.call_function(aten.transpose.int, (k_tok, 1, 2))
                     else:
@@ -1070,15 +1075,14 @@ def _boundary_labels(graph: fx.Graph, report, j: int) -> dict[fx.Node, str]:
     sites = {s.site: s for s in report.sites}
     labels: dict[fx.Node, str] = {}
     for n in graph.nodes:
-        if depth_op_name(n) != "moda_slots" or not n.users:
+        if depth_op_name(n) != "moda_attn_slots":
             continue
-        attn = next(iter(n.users))
-        r = role_of(attn)
+        r = role_of(n)
         site = sites.get(r.site) if r is not None else None
         names = site.sources if site is not None else ()
-        kv = "K" if attn.args[4] is n else "V"
-        for i, src in enumerate(n.args[0]):
-            labels.setdefault(src, f"slot {kv} {names[i] if i < len(names) else i}")
+        for kv, slots in (("K", n.args[4]), ("V", n.args[5])):
+            for i, src in enumerate(slots):
+                labels.setdefault(src, f"slot {kv} {names[i] if i < len(names) else i}")
     chain = report.chain
     stream = {chain.source} | {s.residual_add for s in chain.sublayers}
     for n in graph.nodes:
@@ -1106,8 +1110,8 @@ SCHEME = register(Scheme(
     title="MoDA",
     config=MoDAConfig,
     handler=_rewrite_moda,
-    ops=("moda_attn", "moda_slots"),
-    state_ops=("moda_slots",),
+    ops=("moda_attn_slots",),
+    state_args={"moda_attn_slots": (4, 5)},
     doc="docs/moda.md",
     exact={"preserve_init": True},
     # as in the paper (lambda = 1): depth logits compete in the softmax from step 0 (docs/moda.md)
