@@ -238,3 +238,12 @@ def test_inductor_trains_a_converted_model_like_eager():
     # AOT graphs are recorded when inductor compiles them (a warm compile cache skips that step)
     assert {a.stage for a in exp.graphs[0].aot} >= {"forward", "backward"} or "compile cache" in str(exp)
     assert exp.graphs[0].two_phase
+
+
+def test_fullgraph_on_the_whole_converted_model_says_to_compile_per_block():
+    """The call-structure choice runs outside Dynamo (a graph break), so fullgraph=True on the whole converted model
+    cannot hold: Dynamo's error carries depthrewrite's reason, naming per-block compilation (issue: it said only
+    'Remove the torch.compiler.disable call')."""
+    conv, ids = _converted("attnres", layers=2), torch.randint(3, 100, (1, 8))
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"depthrewrite: .*fullgraph=True.*Compile per block"):
+        torch.compile(conv, fullgraph=True, backend="depthrewrite")(ids)

@@ -379,7 +379,14 @@ class ConversionState:
         return out
 
 
-@torch._dynamo.disable
+FULLGRAPH_REASON = (
+    "depthrewrite: a converted model picks the captured graph for each call (module-tree checks, a capture on a new "
+    "call structure) outside Dynamo's trace, so torch.compile(converted, fullgraph=True) cannot make the whole model "
+    "one graph. Compile per block instead (block.compile(fullgraph=True, backend='depthrewrite') on each transformer "
+    "block module: docs/backend.md), or compile the whole model without fullgraph=True (one graph break here)"
+)
+
+
 def _select_eagerly(st: ConversionState, model: nn.Module, args: tuple, kwargs: dict):
     """:meth:`ConversionState.select` outside Dynamo's trace (a graph break): the module-tree check and a capture run
     as in eager mode, and Dynamo guards on the graph module returned."""
@@ -387,6 +394,12 @@ def _select_eagerly(st: ConversionState, model: nn.Module, args: tuple, kwargs: 
     if entry.runner is not None:  # Dynamo copies our node tags (again after torch._dynamo.reset(), which forgets)
         traced_with_meta(entry.runner)
     return entry, pos, kw
+
+
+try:  # a graph break under torch.compile; with fullgraph=True Dynamo's error carries the reason
+    _select_eagerly = torch._dynamo.disable(_select_eagerly, reason=FULLGRAPH_REASON)
+except TypeError:  # pragma: no cover - a torch without disable(reason=)
+    _select_eagerly = torch._dynamo.disable(_select_eagerly)
 
 
 def _checkpoint_parents(model: nn.Module, paths: tuple[str, ...]) -> list[nn.Module]:
