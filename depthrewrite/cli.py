@@ -10,7 +10,7 @@ The argparse description and epilog are :data:`DESCRIPTION` and :data:`EXAMPLES`
     depthrewrite convert hf:qwen2 --scheme msar [--streams 4] [-o conv_on=k] [-o 'kernel_sizes=(4,8,12)']
     depthrewrite convert hf:qwen2 --scheme mhc [--streams 4] [-o sinkhorn_iters=20]
     depthrewrite convert hf:llama --scheme moda [-o preserve_init=True]
-    depthrewrite demo [--steps 120] [--schemes vanilla,attnres,mhc] [--out depthrewrite-demo]
+    depthrewrite demo [--steps 120] [--schemes vanilla,attnres,mhc] [--out depthrewrite-demo] [--timing both]
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import DemoConfig, run_demo
 
     cfg = DemoConfig(out=Path(args.out), steps=args.steps, schemes=args.schemes, seed=args.seed,
-                     corpus_dir=Path(args.corpus) if args.corpus else None)
+                     corpus_dir=Path(args.corpus) if args.corpus else None, timing=args.timing)
     if args.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {args.steps}")
     results = run_demo(cfg)
@@ -151,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated, from {', '.join(VARIANTS)}, or 'all' (default: {demo_default})")
     p.add_argument("--seed", type=int, default=0, help="model init and batch order (default: 0)")
     p.add_argument("--corpus", default=None, help="a folder of *.py files to train on (default: the standard library)")
+    p.add_argument("--timing", choices=("both", "compiled", "eager"), default="both",
+                   help="step times in the table: torch.compile'd (what training would run; each variant compiles "
+                   "once, tens of seconds on a CPU), eager, or both (default: both)")
     p.set_defaults(func=_cmd_demo)
     return parser
 

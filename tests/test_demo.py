@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,8 @@ def test_demo_tiny_writes_table_and_pictures(tmp_path, capsys, monkeypatch):
     import depthrewrite.views.report as report_mod
 
     monkeypatch.setattr(report_mod, "graphviz_dot", lambda: None)  # a fresh machine: no Graphviz
-    assert main(["demo", "--steps", "3", "--schemes", "vanilla,block-attnres", "--out", str(tmp_path)]) == 0
+    assert main(["demo", "--steps", "3", "--schemes", "vanilla,block-attnres", "--out", str(tmp_path),
+                 "--timing", "eager"]) == 0  # compiled timing: test_demo_compiled_step_times
     out = capsys.readouterr().out
     assert "LlamaForCausalLM: 8 sublayers (4 attention, 4 mlp)" in out
     assert "standard library" in out
@@ -112,7 +114,7 @@ def test_demo_without_matplotlib_links_no_plot_and_keeps_one_model(tmp_path, mon
     lines = []
     cfg = demo_mod.DemoConfig(out=out, steps=1, schemes="vanilla,block-attnres", batch=2, seq=16, layers=2,
                               hidden=32, eval_every=0, eval_batches=1, progress=False,
-                              corpus_dir=_small_corpus(tmp_path / "corpus"))
+                              corpus_dir=_small_corpus(tmp_path / "corpus"), timing="eager")
     results = demo_mod.run_demo(cfg, say=lines.append)
     assert kept == {"vanilla": False, "block-attnres": True}
     assert all(r.model is None for r in results)
@@ -240,9 +242,31 @@ def test_demo_times_the_variants_in_turns(tmp_path, monkeypatch):
     monkeypatch.setattr(train_mod.StepTimer, "step", lambda self: order.append(id(self)) or real(self))
     cfg = demo_mod.DemoConfig(out=tmp_path / "out", steps=1, schemes="vanilla,attnres", batch=2, seq=16, layers=2,
                               hidden=32, eval_every=0, eval_batches=1, progress=False,
-                              corpus_dir=_small_corpus(tmp_path / "corpus"))
+                              corpus_dir=_small_corpus(tmp_path / "corpus"), timing="eager")
     results = demo_mod.run_demo(cfg, say=lambda line: None)
     a, b = order[0], order[-1]
     assert a != b and order == [a] * 3 + [b] * 3 + [a, b] * 10  # warm-up each, then turns
     assert all(r.timer is None and r.timing.interleaved and r.step_time > 0 for r in results)
     assert "timed in turns" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_demo_compiled_step_times(tmp_path):
+    """By default the table shows what training would run, compiled (torch.compile; the converted models with the
+    depthrewrite backend), beside the eager times, in two labelled columns, and its footnote says how both were timed;
+    a variant over Dynamo's recompile limit would fail, not be timed eagerly."""
+    cfg = demo_mod.DemoConfig(out=tmp_path / "out", steps=1, schemes="vanilla,block-attnres", batch=2, seq=16,
+                              layers=2, hidden=32, eval_every=0, eval_batches=1, progress=False,
+                              corpus_dir=_small_corpus(tmp_path / "corpus"))
+    assert cfg.timing == "both"
+    lines = []
+    results = demo_mod.run_demo(cfg, say=lines.append)
+    assert all(r.step_time > 0 and r.compiled_step_time > 0 for r in results)
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "| eager (ms)* " in md and "| compiled (ms)* " in md
+    assert "* eager / compiled (ms): median of 10 timed training steps" in md
+    assert "backend='depthrewrite'" in md
+    assert any(line.startswith("== compiling 2 variants") for line in lines)
+    compiled_only = demo_mod.results_table([dataclasses.replace(r, step_time=float("nan")) for r in results])
+    assert "compiled (ms)*" in compiled_only and "eager (ms)" not in compiled_only
+    with pytest.raises(dr.errors.ConfigError, match="timing must be one of both, compiled, eager"):
+        demo_mod.run_demo(dataclasses.replace(cfg, timing="fast"))

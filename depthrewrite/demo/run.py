@@ -58,6 +58,9 @@ class DemoConfig:
     eval_batches: int = 4
     progress: bool | None = None  # None: a progress bar when stderr is a terminal
     corpus_dir: Path | None = None  # default: the standard library
+    #: which step times the table shows: "compiled" (torch.compile; what a user training the model would run),
+    #: "eager", or "both" (the default: two labelled columns)
+    timing: str = "both"
     written: list[Path] = field(default_factory=list)
 
 
@@ -72,37 +75,55 @@ def _init_check(r: RunResult) -> str:
     return f"{mark} {what} (Δ {r.init_error:.1e} ≤ {v.init_tol:.0e})"
 
 
+TIMINGS = ("both", "compiled", "eager")
+
+
+def _compiled_cells(results: list[RunResult]) -> bool:
+    return any(r.compiled_step_time is not None for r in results)
+
+
 def timing_note(results: list[RunResult]) -> str:
     """The conditions of the table's step times, as one footnote line."""
     timings = [r.timing for r in results if r.timing is not None]
     if not timings:
         return "* step (ms): median training step time on this machine (conditions not recorded)"
+    eager = any(r.step_time == r.step_time for r in results)  # NaN: not timed eagerly
+    which = ("* eager / compiled (ms)" if eager and _compiled_cells(results) else
+             "* compiled (ms)" if _compiled_cells(results) else "* step (ms), eager")
+    compiled = (" Compiled: `torch.compile(model)` (inductor; the converted models with `backend='depthrewrite'`), "
+                "the compile in the first warm-up step, not timed." if _compiled_cells(results) else
+                " Eager only (`--timing eager`): a compiled step costs less, most for the schemes with the most "
+                "small ops (mHC, MSAR).")
     t = timings[0]
     loads = [x.load for x in timings if x.load is not None]
     load = "" if not loads else (f", load average {min(loads):.1f}" if max(loads) - min(loads) < 0.05
                                  else f", load average {min(loads):.1f}-{max(loads):.1f}")
-    return (f"* step (ms): median of {t.timed} timed training steps (forward, backward, AdamW) of {t.batch} x {t.seq} "
+    return (f"{which}: median of {t.timed} timed training steps (forward, backward, AdamW) of {t.batch} x {t.seq} "
             f"tokens after {t.warmup} untimed warm-up steps, "
             + ("the variants timed in turns (one step each per round) after training; " if t.interleaved
                else "every variant timed the same way after its training; ")
-            + f"{t.device}, {t.threads} torch thread{'s' if t.threads != 1 else ''}{load}. Times are this machine's, "
-            "and move with its load.")
+            + f"{t.device}, {t.threads} torch thread{'s' if t.threads != 1 else ''}{load}.{compiled} Times are this "
+            "machine's, and move with its load.")
+
+
+def _ms(t: float | None) -> str:
+    return "—" if t is None or t != t else f"{1000 * t:.0f}"
 
 
 def results_table(results: list[RunResult], fmt: str = "simple") -> str:
     """The results table, with the footnote that says how the step times were measured."""
+    eager = any(r.step_time == r.step_time for r in results)  # NaN: not timed eagerly
+    compiled = _compiled_cells(results)
+    times = ([("eager (ms)*", lambda r: r.step_time)] if eager else []) + (
+        [("compiled (ms)*", lambda r: r.compiled_step_time)] if compiled else [])
+    if len(times) == 1 and not compiled:
+        times = [("step (ms)*", lambda r: r.step_time)]
     rows = [
-        [
-            r.variant.name,
-            f"{r.new_params:,}",
-            f"{1000 * r.step_time:.0f}",
-            f"{r.final_train:.3f}",
-            f"{r.final_val:.3f}",
-            _init_check(r),
-        ]
+        [r.variant.name, f"{r.new_params:,}", *(_ms(get(r)) for _, get in times), f"{r.final_train:.3f}",
+         f"{r.final_val:.3f}", _init_check(r)]
         for r in results
     ]
-    headers = ["scheme", "new params", "step (ms)*", "train loss", "val loss", "init check"]
+    headers = ["scheme", "new params", *(h for h, _ in times), "train loss", "val loss", "init check"]
     table = tabulate(rows, headers=headers, tablefmt=fmt, disable_numparse=True)
     return f"{table}\n\n{timing_note(results)}"
 
@@ -162,6 +183,8 @@ def _save_rewritten(model, name: str, out: Path, say: Callable[[str], None]) -> 
 def run_demo(cfg: DemoConfig, say: Callable[[str], None] = print) -> list[RunResult]:
     """Run the demo; ``say`` receives every line of the console report. Returns one result per variant."""
     start = time.perf_counter()
+    if cfg.timing not in TIMINGS:
+        raise ConfigError(f"timing must be one of {', '.join(TIMINGS)}, got {cfg.timing!r}")
     variants: list[Variant] = parse_variants(cfg.schemes)
     train_cfg = TrainConfig(
         steps=cfg.steps, batch=cfg.batch, seq=cfg.seq, lr=cfg.lr, warmup=max(1, min(10, cfg.steps // 10)),
@@ -198,9 +221,27 @@ def run_demo(cfg: DemoConfig, say: Callable[[str], None] = print) -> list[RunRes
         say(f"  {v.name:<14} {what}; val loss {r.final_val:.3f}")
 
     # every variant's step time, measured in turns: a change of the machine's load lands on all of them alike
-    times, timing = time_interleaved([r.timer for r in results], train_cfg)
-    for r, t in zip(results, times):
-        r.step_time, r.timing, r.timer = t, timing, None
+    timers = [r.timer for r in results]
+    if cfg.timing in ("both", "eager"):
+        times, timing = time_interleaved(timers, train_cfg)
+        for r, t in zip(results, times):
+            r.step_time, r.timing = t, timing
+    if cfg.timing in ("both", "compiled"):
+        say(f"== compiling {len(results)} variants for their compiled step times (torch.compile: tens of seconds "
+            "each on a CPU) ==")
+        compiled = [t.compiled("inductor" if r.variant.scheme is None else "depthrewrite")
+                    for r, t in zip(results, timers)]
+        import torch._dynamo
+
+        # every variant is one more compile of the same forward code (and Block schemes one per block program):
+        # above Dynamo's recompile limit it would run eagerly and time the wrong thing, so raise it and fail instead
+        with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit),
+                                        fail_on_recompile_limit_hit=True):
+            times, timing = time_interleaved(compiled, train_cfg)  # the first warm-up step of each compiles
+        for r, t in zip(results, times):
+            r.compiled_step_time, r.timing = t, r.timing or timing
+    for r in results:
+        r.timer = None
 
     say("")
     table = results_table(results)

@@ -171,7 +171,7 @@ class RunResult:
     new_params: int
     model_params: int
     init_error: float | None  # max|Δlogits| / max|logits| against the original at init (None for vanilla)
-    step_time: float  # median seconds per training step, measured warm (see ``timing``)
+    step_time: float  # median seconds per eager training step, measured warm (see ``timing``)
     train_losses: list[float]
     val_points: list[tuple[int, float]]  # (step, validation loss)
     convert_time: float = 0.0
@@ -179,6 +179,9 @@ class RunResult:
     model: nn.Module | None = field(default=None, repr=False)  # the trained model, with keep_model=True
     timing: StepTiming | None = None  # how step_time was measured (None: loaded from an older record)
     timer: StepTimer | None = field(default=None, repr=False)  # with time_later=True, until the caller has timed it
+    #: median seconds per training step of ``torch.compile(model)`` (inductor; a converted model with the
+    #: ``depthrewrite`` backend), timed like ``step_time`` with the compile in the warm-up; None: not timed
+    compiled_step_time: float | None = None
 
     @property
     def final_train(self) -> float:
@@ -261,14 +264,21 @@ class StepTimer:
     """Times training steps of one trained model on one batch; :meth:`close` restores its weights and optimizer state,
     so the timed steps do not change the result of training."""
 
-    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig):
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig,
+                 run: nn.Module | None = None):
         self.model, self.opt, self.x, self.y, self.cfg = model, opt, x, y, cfg
+        self.run = model if run is None else run  # what a step calls (a compiled wrapper of ``model``)
         self.weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
         self.state = copy.deepcopy(opt.state_dict())
 
+    def compiled(self, backend: str) -> "StepTimer":
+        """A timer of the same model, batch and optimizer whose steps call ``torch.compile(model, backend=backend)``
+        (the first step compiles: keep it in the warm-up)."""
+        return StepTimer(self.model, self.opt, self.x, self.y, self.cfg, run=torch.compile(self.model, backend=backend))
+
     def step(self) -> float:
         t = time.perf_counter()
-        _train_step(self.model, self.opt, self.x, self.y, self.cfg.grad_clip)
+        _train_step(self.run, self.opt, self.x, self.y, self.cfg.grad_clip)
         return time.perf_counter() - t
 
     def close(self) -> None:
