@@ -270,3 +270,22 @@ def test_demo_compiled_step_times(tmp_path):
     assert "compiled (ms)*" in compiled_only and "eager (ms)" not in compiled_only
     with pytest.raises(dr.errors.ConfigError, match="timing must be one of both, compiled, eager"):
         demo_mod.run_demo(dataclasses.replace(cfg, timing="fast"))
+
+
+def test_demo_keeps_its_results_when_compiling_fails(tmp_path, monkeypatch):
+    """A variant torch.compile cannot compile costs the compiled column, not the trained results: the console says
+    why, and the table shows the eager times."""
+    import depthrewrite.demo.train as train_mod
+
+    def fail(self, backend):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(train_mod.StepTimer, "compiled", fail)
+    cfg = demo_mod.DemoConfig(out=tmp_path / "out", steps=1, schemes="vanilla", batch=2, seq=16, layers=2, hidden=32,
+                              eval_every=0, eval_batches=1, progress=False, corpus_dir=_small_corpus(tmp_path / "corpus"))
+    lines = []
+    results = demo_mod.run_demo(cfg, say=lines.append)
+    assert results[0].step_time > 0 and results[0].compiled_step_time is None
+    assert "(no compiled step times: torch.compile failed: RuntimeError: no compiler here)" in lines
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "step (ms)*" in md and "compiled (ms)" not in md and "Eager only" in md

@@ -29,7 +29,8 @@ viewed size, one tensor passed twice counted once). Pure view and metadata ops (
 ``expand``, ``detach``, ...) and allocations (``empty``) move nothing and count 0; an overwrite (``copy_``,
 ``fill_``, ``zero_``) does not read its destination; ``embedding`` reads the rows it gathers, not the whole table.
 A depth op is one op (its PyTorch reference runs below the mode and is not seen), so it counts as its fused Triton
-kernel moves: its inputs once, its outputs once. Nothing else is fused, so vanilla's elementwise chains count at
+kernel moves: its inputs once, its outputs once (``moda_attn_slots`` also the stack of its slots it writes and its
+kernel reads). Nothing else is fused, so vanilla's elementwise chains count at
 full unfused cost too: the extra bytes are a fraction of an unfused vanilla, the floor a compiler must beat on both.
 """
 
@@ -493,6 +494,8 @@ def op_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
         inputs = inputs[1:]  # the destination is written, not read; a gather reads `written` bytes of its table
         if packet in _GATHER:
             written *= 2
+    if str(packet) == "depthrewrite.moda_attn_slots":  # its slots are stacked before the kernel: written, read again
+        written += 2 * sum(tensor_bytes(t) for t in _tensors((args[4], args[5])))
     return written + sum(tensor_bytes(t) for t in inputs)
 
 

@@ -52,13 +52,14 @@ def moda_attn(
     seed: torch.Tensor | None,
     softcap: float,
 ) -> torch.Tensor:
-    return _forward(q, k, v, attn_mask, depth_k, depth_v, depth_weight, scale, is_causal, dropout_p, seed, softcap)
+    return _forward(q, k, v, attn_mask, depth_k, depth_v, depth_weight, scale, is_causal, dropout_p, seed, softcap,
+                    "depthrewrite::moda_attn")
 
 
-def _forward(q, k, v, attn_mask, depth_k, depth_v, depth_weight, scale, is_causal, dropout_p, seed, softcap):
+def _forward(q, k, v, attn_mask, depth_k, depth_v, depth_weight, scale, is_causal, dropout_p, seed, softcap, op: str):
     """The body of :func:`moda_attn` (and of :func:`moda_attn_slots` once it has stacked its slots): the Triton
-    kernel where :func:`route` picks it, else the reference."""
-    if _use_kernel(q, k, v, attn_mask, depth_k, depth_v, depth_weight, dropout_p, "depthrewrite::moda_attn"):
+    kernel where :func:`route` picks it, else the reference; the route is recorded under ``op``."""
+    if _use_kernel(q, k, v, attn_mask, depth_k, depth_v, depth_weight, dropout_p, op):
         from .fused import moda_attn_fwd
 
         out, _ = moda_attn_fwd(q, k, v, attn_mask, depth_k, depth_v, depth_weight, scale, is_causal, softcap)
@@ -277,6 +278,13 @@ def _backward(ctx, grad):
     )
 
 
+#: when moda_attn and moda_attn_slots run the reference instead of the kernel
+_FALLS_BACK = (
+    "dropout_p > 0 (seeded torch.rand masks); dtypes other than fp32/bf16/fp16 or mixed input dtypes; bf16 on CPU "
+    f"(the Triton interpreter has no bf16); a query/key or value head dim > {MAX_HEAD_DIM} (they may differ: MLA); Hq "
+    "not a multiple of Hk; empty T or S; a mask that is neither bool nor floating or not broadcastable to [B, Hq, T, S]"
+)
+
 moda_attn.register_autograd(_backward, setup_context=_setup)
 
 register_kernel_info(
@@ -289,10 +297,7 @@ register_kernel_info(
         "moda_attn_bwd_kernel_dkdv (dK/dV, G heads folded); no atomics",
         fuses="sequence attention (causal / bool / additive mask, soft-cap) and the same-token depth slots with λ "
         "in one online softmax; no logits, probabilities or separate LSE merge in HBM",
-        falls_back="dropout_p > 0 (seeded torch.rand masks); dtypes other than fp32/bf16/fp16 or mixed input "
-        "dtypes; bf16 on CPU (the Triton interpreter has no bf16); "
-        f"a query/key or value head dim > {MAX_HEAD_DIM} (they may differ: MLA); Hq not a multiple of Hk; empty "
-        "T or S; a mask that is neither bool nor floating or not broadcastable to [B, Hq, T, S]",
+        falls_back=_FALLS_BACK,
     )
 )
 
@@ -318,7 +323,7 @@ def moda_attn_slots(
     shares, so a model keeps each slot once (O(L)) instead of one stacked copy per reading site (O(L²)); backward
     stacks them again (a layout copy) and runs :func:`moda_attn_backward`."""
     return _forward(q, k, v, attn_mask, moda_slots_ref(slots_k), moda_slots_ref(slots_v), depth_weight, scale,
-                    is_causal, dropout_p, seed, softcap)
+                    is_causal, dropout_p, seed, softcap, "depthrewrite::moda_attn_slots")
 
 
 @moda_attn_slots.register_fake
@@ -359,6 +364,6 @@ register_kernel_info(
         backward="the slots stacked again (a layout copy), then depthrewrite::moda_attn_backward; the depth "
         "gradients go back to the slots as views",
         fuses="as moda_attn; autograd keeps each slot tensor once however many sites read it",
-        falls_back="as moda_attn",
+        falls_back=_FALLS_BACK,
     )
 )

@@ -217,6 +217,9 @@ def register(record: Scheme) -> Scheme:
     if record.name != record.name.lower() or record.name.startswith("block-") or record.name == "vanilla":
         # names are looked up lower case, "block-" is the alias prefix, and "vanilla" is the demo's unconverted model
         raise ConfigError(f"Scheme {record.name!r}: a scheme name is lower case, and neither 'vanilla' nor 'block-*'")
+    stray = sorted(set(record.state_args or ()) - set(record.ops))
+    if stray:  # state_args names ops of this scheme's own
+        raise ConfigError(f"Scheme {record.name!r}: state_args names {stray}, which are not among its ops {record.ops}")
     variants = tuple(v if isinstance(v, SchemeVariant) else SchemeVariant(*v) for v in record.variants)
     taken = {v.key for s in _SCHEMES.values() if s.name != record.name for v in s.variants} | {"vanilla"}
     clash = sorted(v.key for v in variants if v.key in taken)
