@@ -46,7 +46,25 @@ def _per_token(model, prefix: int, tokens: int, cache: bool, repeats: int) -> fl
     return min(token_sample(model, ids, tokens, cache) for _ in range(repeats))
 
 
-def rows(layers: int, hidden: int, prefixes: tuple[int, int], tokens: int, repeats: int) -> list[list]:
+def _per_token_ab(model, prefix: int, tokens: int, cache: bool, repeats: int) -> tuple[float, float]:
+    """``(now, with export's input check)``: samples of the two settings taken in turn, best of ``repeats`` each."""
+    from depthrewrite.runtime import entries
+
+    ids = prefix_ids(model, prefix)
+    token_sample(model, ids, 1, cache)
+    best = [float("inf"), float("inf")]
+    try:
+        for r in range(repeats):
+            for which in ((0, 1) if r % 2 == 0 else (1, 0)):
+                entries.SKIP_EXPORT_INPUT_CHECK = which == 0
+                best[which] = min(best[which], token_sample(model, ids, tokens, cache))
+    finally:
+        entries.SKIP_EXPORT_INPUT_CHECK = True
+    return best[0], best[1]
+
+
+def rows(layers: int, hidden: int, prefixes: tuple[int, int], tokens: int, repeats: int,
+         ab: bool = False) -> list[list]:
     torch.manual_seed(0)
     base = hf_model("llama", layers=layers, hidden=hidden, max_position_embeddings=max(prefixes) + tokens + 8).eval()
     variants = [("vanilla", None, {})]
@@ -58,7 +76,12 @@ def rows(layers: int, hidden: int, prefixes: tuple[int, int], tokens: int, repea
         model = base if key is None else dr.convert(base, key, inplace=False, **options)
         rec = None if key is None else dr.scheme(model.report().config)
         cache = rec is None or rec.no_cached_decoding is None
-        short, long = (_per_token(model, p, tokens, cache, repeats) for p in prefixes)
+        if ab and key is not None:
+            (short, short_b), (long, long_b) = (_per_token_ab(model, p, tokens, cache, repeats) for p in prefixes)
+            out.append([f"{label}, export's check", "yes" if cache else "no (use_cache=False)", f"{1e3 * short_b:.2f}",
+                        f"{1e3 * long_b:.2f}", f"{long_b / short_b:.2f}"])
+        else:
+            short, long = (_per_token(model, p, tokens, cache, repeats) for p in prefixes)
         out.append([label, "yes" if cache else "no (use_cache=False)", f"{1e3 * short:.2f}", f"{1e3 * long:.2f}",
                     f"{long / short:.2f}"])
     return out
@@ -72,10 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--ab", action="store_true",
+                   help="also time each converted model with export's input check on every call (as before "
+                        "2026-12-05), samples taken in turn with today's")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     s, l_ = a.prefixes
-    table = rows(a.layers, a.hidden, (s, l_), a.tokens, a.repeats)
+    table = rows(a.layers, a.hidden, (s, l_), a.tokens, a.repeats, a.ab)
     from tabulate import tabulate
 
     print(f"Generation, tiny Llama ({a.layers} layers, hidden {a.hidden}), batch 1, greedy, {a.tokens} tokens; "

@@ -267,6 +267,38 @@ def test_chunked_calls_across_a_sliding_window_edge():
         assert "_guards_fn" not in runner.__dict__ and "_guards_fn" not in runner._modules
 
 
+def test_derived_cache_lengths_are_guarded_without_exports_check(monkeypatch):
+    """A cache length the graph derives from the new tokens (``5 - s`` at the sliding window's edge) is one of the
+    graph's own guards: a call that breaks the relation gets its own graph at selection (no failed call, no retry),
+    and a call that fits runs without export's sympy input check (the same sizes, checked once)."""
+    from transformers import DynamicCache
+    import torch.export._unlift as unlift
+
+    from depthrewrite.runtime.entries import Derived
+
+    torch.manual_seed(0)
+    model = hf_model("mistral", layers=2, sliding_window=6).eval()
+    conv = dr.convert(model, "attnres", inplace=False)
+    state = conv.__dict__["_depthrewrite"]
+    retries, checks = [], []
+    select, check = type(state).select, unlift._check_input_constraints_for_module
+
+    def counted_select(self, *a, fresh=False, **k):
+        retries.append(fresh)
+        return select(self, *a, fresh=fresh, **k)
+
+    monkeypatch.setattr(type(state), "select", counted_select)
+    monkeypatch.setattr(unlift, "_check_input_constraints_for_module", lambda *a: checks.append(1) or check(*a))
+    ours, theirs = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    for a, b in ((0, 3), (3, 5), (5, 8)):  # the third call breaks the second graph's `5 - s` (a later one is refused)
+        torch.testing.assert_close(conv(IDS[:, a:b], cache=ours, use_cache=True).logits,
+                                   model(IDS[:, a:b], cache=theirs, use_cache=True).logits, atol=1e-4, rtol=1e-4)
+    guards = [g for e in state.entries() for dims in e.guards for g in dims.values()]
+    assert any(isinstance(g, Derived) for g in guards)
+    assert all(e.complete for e in state.entries())
+    assert len(retries) == 3 and not any(retries) and not checks
+
+
 def test_a_full_sliding_window_is_a_typed_error():
     torch.manual_seed(0)
     model = hf_model("mistral", layers=2, sliding_window=4).eval()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 from typing import Any, Iterator, Mapping
 
@@ -36,14 +37,18 @@ def describe_value(value: Any) -> Any:
     return (str(spec), tuple(map(_describe_leaf, leaves)))
 
 
-def call_graph(gm: fx.GraphModule, args: tuple, kwargs: dict) -> Any:
+def call_graph(gm: fx.GraphModule, args: tuple, kwargs: dict, checked: bool = False) -> Any:
     """Run ``gm`` (a runner or flat graph) as ``gm(*args, **kwargs)`` does, but not as a module call: its own forward
     pre-hooks (export's input checks) run, then its forward. A global module hook (FlopCounterMode, ModuleTracker)
     then sees the model's modules that the graph calls, never the graph module itself, which the original does not
-    have. A graph with any other hook is called as a module."""
+    have. A graph with any other hook is called as a module. ``checked``: the call's inputs were matched against the
+    graph's complete guards (:meth:`GraphEntry.matches`), so export's own input check, which would check the same
+    sizes again through sympy (~0.4 ms a call, a third of a decoded token's overhead), is skipped."""
     if gm._forward_hooks or gm._backward_hooks or gm._backward_pre_hooks or gm._forward_hooks_with_kwargs:
         return gm(*args, **kwargs)
     for k, h in gm._forward_pre_hooks.items():
+        if checked and h is _EXPORT_INPUT_CHECK and SKIP_EXPORT_INPUT_CHECK:
+            continue
         if k in gm._forward_pre_hooks_with_kwargs:
             r = h(gm, args, kwargs)
             if r is not None:
@@ -55,13 +60,26 @@ def call_graph(gm: fx.GraphModule, args: tuple, kwargs: dict) -> Any:
     return gm.forward(*args, **kwargs)
 
 
+def _export_input_check() -> Any:
+    try:
+        from torch.export._unlift import _check_input_constraints_pre_hook
+    except ImportError:  # pragma: no cover - another torch layout: never skipped
+        return None
+    return _check_input_constraints_pre_hook
+
+
+_EXPORT_INPUT_CHECK = _export_input_check()
+#: False runs export's input check on every call as before (for measuring only: ``python -m bench.generation --ab``)
+SKIP_EXPORT_INPUT_CHECK = True
+
+
 @dataclasses.dataclass
 class GraphEntry:
     """One captured and rewritten graph: the call structure it serves, its shape guards and how long capture took."""
 
     module: fx.GraphModule  # a ConvertedGraphModule (see depthrewrite.converted)
     structure: str  # readable: "train, input_ids: int64[2d], labels: int64[2d]"
-    guards: tuple  # per tensor input: {dim: fixed size, or (symbol, lowest, highest or None)}
+    guards: tuple  # per tensor input: {dim: fixed size, (symbol, lowest, highest or None), or Derived}
     seconds: float
     calls: int = 0
     runner: Any = None  # the module a call runs: glue plus one call per block module (depthrewrite.blocks); None: module
@@ -80,9 +98,15 @@ class GraphEntry:
         return bool(calls and calls["called"])
 
     def matches(self, tensors: list[torch.Tensor]) -> bool:
+        """Whether a call's tensors (flattened, in the graph's input order) fit this graph's shape guards: every
+        size the guards fix, every dynamic size within its range and equal per symbol, every derived size (a cache
+        length ``s0 + 1``) equal to its expression of those symbols. With :attr:`complete` guards this is all
+        export's own input check would check of a call of this structure (the structure, and the values of
+        non-tensor inputs, are the call's key), so :func:`call_graph` skips that check."""
         if len(tensors) != len(self.guards):
             return False
         symbols: dict[str, int] = {}
+        derived: list[tuple[Derived, int]] = []
         for t, dims in zip(tensors, self.guards):
             for d, g in dims.items():
                 if d >= t.dim():
@@ -91,11 +115,52 @@ class GraphEntry:
                 if isinstance(g, int):
                     if s != g:
                         return False
+                elif isinstance(g, Derived):
+                    derived.append((g, s))
                 else:  # export assumes dynamic sizes are >= 2, within the range the trace allowed, equal per symbol
                     name, lo, hi = g
                     if s < max(2, lo) or (hi is not None and s > hi) or symbols.setdefault(name, s) != s:
                         return False
+        for g, s in derived:
+            value = symbols.get(g.symbol)
+            if value is not None and g(value) != s:
+                return False
         return True
+
+    @functools.cached_property
+    def complete(self) -> bool:
+        """Whether :meth:`matches` checks every size export's input check would: each derived size's symbol is also
+        a size of its own somewhere (so its value is known before the derived one is compared)."""
+        plain = {g[0] for dims in self.guards for g in dims.values() if isinstance(g, tuple)}
+        return all(g.symbol in plain for dims in self.guards for g in dims.values() if isinstance(g, Derived))
+
+
+class Derived:
+    """A guard on a size the graph computes from one size symbol (``s0 + 1``, ``2*s0``): the value it must have
+    for a given value of the symbol (sympy's evaluation, remembered per value: a decoding loop asks once per
+    length)."""
+
+    __slots__ = ("symbol", "expr", "_sym", "_seen")
+
+    def __init__(self, expr: Any):
+        (self._sym,) = expr.free_symbols
+        self.symbol = str(self._sym)
+        self.expr = expr
+        self._seen: dict[int, int | None] = {}
+
+    def __call__(self, value: int) -> int | None:
+        out = self._seen.get(value, -1)
+        if out == -1:
+            import sympy
+
+            r = self.expr.xreplace({self._sym: sympy.Integer(value)})
+            out = int(r) if r.is_number else None
+            if len(self._seen) < 4096:
+                self._seen[value] = out
+        return out
+
+    def __repr__(self) -> str:
+        return f"Derived({self.expr})"
 
 
 def guards_of(gm: fx.GraphModule) -> tuple:
@@ -114,7 +179,9 @@ def guards_of(gm: fx.GraphModule) -> tuple:
                     dims[d] = int(expr)
                 elif expr.is_Symbol:
                     dims[d] = (str(expr), *_range(s.node.shape_env, expr))
-                else:  # a derived size (2*s0): fixed by the symbols it is made of
+                elif len(expr.free_symbols) == 1:  # a derived size (s0 + 1): checked against its symbol's value
+                    dims[d] = Derived(expr)
+                else:  # of several symbols: export defers such a relation to the graph's own checks, as here
                     continue
             else:
                 dims[d] = int(s)

@@ -39,9 +39,11 @@ log = logging.getLogger(__name__)
 
 def _run(entry: GraphEntry, pos: tuple, kw: dict, exporting: bool = False) -> Any:
     """One call of ``entry``'s graphs (inside torch.export: the flat graph, as a module call), with what they read of
-    accelerate's offloaded modules loaded around it."""
+    accelerate's offloaded modules loaded around it. Outside a trace the call's sizes were matched against the
+    entry's guards when it was chosen (or captured from this very call), which is export's input check when the
+    guards are complete."""
     with loaded(entry.offloaded) if entry.offloaded else contextlib.nullcontext():
-        return entry.module(*pos, **kw) if exporting else call_graph(entry.run, pos, kw)
+        return entry.module(*pos, **kw) if exporting else call_graph(entry.run, pos, kw, checked=entry.complete)
 
 
 class ConversionState:
