@@ -60,10 +60,11 @@ def _msar_entries() -> dict[str, tuple[Callable, Callable]]:
     from .msar import op as m
     from .msar.reference import msar_mix_ref
 
-    def mix(sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_values, sigmoid_mixer, eps_mix=1e-6):
+    def mix(sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_values, sigmoid_mixer, eps_mix=1e-6,
+            left=None):
         # the op's signature (eps_mix may come positionally; the reference has ``left`` in that place)
         return msar_mix_ref(sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_values, sigmoid_mixer,
-                            eps_mix=eps_mix)
+                            left=left, eps_mix=eps_mix)
 
     return {
         "msar_mix": (m.msar_mix, mix),

@@ -23,7 +23,13 @@ def _fused(sources, query, gain, conv, phi, bias, alpha, grad=None, op: str = "d
     return route(op, (grad, *sources, query, gain, *conv, phi, bias, alpha), lambda: covers(sources, query, conv))
 
 
-@torch.library.custom_op("depthrewrite::msar_mix", mutates_args=())
+_MIX_SCHEMA = (  # written out: ``Tensor[]? left`` (an optional list) is not inferred from the annotations
+    "(Tensor[] sources, Tensor query, Tensor gain, Tensor[] conv, Tensor? phi, Tensor? bias, Tensor? alpha, float eps, "
+    "float scale, bool conv_values, bool sigmoid_mixer, float eps_mix=1e-06, Tensor[]? left=None) -> Tensor"
+)
+
+
+@torch.library.custom_op("depthrewrite::msar_mix", mutates_args=(), schema=_MIX_SCHEMA)
 def msar_mix(
     sources: list[torch.Tensor],
     query: torch.Tensor,
@@ -37,8 +43,16 @@ def msar_mix(
     conv_values: bool,
     sigmoid_mixer: bool,
     eps_mix: float = 1e-6,
+    left: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """``eps`` is the key RMSNorm ε; ``eps_mix`` the mixer's RMS ε (default 1e-6, msar.md §5; independent of ``eps``)."""
+    """``eps`` is the key RMSNorm ε; ``eps_mix`` the mixer's RMS ε (default 1e-6, msar.md §5; independent of ``eps``).
+    ``left``: per source, the k_max−1 positions before its first (a decoding step's conv history, ``[..., k_max−1,
+    D]``); the convs read them as left context and the result covers the sources' own positions only (None: zeros,
+    the start of a sequence). With ``left`` the op runs the reference (a decoding step: a few positions)."""
+    if left is not None:
+        route("depthrewrite::msar_mix", (*sources, query), lambda: "left context (a decoding step) runs the reference")
+        return msar_mix_ref(sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_values, sigmoid_mixer,
+                            left=left, eps_mix=eps_mix)
     if _fused(sources, query, gain, conv, phi, bias, alpha):
         from .fused import msar_fwd
 
@@ -49,7 +63,7 @@ def msar_mix(
 
 
 @msar_mix.register_fake
-def _(sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_values, sigmoid_mixer, eps_mix=1e-6):
+def _(sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_values, sigmoid_mixer, eps_mix=1e-6, left=None):
     return torch.empty_like(sources[0])
 
 
@@ -173,10 +187,11 @@ def _(grad, sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_value
 
 def _setup_context(ctx, inputs, output):
     sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_values, sigmoid_mixer, *rest = inputs
-    ctx.k, ctx.n_conv = len(sources), len(conv)
+    left = rest[1] if len(rest) > 1 else None
+    ctx.k, ctx.n_conv, ctx.left = len(sources), len(conv), left is not None
     ctx.mixer = phi is not None  # the "mean" mixer has no parameters
     mixer = (phi, bias, alpha) if ctx.mixer else ()
-    ctx.save_for_backward(query, gain, *mixer, *sources, *conv)
+    ctx.save_for_backward(query, gain, *mixer, *sources, *conv, *(left or ()))
     ctx.args = (eps, scale, conv_values, sigmoid_mixer, rest[0] if rest else 1e-6)
 
 
@@ -185,12 +200,27 @@ def _backward(ctx, grad):
     saved = ctx.saved_tensors
     q, g = saved[:2]
     p, b, a = saved[2 : 2 + n_mix] if ctx.mixer else (None, None, None)
-    srcs, conv = list(saved[2 + n_mix : 2 + n_mix + ctx.k]), list(saved[2 + n_mix + ctx.k :])
-    grads = torch.ops.depthrewrite.msar_mix_backward(grad, srcs, q, g, conv, p, b, a, *ctx.args)
     k, c = ctx.k, ctx.n_conv
+    srcs, conv = list(saved[2 + n_mix : 2 + n_mix + k]), list(saved[2 + n_mix + k : 2 + n_mix + k + c])
+    left = list(saved[2 + n_mix + k + c :]) if ctx.left else None
+    if left is not None:
+        # the op with left context is the op on [left, source] with only the sources' positions kept: the same
+        # backward there, with a zero gradient for the left positions' outputs, split back into left and source
+        k1 = max((w.shape[-1] for w in conv), default=1) - 1
+        n = [min(k1, x.shape[-2]) for x in left]
+        srcs = [torch.cat([x[..., x.shape[-2] - j :, :].to(s.dtype), s], dim=-2) for x, j, s in zip(left, n, srcs)]
+        grad = torch.nn.functional.pad(grad, (0, 0, max(n, default=0), 0))
+    grads = torch.ops.depthrewrite.msar_mix_backward(grad, srcs, q, g, conv, p, b, a, *ctx.args)
     gs, gq, gg, gc = list(grads[:k]), grads[k], grads[k + 1], list(grads[k + 2 : k + 2 + c])
     gp, gb, ga = grads[k + 2 + c :] if ctx.mixer else (None, None, None)
-    return gs, gq, gg, gc, gp, gb, ga, None, None, None, None, None
+    gl = None
+    if left is not None:
+        gl = []
+        for i, (x, j) in enumerate(zip(left, n)):
+            head = gs[i][..., :j, :]
+            gl.append(torch.nn.functional.pad(head, (0, 0, x.shape[-2] - j, 0)).to(x.dtype))
+            gs[i] = gs[i][..., j:, :]
+    return gs, gq, gg, gc, gp, gb, ga, None, None, None, None, None, gl
 
 
 msar_mix.register_autograd(_backward, setup_context=_setup_context)

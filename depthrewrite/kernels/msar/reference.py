@@ -13,9 +13,10 @@ Qin et al., *Multi-Stream Attention Residuals* (2026); spec: shared/specs/msar.m
 How it is computed: the K sources are stacked once into ``[K·B, T, D]`` (B: the flattened leading dims), left-padded
 once to the longest filter, and every stream view is one depthwise convolution of that stack (all sources at once).
 In eager mode the convolution is ``conv2d`` on a channels-last view (time on the width axis, D channels: oneDNN's
-depthwise kernel on CPU, no transposes); while ``torch.compile`` traces (:func:`torch.compiler.is_compiling`) it is
-the same sum of k shifted multiply-adds written pointwise, which inductor fuses with its consumers. Per stream the
-key statistics are one norm and one matrix-vector product over the stack, the softmax runs over the stacked axis.
+depthwise kernel on CPU, no transposes), or for a few positions (a decoding step) one multiply and one sum over the
+unfolded windows, cheaper than oneDNN's call there; while ``torch.compile`` traces (:func:`torch.compiler.is_compiling`)
+it is the same sum of k shifted multiply-adds written pointwise, which inductor fuses with its consumers. The m stream
+views are stacked, so the key statistics, the depth softmaxes and the weighted sums are one op each for all streams.
 """
 
 from __future__ import annotations
@@ -68,7 +69,14 @@ def _conv_padded(xp: torch.Tensor, w: torch.Tensor, T: int) -> torch.Tensor:
         for j in range(k - 1):
             y = y + xp[:, j : j + T] * w[:, j]
         return y
+    if xp.shape[0] * T * C * k <= _UNFOLD_MAX:  # a few positions (a decoding step): one multiply and one sum
+        return (xp.unfold(1, k, 1) * w).sum(-1)
     return _uncl(F.conv2d(_cl(xp), w.reshape(C, 1, 1, k), groups=C))
+
+
+#: up to this many multiply-adds an eager conv is ``(windows * w).sum(-1)``: 9-43 µs where oneDNN's depthwise call
+#: costs ~43 µs whatever the size (2-core EPYC, one thread, 2026-12-05; the two meet near 60k)
+_UNFOLD_MAX = 32768
 
 
 def _conv_padded_backward(dy: torch.Tensor, xp: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,11 +191,13 @@ def msar_mix_ref(
     K, m = len(sources), query.shape[0]
     u = gain.to(acc) * query.to(acc)  # [m, D]
     X, _, V = _stream_views(sources, conv, acc, left)
-    Z = []
-    for r in range(m):
-        _, _, a = _scores(V[r], u[r], eps, K)
-        Z.append(_weighted(a, V[r] if conv_values else X))  # [B·T, D]
-    Zs = torch.stack(Z, dim=-2)  # [B·T, m, D]
+    # every stream at once (one op per step, not m): the same per-stream math as _scores and _weighted
+    Vs = torch.stack(V) if m > 1 else V[0].unsqueeze(0)  # [m, K·B, T, D]
+    rs = torch.rsqrt(torch.linalg.vector_norm(Vs, dim=-1).square() / D + eps).reshape(m, K, -1)
+    dt = (Vs.reshape(m, -1, D) @ u.unsqueeze(-1)).reshape(m, K, -1)
+    a = torch.softmax(dt * rs, dim=1)  # [m, K, B·T]
+    Y = (Vs if conv_values else X.unsqueeze(0)).reshape(-1, K, a.shape[-1], D)
+    Zs = (a.unsqueeze(-1) * Y).sum(1).transpose(0, 1)  # [B·T, m, D]
     if sigmoid_mixer:
         z = Zs.flatten(-2)
         z = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + eps_mix)

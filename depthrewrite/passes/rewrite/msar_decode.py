@@ -5,9 +5,9 @@ KV cache, a call sees only the new tokens, so every MSAR graph captured for a ca
 
 * one history input per distinct source of its ``msar_mix`` ops (``[B, 1, k_max−1, D]``, read from extra layers the
   converted model appends to the caller's ``DynamicCache``; none on the first, prefill, call: zeros);
-* each source replaced by ``cat([history, source], dim=-2)`` and each ``msar_mix`` output sliced back to the new
-  tokens (the op convolves k_max−1 extra positions, whose outputs are dropped: they only give the convs their left
-  context; the same result as the reference's ``left=`` argument);
+* each ``msar_mix`` given its sources' histories as ``left``: the convs read them as left context and the op computes
+  the new positions only (until 2026-12-05 each source was ``cat([history, source])`` and the whole mix ran on
+  k_max−1 + T positions, whose first outputs were dropped: ~12× the work of a decoding step at the default taps);
 * one new history output per source: the last k_max−1 positions of that concatenation, returned beside the model's
   own output (the graph returns ``(output, (history, ...))``) and written into the cache by the converted model.
 
@@ -58,7 +58,7 @@ def add_decode_state(gm: fx.GraphModule, k1: int, scheme: str) -> int:
     history = [by_name[n] for n in names][: len(sources)]
     if history and len(history) != len(sources):
         raise RuntimeError(f"depthrewrite: {len(history)} MSAR history inputs for {len(sources)} sources")
-    full: dict[fx.Node, fx.Node] = {}
+    left: dict[fx.Node, fx.Node] = {}
     new_hist: list[fx.Node] = []
     for i, s in enumerate(sources):
         if history:
@@ -66,6 +66,7 @@ def add_decode_state(gm: fx.GraphModule, k1: int, scheme: str) -> int:
                 h = _call(graph, torch.ops.aten.squeeze.dim, (history[i], 1), s, scheme, "msar_history")
             with graph.inserting_after(h):
                 cat = _call(graph, torch.ops.aten.cat.default, ([h, s], -2), s, scheme, "msar_history")
+            left[s] = h
         else:
             with graph.inserting_after(s):
                 cat = _call(graph, torch.ops.aten.constant_pad_nd.default, (s, [0, 0, k1, 0]), s, scheme, "msar_history")
@@ -73,14 +74,12 @@ def add_decode_state(gm: fx.GraphModule, k1: int, scheme: str) -> int:
             tail = _call(graph, torch.ops.aten.slice.Tensor, (cat, -2, -k1, _MAX), s, scheme, "msar_history")
         with graph.inserting_after(tail):
             out = _call(graph, torch.ops.aten.unsqueeze.default, (tail, 1), s, scheme, "msar_history")
-        full[s] = cat
         new_hist.append(out)
-    for m in mixes:
-        m.args = ([full[s] for s in m.args[0]], *m.args[1:])
-        with graph.inserting_after(m):
-            cut = _call(graph, torch.ops.aten.slice.Tensor, (m, -2, k1, _MAX), m, scheme, "msar_mix")
-        cut.meta.update({k: v for k, v in m.meta.items() if k in ("val", "tensor_meta")})
-        m.replace_all_uses_with(cut, delete_user_cb=lambda u: u is not cut)
+    if left:  # the mixes read the history as their convs' left context and compute the new positions only
+        for m in mixes:
+            args = list(m.args) + [1e-6] * (12 - len(m.args))  # eps_mix (the op's default), then left
+            m.args = (*args[:12], [left[s] for s in m.args[0]])
+    # without history (zeros) the mixes' own zero padding is the same left context: they stay as they are
     return_history(gm, new_hist)
     gm.meta[HISTORY_META] = len(new_hist)
     return len(new_hist)

@@ -227,3 +227,33 @@ def test_op_default_eps_mix_is_the_spec_value():
     torch.testing.assert_close(msar_mix_ref(src, *args), want, rtol=0, atol=0)
     torch.testing.assert_close(msar_mix(src, *args), want, rtol=1e-6, atol=1e-9)
     assert inspect.signature(msar_mix_ref).parameters["eps_mix"].default == dr.MSARConfig().eps_mix == 1e-6
+
+
+@pytest.mark.parametrize("T", [1, 3], ids=lambda t: f"T{t}")
+def test_op_with_left_context_is_the_op_on_the_longer_sequence(T):
+    """A decoding step's mix (``left``: each source's last k_max−1 positions) equals the mix of ``[left, source]``
+    with only the new positions kept, forward and backward (sources, left context, every parameter): the decode graph
+    computes T positions instead of k_max−1 + T."""
+    from depthrewrite.kernels.msar import msar_mix
+
+    g = torch.Generator().manual_seed(0)
+    K, D, ks = 3, 6, (2, 4)
+    m, k1 = len(ks) + 1, max(ks) - 1
+    src = [torch.randn(2, T, D, generator=g, requires_grad=True) for _ in range(K)]
+    left = [torch.randn(2, k1, D, generator=g, requires_grad=True) for _ in range(K)]
+    params = [torch.randn(m, D, generator=g), torch.rand(m, D, generator=g) + 0.5,
+              [torch.randn(D, k, generator=g) * 0.5 for k in ks], torch.randn(m * D, m, generator=g) * 0.3,
+              torch.randn(m, generator=g), torch.tensor(0.7)]
+    leaves = [params[0], params[1], *params[2], *params[3:]]
+    for p in leaves:
+        p.requires_grad_(True)
+    rest = (1e-4, float(K), True, True, 1e-6)
+    got = msar_mix(src, *params, *rest, left)
+    want = msar_mix([torch.cat([a, b], -2) for a, b in zip(left, src)], *params, *rest)[..., k1:, :]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, msar_mix_ref(src, *params, *rest[:4], left=left), rtol=0, atol=0)
+    w = torch.randn(got.shape, generator=g)
+    ours = torch.autograd.grad((got * w).sum(), [*src, *left, *leaves])
+    theirs = torch.autograd.grad((want * w).sum(), [*src, *left, *leaves])
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
