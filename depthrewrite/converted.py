@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from .errors import ConfigError
 
-__all__ = ["ConvertedGraphModule", "as_converted", "drop_dead_code", "graph_module_of"]
+__all__ = ["ConvertedGraphModule", "as_converted", "drop_dead_code", "drop_empty_concats", "graph_module_of"]
 
 aten = torch.ops.aten
 
@@ -125,6 +125,59 @@ def drop_dead_code(gm: fx.GraphModule) -> int:
     graph.lint()
     gm.recompile()
     return before - len(graph.nodes)
+
+
+_CONST_COPIES = (aten.detach.default, aten.detach_.default, aten.lift_fresh_copy.default, aten.clone.default)
+
+
+def _empty_constant(gm: fx.GraphModule, n: Any) -> bool:
+    """Whether ``n`` is (a copy of) a constant of ``gm`` that ``torch.cat`` skips: a 1-D tensor with no elements."""
+    while isinstance(n, fx.Node) and n.op == "call_function" and n.target in _CONST_COPIES:
+        n = n.args[0]
+    if not isinstance(n, fx.Node) or n.op != "get_attr":
+        return False
+    t = resolve_target(gm, n.target)
+    return isinstance(t, torch.Tensor) and t.dim() == 1 and t.numel() == 0
+
+
+def _same_size(a: Any, b: Any) -> bool:
+    """Whether two sizes of traced shapes are the same (a fixed number, or the same expression of size symbols),
+    without asking the shape environment (which would add a guard)."""
+    if isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt):
+        return a.node.expr == b.node.expr
+    return type(a) is type(b) and a == b
+
+
+def drop_empty_concats(gm: fx.GraphModule) -> int:
+    """``cat([empty constant, x])`` → ``x`` where ``x`` is a graph input of the same dtype and shape as the result
+    (transformers' exported ``DynamicCache`` starts each layer from ``torch.tensor([])`` and concatenates the
+    caller's keys and values onto it: one copy of the whole cache per layer per call, ~3 ops and O(cached tokens)
+    bytes per layer of every decoding step). Returns how many were dropped; dead code goes with
+    :func:`drop_dead_code` after it."""
+    dropped = 0
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target is not aten.cat.default or not isinstance(n.args[0], (list, tuple)):
+            continue
+        kept = [x for x in n.args[0] if not _empty_constant(gm, x)]
+        if len(kept) != 1 or len(kept) == len(n.args[0]) or not isinstance(kept[0], fx.Node) \
+                or kept[0].op != "placeholder":
+            continue
+        have, want = kept[0].meta.get("val"), n.meta.get("val")
+        if not (isinstance(have, torch.Tensor) and isinstance(want, torch.Tensor) and have.dtype == want.dtype
+                and have.dim() == want.dim() and all(map(_same_size, have.shape, want.shape))):
+            continue
+        empties = [x for x in n.args[0] if x is not kept[0]]
+        n.replace_all_uses_with(kept[0])
+        gm.graph.erase_node(n)
+        dropped += 1
+        for x in empties:  # the constant's copies (an in-place detach_ is not dead code to fx): erased when unread
+            while isinstance(x, fx.Node) and not x.users and (x.op == "get_attr" or x.target in _CONST_COPIES):
+                up = x.args[0] if x.op == "call_function" else None
+                gm.graph.erase_node(x)
+                x = up
+    if dropped:
+        gm.recompile()
+    return dropped
 
 
 def bind_graph_inputs(module: nn.Module, args: tuple, kwargs: dict):

@@ -299,6 +299,29 @@ def test_derived_cache_lengths_are_guarded_without_exports_check(monkeypatch):
     assert len(retries) == 3 and not any(retries) and not checks
 
 
+def test_a_decoding_step_does_not_copy_the_cache_onto_an_empty_constant():
+    """transformers' exported DynamicCache concatenates the caller's keys and values onto an empty constant (one copy
+    of the whole cache per layer per step): the converted graph reads the cache tensors themselves, and decodes as
+    the original."""
+    from depthrewrite.converted import _empty_constant, drop_empty_concats
+
+    torch.manual_seed(0)
+    model = hf_model("llama", layers=2).eval()
+    conv = dr.convert(model, "attnres", inplace=False)
+    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, use_cache=True, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(conv.generate(IDS[:1, :6], **kw), model.generate(IDS[:1, :6], **kw))
+    steps = [e for e in conv.__dict__["_depthrewrite"].entries() if "cached" in e.structure
+             and "(0 cached)" not in e.structure]
+    assert steps
+    for e in steps:
+        assert drop_empty_concats(e.module) == 0
+        cache = [n for n in e.module.graph.nodes if n.op == "placeholder" and n.name.startswith("cache_")]
+        cats = [u for n in cache for u in n.users if u.target is torch.ops.aten.cat.default]
+        assert len(cats) == len(cache)  # each cache tensor's one concatenation: the new token's, no constant beside it
+        assert all(len(u.args[0]) == 2 and not _empty_constant(e.module, u.args[0][0]) for u in cats)
+
+
 def test_a_full_sliding_window_is_a_typed_error():
     torch.manual_seed(0)
     model = hf_model("mistral", layers=2, sliding_window=4).eval()

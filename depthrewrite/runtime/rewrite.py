@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from ..blocks import block_paths, blocks_for_capture, hf_checkpointing_drops_cache, unwrapped_path
 from ..capture import CONTINUATION_META, capture, is_cache, state_writes
-from ..converted import as_converted, drop_dead_code
+from ..converted import as_converted, drop_dead_code, drop_empty_concats
 from ..errors import CaptureError, ConfigError, DepthRewriteError, ModuleCallError
 from ..passes.analyse.chain import detect_chain
 from ..passes.lower.module_calls import (LOWERED_META, check_live_modules, hooks_out_for_capture, is_fsdp,
@@ -148,6 +148,7 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) ->
         if box is not None:  # share the new parameters (export made a shell module holding the same tensors)
             gm._modules[PARAM_PREFIX] = box
         result = run_pass(f"rewrite[{config.name}]", where, handler, gm, chain, config)
+        run_pass("drop_empty_concats", where, drop_empty_concats, gm)
         run_pass("drop_dead_code", where, drop_dead_code, gm)
         if module_calls and isinstance(found, tuple):
             # the graph the block runner splits: the flat one with a call of each intact module
