@@ -214,3 +214,20 @@ def test_a_length_the_model_refuses_is_a_capture_error():
     conv(ids)
     with pytest.raises(CaptureError, match="could not capture"):
         conv(ids[:, :5])
+
+
+def test_derived_size_guards():
+    """A size derived from one symbol must equal its expression of that symbol's value; one that cannot be evaluated
+    passes and leaves the call to export's own input check (the entry is no longer complete)."""
+    import sympy
+
+    from depthrewrite.runtime.entries import Derived, GraphEntry
+
+    s0 = sympy.Symbol("s0", integer=True, positive=True)
+    entry = GraphEntry(module=None, structure="t", guards=({0: ("s0", 2, None)}, {1: Derived(s0 + 1)}), seconds=0.0)
+    assert entry.complete
+    assert entry.matches([torch.zeros(3), torch.zeros(2, 4)])
+    assert not entry.matches([torch.zeros(3), torch.zeros(2, 5)])
+    odd = GraphEntry(module=None, structure="t", guards=({0: ("s0", 2, None)}, {0: Derived(sympy.Function("f")(s0))}),
+                     seconds=0.0)
+    assert odd.complete and odd.matches([torch.zeros(3), torch.zeros(9)]) and not odd.complete

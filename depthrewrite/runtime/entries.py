@@ -123,7 +123,10 @@ class GraphEntry:
                         return False
         for g, s in derived:
             value = symbols.get(g.symbol)
-            if value is not None and g(value) != s:
+            want = g(value) if value is not None else None
+            if want is None:  # not evaluable here: export's own check decides, as before
+                self.__dict__["complete"] = False
+            elif want != s:
                 return False
         return True
 
