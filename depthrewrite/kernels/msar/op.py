@@ -206,20 +206,18 @@ def _backward(ctx, grad):
     if left is not None:
         # the op with left context is the op on [left, source] with only the sources' positions kept: the same
         # backward there, with a zero gradient for the left positions' outputs, split back into left and source
-        k1 = max((w.shape[-1] for w in conv), default=1) - 1
-        n = [min(k1, x.shape[-2]) for x in left]
-        srcs = [torch.cat([x[..., x.shape[-2] - j :, :].to(s.dtype), s], dim=-2) for x, j, s in zip(left, n, srcs)]
-        grad = torch.nn.functional.pad(grad, (0, 0, max(n, default=0), 0))
+        k1 = max((w.shape[-1] for w in conv), default=1) - 1  # the forward reads each history's last k1 positions
+        srcs = [torch.cat([x[..., x.shape[-2] - k1 :, :].to(s.dtype), s], dim=-2) for x, s in zip(left, srcs)]
+        grad = torch.nn.functional.pad(grad, (0, 0, k1, 0))
     grads = torch.ops.depthrewrite.msar_mix_backward(grad, srcs, q, g, conv, p, b, a, *ctx.args)
     gs, gq, gg, gc = list(grads[:k]), grads[k], grads[k + 1], list(grads[k + 2 : k + 2 + c])
     gp, gb, ga = grads[k + 2 + c :] if ctx.mixer else (None, None, None)
     gl = None
     if left is not None:
         gl = []
-        for i, (x, j) in enumerate(zip(left, n)):
-            head = gs[i][..., :j, :]
-            gl.append(torch.nn.functional.pad(head, (0, 0, x.shape[-2] - j, 0)).to(x.dtype))
-            gs[i] = gs[i][..., j:, :]
+        for i, x in enumerate(left):
+            gl.append(torch.nn.functional.pad(gs[i][..., :k1, :], (0, 0, x.shape[-2] - k1, 0)).to(x.dtype))
+            gs[i] = gs[i][..., k1:, :]
     return gs, gq, gg, gc, gp, gb, ga, None, None, None, None, None, gl
 
 

@@ -15,8 +15,8 @@ once to the longest filter, and every stream view is one depthwise convolution o
 In eager mode the convolution is ``conv2d`` on a channels-last view (time on the width axis, D channels: oneDNN's
 depthwise kernel on CPU, no transposes), or for a few positions (a decoding step) one multiply and one sum over the
 unfolded windows, cheaper than oneDNN's call there; while ``torch.compile`` traces (:func:`torch.compiler.is_compiling`)
-it is the same sum of k shifted multiply-adds written pointwise, which inductor fuses with its consumers. The m stream
-views are stacked, so the key statistics, the depth softmaxes and the weighted sums are one op each for all streams.
+it is the same sum of k shifted multiply-adds written pointwise, which inductor fuses with its consumers. Per stream the
+key statistics are one norm and one matrix-vector product over the stack, the softmax runs over the stacked axis.
 """
 
 from __future__ import annotations
@@ -191,13 +191,11 @@ def msar_mix_ref(
     K, m = len(sources), query.shape[0]
     u = gain.to(acc) * query.to(acc)  # [m, D]
     X, _, V = _stream_views(sources, conv, acc, left)
-    # every stream at once (one op per step, not m): the same per-stream math as _scores and _weighted
-    Vs = torch.stack(V) if m > 1 else V[0].unsqueeze(0)  # [m, K·B, T, D]
-    rs = torch.rsqrt(torch.linalg.vector_norm(Vs, dim=-1).square() / D + eps).reshape(m, K, -1)
-    dt = (Vs.reshape(m, -1, D) @ u.unsqueeze(-1)).reshape(m, K, -1)
-    a = torch.softmax(dt * rs, dim=1)  # [m, K, B·T]
-    Y = (Vs if conv_values else X.unsqueeze(0)).reshape(-1, K, a.shape[-1], D)
-    Zs = (a.unsqueeze(-1) * Y).sum(1).transpose(0, 1)  # [B·T, m, D]
+    Z = []
+    for r in range(m):
+        _, _, a = _scores(V[r], u[r], eps, K)
+        Z.append(_weighted(a, V[r] if conv_values else X))  # [B·T, D]
+    Zs = torch.stack(Z, dim=-2)  # [B·T, m, D]
     if sigmoid_mixer:
         z = Zs.flatten(-2)
         z = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + eps_mix)

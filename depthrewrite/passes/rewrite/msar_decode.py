@@ -77,8 +77,7 @@ def add_decode_state(gm: fx.GraphModule, k1: int, scheme: str) -> int:
         new_hist.append(out)
     if left:  # the mixes read the history as their convs' left context and compute the new positions only
         for m in mixes:
-            args = list(m.args) + [1e-6] * (12 - len(m.args))  # eps_mix (the op's default), then left
-            m.args = (*args[:12], [left[s] for s in m.args[0]])
+            m.kwargs = {**m.kwargs, "left": [left[s] for s in m.args[0]]}
     # without history (zeros) the mixes' own zero padding is the same left context: they stay as they are
     return_history(gm, new_hist)
     gm.meta[HISTORY_META] = len(new_hist)
