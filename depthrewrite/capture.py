@@ -22,6 +22,8 @@ import torch.nn as nn
 from torch.export import Dim
 
 from .errors import CaptureError
+from .flexattention import capturing as capturing_flex, has_block_mask, is_block_mask, register_block_mask
+from .flexattention import retarget as retarget_flex
 
 __all__ = ["capture", "example_inputs_for", "unalias_inputs", "ExampleInputs", "is_cache", "cache_problem",
            "StateWrite", "state_writes", "CONTINUATION_META"]
@@ -117,6 +119,8 @@ def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, An
             return type(x)(walk(v, cached) for v in x)
         if isinstance(x, dict):
             return {k: walk(v, cached) for k, v in x.items()}
+        if is_block_mask(x):  # static: its sequence lengths (in the tree's context) are fixed anyway
+            return [None] * len(torch.utils._pytree.SUPPORTED_NODES[type(x)].flatten_fn(x)[0])
         node = torch.utils._pytree.SUPPORTED_NODES.get(type(x))
         if node is not None:  # a registered container (a KV cache): export takes its children's shapes as a list
             children, _ = node.flatten_fn(x)
@@ -575,6 +579,8 @@ def capture(
     passes_cache = any(is_cache(x) for x in (*args, *kwargs.values()))
     if keep_cache or passes_cache:
         _cache_support(args, kwargs)
+    if has_block_mask((*args, *kwargs.values())):
+        register_block_mask()  # FlexAttention's mask as an input (its tensors are the graph's inputs)
     args, kwargs, copied = unalias_inputs(args, kwargs)
     if copied:
         log.info("capture: example inputs shared storage; copied %s so each stays its own graph input", ", ".join(copied))
@@ -598,7 +604,7 @@ def capture(
         level = quiet.level
         quiet.setLevel(logging.ERROR)
         try:
-            with _quiet_partial_graphs():
+            with _quiet_partial_graphs(), capturing_flex():
                 if module_calls:
                     from .passes.lower.module_calls import export_with_signatures
 
@@ -614,6 +620,7 @@ def capture(
         if dropped:
             log.info("capture: dropped fake tensors export left in %s", ", ".join(dropped[:4]))
         gm = ep.module()
+        retarget_flex(gm)  # FlexAttention's operator as a call Dynamo can trace too
         # eval mode only: dropout would make the two calls differ; never where the call writes state into the model
         # (a KV cache in its buffers): running it twice more would write it twice more
         if check and not model.training and not passes_cache and not state_writes(gm):

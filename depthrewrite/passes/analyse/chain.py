@@ -551,7 +551,7 @@ def _classify(df: Dataflow, entries: set[fx.Node], body: set[fx.Node]) -> str:
     has_linear = False
     for n in sorted(body, key=df.order.__getitem__):
         op = op_of(n, df.gm)
-        if op == "sdpa":
+        if op in ("sdpa", "flex_attention"):
             return "attention"
         if op in ("matmul", "linear"):
             ins = [df.canon(a) for a in tensor_inputs(n)]
@@ -988,7 +988,7 @@ def _check_start(df: Dataflow, source: fx.Node) -> None:
     shape = tuple(tensor_val(last).shape)
     if any(tensor_val(n) is None or tuple(tensor_val(n).shape) != shape for n in span):
         return  # the earlier sum goes through a projection or reshape: another model part (a vision tower)
-    if any(op_of(n, df.gm) in ("linear", "matmul", "sdpa", "layer_norm", "rms_norm") for n in span):
+    if any(op_of(n, df.gm) in ("linear", "matmul", "sdpa", "flex_attention", "layer_norm", "rms_norm") for n in span):
         return
     n = _blocker(df, last, source)
     if n is None:
@@ -1078,7 +1078,7 @@ def _where(node: fx.Node) -> str:
 def _branch_module(df: Dataflow, body: list[fx.Node]) -> str | None:
     """The module that holds a branch: the common module of its compute ops (projections, matmuls, attention),
     so that a residual scaling or dropout written in the decoder layer does not hide ``self_attn`` / ``mlp``."""
-    core = [module_path_of(n) for n in body if op_of(n, df.gm) in ("linear", "matmul", "sdpa")]
+    core = [module_path_of(n) for n in body if op_of(n, df.gm) in ("linear", "matmul", "sdpa", "flex_attention")]
     core = [p for p in core if p is not None]
     if len(core) == 1:
         return core[0].rpartition(".")[0] or core[0]

@@ -22,6 +22,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ... import flexattention as _flexattention
+
 __all__ = [
     "op_name", "wrapper_call", "wrapper_body", "wrapper_outputs", "wrapper_output_node", "alias_of",
     "op_of", "val", "tensor_val", "is_float_tensor", "tensor_inputs", "is_alias", "strip_alias", "strip_casts", "is_param",
@@ -65,6 +67,9 @@ _TABLE: dict[str, tuple[tuple, tuple, tuple]] = {
         (F.scaled_dot_product_attention,),
         (),
     ),
+    # FlexAttention's operator (torchtitan's default attention): attention over the sequence with a block mask
+    "flex_attention": ((), tuple(op for op in (getattr(torch.ops.higher_order, "flex_attention", None),
+                                               _flexattention.flex_attention) if op), ()),
     "softmax": ((aten.softmax, aten._softmax), (F.softmax, torch.softmax), ("softmax",)),
     "embedding": ((aten.embedding,), (F.embedding,), ()),
     "dropout": ((aten.dropout, aten.native_dropout), (F.dropout,), ()),

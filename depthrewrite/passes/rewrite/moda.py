@@ -403,6 +403,17 @@ def find_attention(ed: ChainEditor, branch: Branch) -> AttentionOp:
     sdpa = [n for n in body if op_of(n) == "sdpa"]
     softmaxes = [n for n in body if op_of(n) == "softmax"]
     bad, why = None, ""
+    flex = [n for n in body if op_of(n) == "flex_attention"]
+    if flex:
+        where = f" in {branch.module}" if branch.module else ""
+        raise AttentionPatternError(
+            f"the attention branch{where} cannot be rewritten by MoDA: `{flex[0].name}` is FlexAttention "
+            "(torch.ops.higher_order.flex_attention, a block mask over the sequence), where MoDA adds its depth slots "
+            f"to one softmax over sequence and depth. MoDA recognises {_EAGER_FORM}. Build the attention with "
+            "scaled_dot_product_attention (torchtitan: each layer's attention.inner_attention = "
+            "ScaledDotProductAttention.Config(); docs/frameworks/torchtitan.md), or use another scheme.",
+            node=flex[0].name,
+        )
     if len(sdpa) == 1 and sdpa[0].target is aten.scaled_dot_product_attention.default:
         found = _from_sdpa(sdpa[0])
     elif sdpa:
