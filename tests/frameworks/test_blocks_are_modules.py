@@ -82,9 +82,11 @@ def _checkpointing(framework: str, mode: str = "full"):
 @pytest.mark.parametrize("framework, name, mode", [
     ("litgpt", "gemma-2-2b", "full"), ("torchtune", "llama3", "full"), ("torchtitan", "llama3", "full"),
     ("torchtitan", "llama3", "selective"), ("olmo_core", "llama_like", "full"),  # SelectiveAC: what it saves itself
-], ids=["litgpt", "torchtune", "torchtitan-full", "torchtitan-selective", "olmo_core"])
+    ("torchtitan", "llama3-flex", "selective"),  # FlexAttention, its BlockMask an input of every block
+], ids=["litgpt", "torchtune", "torchtitan-full", "torchtitan-selective", "olmo_core", "torchtitan-flex-selective"])
 def test_framework_checkpointing_acts_per_block(framework, name, mode):
-    model, args, kwargs = build(framework, name)
+    flex = name.endswith("-flex")
+    model, args, kwargs = build(framework, name.removesuffix("-flex"), **({"attention": "flex"} if flex else {}))
     model.train()
     conv = _convert(model, args, kwargs, "msar", blocks=2, **dr.scheme("msar").exact)
     loss0, grads0, saved0 = _step(conv, args, kwargs)
@@ -98,10 +100,12 @@ def test_framework_checkpointing_acts_per_block(framework, name, mode):
         torch.testing.assert_close(g, grads0[strip(n)], atol=1e-6, rtol=1e-5)
 
 
-def test_torchtitan_apply_compile_compiles_each_block():
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_torchtitan_apply_compile_compiles_each_block(attention):
     """torchtitan's compile-per-block helper (``apply_compile``: ``block.compile(fullgraph=True)`` for each of
-    ``model.layers``) on a converted model: one training step equals eager (aot_eager here: inductor costs ~40 s)."""
-    model, args, kwargs = build("torchtitan", "llama3")
+    ``model.layers``) on a converted model: one training step equals eager (aot_eager here: inductor costs ~40 s).
+    With FlexAttention (its BlockMask an input) Dynamo traces the captured operator in each block."""
+    model, args, kwargs = build("torchtitan", "llama3", attention=attention)
     require("torchtitan", "torchtitan.models.llama3.parallelize", "torchtitan.distributed.parallel_dims")
     from torchtitan.config import CompileConfig
     from torchtitan.distributed.parallel_dims import ParallelDims
