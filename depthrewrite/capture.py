@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch.export import Dim
 
 from .errors import CaptureError
-from .flexattention import capturing as capturing_flex, has_block_mask, is_block_mask, register_block_mask
+from .flexattention import capturing as capturing_flex, is_block_mask, register_block_mask_for
 from .flexattention import retarget as retarget_flex
 
 __all__ = ["capture", "example_inputs_for", "unalias_inputs", "ExampleInputs", "is_cache", "cache_problem",
@@ -119,11 +119,11 @@ def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, An
             return type(x)(walk(v, cached) for v in x)
         if isinstance(x, dict):
             return {k: walk(v, cached) for k, v in x.items()}
-        if is_block_mask(x):  # static: its sequence lengths (in the tree's context) are fixed anyway
-            return [None] * len(torch.utils._pytree.SUPPORTED_NODES[type(x)].flatten_fn(x)[0])
         node = torch.utils._pytree.SUPPORTED_NODES.get(type(x))
         if node is not None:  # a registered container (a KV cache): export takes its children's shapes as a list
             children, _ = node.flatten_fn(x)
+            if is_block_mask(x):  # static: its sequence lengths (in the tree's context) are fixed anyway
+                return [None] * len(children)
             return [walk(c, cached or is_cache(x)) for c in children]
         return None
 
@@ -579,8 +579,7 @@ def capture(
     passes_cache = any(is_cache(x) for x in (*args, *kwargs.values()))
     if keep_cache or passes_cache:
         _cache_support(args, kwargs)
-    if has_block_mask((*args, *kwargs.values())):
-        register_block_mask()  # FlexAttention's mask as an input (its tensors are the graph's inputs)
+    register_block_mask_for((*args, *kwargs.values()))
     args, kwargs, copied = unalias_inputs(args, kwargs)
     if copied:
         log.info("capture: example inputs shared storage; copied %s so each stays its own graph input", ", ".join(copied))

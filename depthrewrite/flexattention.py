@@ -25,7 +25,8 @@ from typing import Any, Iterator
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["is_block_mask", "has_block_mask", "register_block_mask", "capturing", "flex_attention", "retarget"]
+__all__ = ["is_block_mask", "has_block_mask", "register_block_mask", "register_block_mask_for", "capturing",
+           "flex_attention", "retarget"]
 
 try:
     import torch.nn.attention.flex_attention as _flex
@@ -140,6 +141,13 @@ def register_block_mask() -> bool:
     return True
 
 
+def register_block_mask_for(values: Any) -> None:
+    """:func:`register_block_mask` when a ``BlockMask`` is among a call's ``values`` (:func:`has_block_mask`), before
+    the call is flattened (its key, its capture); once registered, nothing is looked at."""
+    if _SUPPORTED and BlockMask not in pytree.SUPPORTED_NODES and has_block_mask(values):
+        register_block_mask()
+
+
 def _lift(fn: Any) -> tuple[Any, tuple]:
     """``(fn', tensors)``: ``fn`` with the tensors its closure holds taken out as trailing arguments. The operator's
     trace outside Dynamo keeps a closure's tensors as constants of the mask graph (export's fake tensors, nothing a
@@ -222,9 +230,10 @@ def _unwrap_flat_applies(sub: Any) -> int:
     Dynamo traces (it refuses the ``flat_apply`` form there)."""
     from torch.export.custom_ops import _call_custom_autograd_function_in_pre_dispatch as by_name
 
+    flat_apply = getattr(torch.ops.higher_order, "flat_apply", None)
     n = 0
     for node in list(sub.graph.nodes):
-        if node.op != "call_function" or getattr(node.target, "__name__", "") != "flat_apply" or len(node.args) < 2:
+        if node.op != "call_function" or node.target is not flat_apply or len(node.args) < 2:
             continue
         func, spec = (getattr(sub, a.target, None) if isinstance(a, torch.fx.Node) and a.op == "get_attr" else a
                       for a in node.args[:2])

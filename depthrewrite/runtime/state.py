@@ -20,7 +20,7 @@ from ..blocks import block_infos, build_runner, convert_blocks, get_path, share_
 from ..capture import CONTINUATION_META, is_cache, register_cache_support
 from ..converted import as_converted
 from ..errors import ConfigError, DepthRewriteError
-from ..flexattention import has_block_mask, register_block_mask
+from ..flexattention import register_block_mask_for
 from ..passes.lower.module_calls import is_dtensor
 from ..passes.rewrite.msar_decode import HISTORY_META
 from ..pipeline import split
@@ -223,8 +223,7 @@ class ConversionState:
         pos, kw = self.split_call(bound)
         if any(map(is_cache, bound.values())):
             register_cache_support()  # before the key: the cache's layout is part of the call structure
-        if has_block_mask(bound.values()):
-            register_block_mask()  # a FlexAttention mask: its tensors are inputs, its mask function structure
+        register_block_mask_for(bound.values())  # before the key, as the cache's: a FlexAttention mask's structure
         key = self.key(model, bound)
         tensors = [x for x in pytree.tree_leaves((pos, kw)) if isinstance(x, torch.Tensor)]
         for entry in self.graphs.get(key, ()) if not fresh else ():
