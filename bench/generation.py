@@ -70,7 +70,7 @@ def rows(layers: int, hidden: int, prefixes: tuple[int, int], tokens: int, repea
     variants = [("vanilla", None, {})]
     for name, rec in dr.schemes().items():
         for v in rec.variants:
-            variants.append((v.label, v.key, dict(v.options)))
+            variants.append((v.label, name, dict(v.options)))
     out = []
     for label, key, options in variants:
         model = base if key is None else dr.convert(base, key, inplace=False, **options)

@@ -84,7 +84,7 @@ def variants(peer_iters: int | None) -> list[Variant]:
     """The original, every registered scheme variant, and mHC at the peer's Sinkhorn iteration count."""
     out = [Variant("original", "original", None)]
     for rec in dr.schemes().values():
-        out += [Variant(v.key, v.label, v.key, dict(v.options)) for v in rec.variants]
+        out += [Variant(v.key, v.label, rec.name, dict(v.options)) for v in rec.variants]
     k = peer_iters or PEER_SINKHORN_ITERS
     out.append(Variant("mhc@peer", f"mHC (n=4), {k} Sinkhorn iters", "mhc", {"sinkhorn_iters": k}))
     return out

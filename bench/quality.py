@@ -3,6 +3,7 @@
     python -m bench.quality                      # the committed study: writes docs/results.md and its plot
     python -m bench.quality --jobs 3             # the same, one process per seed
     python -m bench.quality --quick --out DIR    # a smoke test of the whole pipeline (CI), a few steps
+    python -m bench.quality --preset depth       # the depth study: 12 layers, 1M tokens, compiled (quality_depth.py)
 
 The model is the demo's built-in Llama (random init, byte-level); the corpus is the running interpreter's standard
 library source (train/validation split by file, see depthrewrite/demo/corpus.py). Every variant of a seed starts from the
@@ -185,6 +186,11 @@ weights and the same batches. Losses are nats per byte.
 """ + "\n".join(_ordering_text(summary, results)) + f"""
 
 **What this does and does not show.** """ + _caveat(summary, results, r0) + "\n"
+    from bench.quality_depth import MARKER
+
+    old = out.read_text() if out.exists() else ""
+    if MARKER in old:  # the depth study's section (bench/quality_depth.py) stays as it is
+        text += "\n" + MARKER + old.split(MARKER, 1)[1]
     out.write_text(text)
     print(f"wrote {out} and {plot}")
 
@@ -318,6 +324,16 @@ def _load_text(load: tuple | None) -> str:
     return text + ": step times are indicative and comparable only within this table."
 
 
+def _preset(argv: list[str]) -> tuple[str, list[str]]:
+    """``--preset NAME`` (or ``--preset=NAME``) out of ``argv``: (name, the other arguments)."""
+    for i, a in enumerate(argv):
+        if a == "--preset" and i + 1 < len(argv):
+            return argv[i + 1], argv[:i] + argv[i + 2:]
+        if a.startswith("--preset="):
+            return a.split("=", 1)[1], argv[:i] + argv[i + 1:]
+    return "small", argv
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.quality", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a few steps on a tiny model: the CI smoke test")
@@ -336,7 +352,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--note", default="", help="a sentence added to the report's conditions (how the runs were made)")
     ap.add_argument("--seed-only", type=int, default=None, help=argparse.SUPPRESS)  # a --jobs worker: one seed
     ap.add_argument("--save-runs", type=Path, default=None, help=argparse.SUPPRESS)  # ... saved as JSON, no report
+    ap.add_argument("--preset", choices=("small", "depth"), default="small",
+                    help="small: this study (default); depth: 12 layers, 1M tokens, compiled (bench/quality_depth.py, "
+                         "its own options)")
     argv = list(sys.argv[1:] if argv is None else argv)
+    preset, rest = _preset(argv)
+    if preset == "depth":
+        from bench import quality_depth
+
+        return quality_depth.main(rest)
     args = ap.parse_args(argv)
     base = QUICK if args.quick else FULL
     for k, v in base.items():

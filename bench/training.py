@@ -43,7 +43,7 @@ def _variants() -> list[tuple[str, str | None, dict]]:
     out: list[tuple[str, str | None, dict]] = [("original", None, {})]
     for rec in dr.schemes().values():
         for v in rec.variants:
-            out.append((v.label, v.key, dict(v.options)))
+            out.append((v.label, rec.name, dict(v.options)))
     return out
 
 

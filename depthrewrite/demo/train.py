@@ -127,6 +127,9 @@ class TrainConfig:
     #: torch threads while timing (None: as set). One thread by default: on a shared or busy CPU, multi-threaded ops
     #: stall on their busiest thread and the times jump by several times from one variant to the next
     time_threads: int | None = 1
+    #: train through ``torch.compile`` (the ``depthrewrite`` backend for a converted model, inductor for the original);
+    #: each training step's seconds are kept (``RunResult.train_step_times``), the first one includes the compile
+    compile: bool = False
 
     def __post_init__(self):
         for name in ("steps", "batch", "seq", "eval_batches", "timed_steps"):
@@ -182,6 +185,9 @@ class RunResult:
     #: median seconds per training step of ``torch.compile(model)`` (inductor; a converted model with the
     #: ``depthrewrite`` backend), timed like ``step_time`` with the compile in the warm-up; None: not timed
     compiled_step_time: float | None = None
+    #: seconds of every training step, in order (the first ones include captures and, with ``TrainConfig.compile``,
+    #: the compile); empty in older records
+    train_step_times: list[float] = field(default_factory=list)
 
     @property
     def final_train(self) -> float:
@@ -354,7 +360,11 @@ def train_variant(
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(10_000 + seed)
     model.train()
+    run = model
+    if cfg.compile:
+        run = torch.compile(model, backend="inductor" if variant.scheme is None else "depthrewrite")
     losses: list[float] = []
+    step_times: list[float] = []
     val_points: list[tuple[int, float]] = []
     bar = _progress(cfg.steps, variant.name if seed == 0 else f"{variant.name} (seed {seed})", progress)
     try:
@@ -362,8 +372,10 @@ def train_variant(
             x, y = corpus.batch("train", cfg.batch, cfg.seq, gen)
             for group in opt.param_groups:
                 group["lr"] = cfg.lr_at(step)
-            loss = _train_step(model, opt, x, y, cfg.grad_clip)
+            t_step = time.perf_counter()
+            loss = _train_step(run, opt, x, y, cfg.grad_clip)
             losses.append(loss.item())
+            step_times.append(time.perf_counter() - t_step)
             if not math.isfinite(losses[-1]):
                 raise TrainingError(
                     f"training {variant.name} (seed {seed}) diverged: the loss became {losses[-1]} at step {step + 1} of "
@@ -400,4 +412,5 @@ def train_variant(
         tokens=cfg.steps * cfg.batch * cfg.seq,
         model=model if keep_model else None,
         timer=timer,
+        train_step_times=step_times,
     )

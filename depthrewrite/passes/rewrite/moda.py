@@ -1126,7 +1126,11 @@ SCHEME = register(Scheme(
     doc="docs/moda.md",
     exact={"preserve_init": True},
     # as in the paper (lambda = 1): depth logits compete in the softmax from step 0 (docs/moda.md)
-    variants=(SchemeVariant("moda", "MoDA (paper, λ≡1)", init_tol=None, note="the paper's λ≡1; preserve_init=True is exact"),),
+    variants=(
+        SchemeVariant("moda", "MoDA (paper, λ≡1)", init_tol=None, note="the paper's λ≡1; preserve_init=True is exact"),
+        # the function-preserving mode (a learned λ per site and head, 0 at init): bench.quality trains both
+        SchemeVariant("moda-exact", "MoDA (preserve_init, λ=0 at init)", {"preserve_init": True}, demo=False),
+    ),
     stage_anchor=_stage_anchor,
     boundary_labels=_boundary_labels,
     state_at=_state_at,
