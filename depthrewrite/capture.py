@@ -542,6 +542,7 @@ def capture(
     check: bool = True,
     keep_cache: bool = False,
     module_calls: bool = False,
+    live: tuple[str, ...] = (),
 ) -> fx.GraphModule:
     """Capture ``model`` as an FX ``GraphModule`` with ``torch.export`` (non-strict, training IR).
 
@@ -561,6 +562,9 @@ def capture(
             ``preserve_module_call_signature``; a path export refuses is dropped and the export retried) and stamp
             every node with its capture name and arguments, for the module-call lowering
             (:mod:`depthrewrite.passes.lower.module_calls`). Default: False (opt-in, ``convert(..., module_calls=True)``).
+        live (tuple of str): with ``module_calls``, the paths that must run as live modules (their hooks or a forward
+            set on the instance were taken out for the capture): a module taking a FlexAttention ``BlockMask`` is
+            called only when it is, or holds, one of them (or tensor-parallel parameters).
 
     Returns:
         The unlifted ``GraphModule`` (parameters as ``get_attr`` with their original names). Its
@@ -607,7 +611,7 @@ def capture(
                 if module_calls:
                     from .passes.lower.module_calls import export_with_signatures
 
-                    ep = export_with_signatures(model, args, kwargs, dyn)
+                    ep = export_with_signatures(model, args, kwargs, dyn, live)
                 else:
                     ep = torch.export.export(model, args, kwargs, dynamic_shapes=dyn, strict=False)
         finally:

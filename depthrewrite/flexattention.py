@@ -25,7 +25,7 @@ from typing import Any, Iterator
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["is_block_mask", "has_block_mask", "register_block_mask", "register_block_mask_for", "capturing",
+__all__ = ["is_block_mask", "is_block_mask_type", "has_block_mask", "register_block_mask", "register_block_mask_for", "capturing",
            "flex_attention", "retarget"]
 
 try:
@@ -45,6 +45,12 @@ _SUPPORTED = _flex is not None and all(
 
 def is_block_mask(x: Any) -> bool:
     return BlockMask is not None and isinstance(x, BlockMask)
+
+
+def is_block_mask_type(t: Any) -> bool:
+    """Whether ``t`` is ``BlockMask``: a value object (attention reads it, nothing updates it in place), so a module
+    call may take one rebuilt from its tensors, unlike a KV cache."""
+    return BlockMask is not None and t is BlockMask
 
 
 def has_block_mask(values: Any) -> bool:

@@ -129,3 +129,55 @@ def test_dynamo_traces_the_captured_operator(model, ids):
         for doc in (first, torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [0, 1, 1, 1, 2, 2, 2, 2]])):
             m = block_mask(documents(doc))
             torch.testing.assert_close(compiled(ids, m), model(ids, m), atol=1e-5, rtol=0)
+
+
+class Attn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.o = nn.Linear(D, 3 * D), nn.Linear(D, D)
+
+    def forward(self, x, mask):
+        B = x.shape[0]
+        q, k, v = self.qkv(x).view(B, T, 3, H, D // H).permute(2, 0, 3, 1, 4)
+        return self.o(flex.flex_attention(q, k, v, block_mask=mask).transpose(1, 2).reshape(B, T, D))
+
+
+class AttnModuleBlock(Block):
+    """The attention a module of its own that takes the mask (torchtitan's layout)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = Attn()
+
+    def forward(self, x, mask):
+        x = x + self.attn(self.n1(x), mask)
+        return x + self.down(F.gelu(self.up(self.n2(x))))
+
+
+def test_a_hooked_module_taking_the_block_mask_is_called_live():
+    """A module that takes the BlockMask stays inlined unless something needs it live (FlexAttention then runs as
+    depthrewrite's operator); with a forward hook it is called live, the mask rebuilt from the graph's tensors for the
+    call: the hook fires on every call and sees the caller's document mask."""
+    torch.manual_seed(0)
+    model = FlexGPT()
+    model.blocks = nn.ModuleList(AttnModuleBlock() for _ in range(2))
+    model.eval()
+    ids = torch.randint(0, 64, (2, T), generator=torch.Generator().manual_seed(1))
+    first = torch.zeros(2, T, dtype=torch.long)
+    plain = dr.convert(model, "attnres", example_inputs=(ids, block_mask(documents(first))), inplace=False)
+    assert "inlined: blocks.0.attn (it takes a BlockMask and nothing needs it live" in str(plain.report())
+
+    seen = []
+    model.blocks[0].attn.register_forward_hook(lambda m, args, out: seen.append(args[1]))
+    conv = dr.convert(model, "attnres", example_inputs=(ids, block_mask(documents(first))), inplace=False)
+    docs = (first, torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [0, 1, 1, 1, 2, 2, 2, 2]]), first)
+    with torch.no_grad():
+        for doc in docs:
+            m = block_mask(documents(doc))
+            n = len(seen)
+            want = model(ids, m)
+            assert len(seen) == n + 1
+            torch.testing.assert_close(conv(ids, m), want, atol=1e-5, rtol=0)
+            assert len(seen) == n + 2 and flexattention.is_block_mask(seen[-1])
+            torch.testing.assert_close(seen[-1].to_dense(), m.to_dense())  # the caller's mask, rebuilt
+    assert "blocks.0.attn (" not in str(conv.report())  # called live (blocks.1.attn, unhooked, stays inlined)

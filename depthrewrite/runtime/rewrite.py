@@ -121,14 +121,16 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) ->
         hooks_out = hooks_out_for_capture(model) if module_calls else contextlib.nullcontext({})
         with as_original(model), blocks_for_capture(model, blocks), hooks_out as removed_hooks:
             try:
-                gm = capture(model, args, kwargs, keep_cache=keep_cache, **extra)
+                gm = capture(model, args, kwargs, keep_cache=keep_cache, **extra,
+                             **({"live": tuple(removed_hooks)} if module_calls else {}))
             except CaptureError:
                 if not implied:
                     raise
                 log.warning("depthrewrite: %s could not be captured with the cache its config turns on; this call "
                             "structure returns no cache (pass use_cache=True to see why)", name)
                 keep_cache = False
-                gm = capture(model, args, kwargs, keep_cache=False, **extra)
+                gm = capture(model, args, kwargs, keep_cache=False, **extra,
+                             **({"live": tuple(removed_hooks)} if module_calls else {}))
         if keep_cache:  # a scheme with decoding state of its own (MSAR) reads it from extra cache layers
             gm.meta[DECODE_META] = history_inputs(gm, args, kwargs)
         mixes_tokens = scheme_record(config).mixes_tokens

@@ -8,6 +8,8 @@ refusal. They shard modules that are not blocks, so the converted model runs wit
 live module and its FSDP2 hooks gather its parameters. One forward/backward on half the batch per rank gives the
 loss and the gradients of one process on the whole batch.
 
+torchtitan's Llama3 with FlexAttention (its default) goes through its FSDP recipe and TP plan too (#25 item 2).
+
 torchtitan's own tensor parallelism (issue #24 item 2, #25 item 2) runs in the same workers: its Llama3 / Qwen3
 sharding configs (``set_llama3_sharding_config``, as its trainer sets them) and ``model.parallelize(parallel_dims)``
 on a 2-rank TP mesh, converting before and after parallelising. Its modules keep activations as DTensors between
@@ -44,6 +46,10 @@ CASES = [
     # its "full" strategy also shards lm_head, whose forward takes a string (loss_reduction="mean"): export cannot
     # record that call's signature, so it cannot be called as a module, and its FSDP hooks could not run
     ("olmo_core-full-attnres", "olmo_core", "llama_like", "apply_fsdp:full", "attnres"),
+    # torchtitan's default FlexAttention: its BlockMask an input of every block; the attention stays inlined (nothing
+    # needs it live), so the converted model trains on a CPU
+    *[(f"torchtitan-flex-{s}", "torchtitan", "llama3-flex", "apply_fsdp_to_decoder", s) for s in ("attnres",
+                                                                                                  "block-msar")],
 ]
 # torchtitan's own TP: recipe "parallelize" = convert, then model.parallelize; ":first" = the reverse; ":sp" with its
 # sequence-parallel plan; the name "qwen3-untied": Qwen3 (fused q/k/v, QK-norm) without weight tying
@@ -54,6 +60,10 @@ TP_CASES = [
     ("torchtitan-tp-qwen3-mhc", "torchtitan", "qwen3-untied", "parallelize", "mhc"),
     ("torchtitan-tp-moda", "torchtitan", "llama3", "parallelize", "moda"),  # MoDA rewrites the attention: refused
     ("torchtitan-tp-sp-attnres", "torchtitan", "llama3", "parallelize:sp", "attnres"),
+    # FlexAttention under its TP plan: the parallelised attention is called live with the BlockMask rebuilt from the
+    # graph's tensors; its FlexAttention refuses a CPU backward (as the original does): forward only
+    *[(f"torchtitan-tp-flex-{s}", "torchtitan", "llama3-flex", "parallelize", s) for s in ("mhc", "msar")],
+    ("torchtitan-tp-first-flex-attnres", "torchtitan", "llama3-flex", "parallelize:first", "attnres"),
 ]
 CASES += TP_CASES
 REFUSED = {"olmo_core-full-attnres": "lm_head is sharded with FSDP (fully_shard): its parameters are gathered by hooks",
@@ -107,9 +117,10 @@ def _titan_tp_case(name: str, recipe: str, scheme: str) -> dict:
     arch, _, variant = name.partition("-")
     order = recipe.partition(":")[2]
     model, _, _ = build("torchtitan", arch, sharding="sp" if order == "sp" else "tp",
-                        **({"tie": False} if variant == "untied" else {}))
+                        **({"tie": False} if variant == "untied" else {}),
+                        **({"attention": "flex"} if variant == "flex" else {}))
     model.train()
-    (ids,), _ = example_inputs(model)
+    (ids,), kwargs = example_inputs(model)  # FlexAttention: positions and their BlockMask
 
     def randomise(*convs):
         g = torch.Generator().manual_seed(3)
@@ -120,20 +131,29 @@ def _titan_tp_case(name: str, recipe: str, scheme: str) -> dict:
                     p.copy_(r)
 
     if order == "first":  # parallelise, then convert (the reference converts an unsharded copy)
-        ref = dr.convert(copy.deepcopy(model), scheme, example_inputs=(ids,))
+        ref = dr.convert(copy.deepcopy(model), scheme, example_inputs=(ids,), example_kwargs=kwargs)
         model.parallelize(dims)
-        conv = dr.convert(model, scheme, example_inputs=(ids,))
+        conv = dr.convert(model, scheme, example_inputs=(ids,), example_kwargs=kwargs)
         randomise(conv, ref)
     else:
-        conv = dr.convert(model, scheme, example_inputs=(ids,))
+        conv = dr.convert(model, scheme, example_inputs=(ids,), example_kwargs=kwargs)
         randomise(conv)
         ref = copy.deepcopy(conv)
         conv.parallelize(dims)
-    out = conv(ids)
+    if variant == "flex":
+        # the parallelised attention runs live (its plan's forward), so torchtitan's FlexAttention runs and refuses
+        # a backward on a CPU as the original does: the forward only here, its backward in bench/gpu.sh territory
+        with torch.no_grad():
+            out = conv(ids, **kwargs)
+            out = out.full_tensor() if hasattr(out, "full_tensor") else out
+            loss, want = out.float().pow(2).mean(), ref(ids, **kwargs).float().pow(2).mean()
+        return dict(loss=loss.item(), ref=want.item(), grad=0.0, sharded=sum(type(p).__name__ == "DTensor" for p in
+                    conv.parameters()), module_calls=conv.__dict__["_depthrewrite"].module_calls)
+    out = conv(ids, **kwargs)
     out = out.full_tensor() if hasattr(out, "full_tensor") else out  # its output plan shards the vocabulary
     loss = out.float().pow(2).mean()
     loss.backward()
-    want = ref(ids).float().pow(2).mean()
+    want = ref(ids, **kwargs).float().pow(2).mean()
     want.backward()
     grads = {n: p.grad for n, p in ref.named_parameters()}
     worst = 0.0
@@ -145,6 +165,17 @@ def _titan_tp_case(name: str, recipe: str, scheme: str) -> dict:
                 sharded=sharded)
 
 
+def _flex_kwargs(model):
+    """ids -> torchtitan's FlexAttention kwargs for them (positions and the BlockMask its model builds)."""
+    masks = model.get_attention_masks
+
+    def kwargs(ids):
+        positions = torch.arange(ids.shape[1]).expand(*ids.shape)
+        return {"positions": positions, "attention_masks": masks(positions)}
+
+    return kwargs
+
+
 def _case(mesh, rank: int, framework: str, name: str, recipe: str, scheme: str) -> dict:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     from tests.frameworks.models import _stubbed, build
@@ -153,7 +184,9 @@ def _case(mesh, rank: int, framework: str, name: str, recipe: str, scheme: str) 
         return _titan_tp_case(name, recipe, scheme)
 
     with _stubbed(framework):
-        model, args, kwargs = build(framework, name)
+        flex = name.endswith("-flex")  # torchtitan with FlexAttention: each call takes positions and their BlockMask
+        model, args, kwargs = build(framework, name.removesuffix("-flex"), **({"attention": "flex"} if flex else {}))
+        call_kwargs = _flex_kwargs(model) if flex else (lambda x: {})
         conv = dr.convert(model, scheme, example_inputs=args or None, example_kwargs=kwargs or None)
         g = torch.Generator().manual_seed(3)
         with torch.no_grad():
@@ -167,12 +200,12 @@ def _case(mesh, rank: int, framework: str, name: str, recipe: str, scheme: str) 
         def logits(out):
             return out.logits if hasattr(out, "logits") else out
 
-        out = logits(conv(mine)).float()
+        out = logits(conv(mine, **call_kwargs(mine))).float()
         loss = out.pow(2).sum() / (out.numel() * WORLD)  # this rank's share of the whole batch's mean
         loss.backward()
         total = loss.detach().clone()
         dist.all_reduce(total)
-        want = logits(ref(full)).float().pow(2).mean()
+        want = logits(ref(full, **call_kwargs(full))).float().pow(2).mean()
         want.backward()
         worst = 0.0
         for p, q in zip(conv.parameters(), ref.parameters()):

@@ -34,6 +34,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from ...flexattention import is_block_mask_type
 from ..analyse.ops import alias_of
 from ..meta import role_of
 
@@ -399,13 +400,21 @@ def check_live_modules(model: nn.Module, gm: fx.GraphModule, called: list[str], 
         )
 
 
-def export_with_signatures(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any):
+def export_with_signatures(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, live: tuple[str, ...] = ()):
     """``torch.export.export`` (non-strict) preserving the call signatures of :func:`candidate_paths`. A path export
     refuses (named in its error) is dropped and the export retried; when the error names none, it is retried with
     no signatures at all (the lowering then calls nothing). The refused paths go to ``ep.meta``-less storage on the
-    returned program as ``_dr_dropped``."""
+    returned program as ``_dr_dropped``. ``live``: the paths that must run live (hooks or a forward taken out for the
+    capture); a module taking a FlexAttention ``BlockMask`` is called only if it holds one of them or tensor-parallel
+    parameters, else it stays inlined: FlexAttention then runs as depthrewrite's operator, which the ``depthrewrite``
+    backend compiles and which trains on a CPU, where the model's own module may compile it itself or refuse a
+    backward (torchtitan's)."""
     paths = candidate_paths(model)
     dropped: list[tuple[str, str]] = []
+
+    def must_run_live(path: str) -> bool:
+        return any(p == path or p.startswith(path + ".") for p in live) or _holds_tp(model, path)
+
     for _ in range(8):
         try:
             ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False,
@@ -449,6 +458,15 @@ def export_with_signatures(model: nn.Module, args: tuple, kwargs: dict, dynamic_
                 dropped.append((path, f"it takes a {t}, which it updates in place (kept inlined)"))
                 paths.remove(path)
             log.info("module calls: %s take an object input; exporting them inlined", [p for p, _ in held])
+            continue
+        masks = [e.fqn for e in ep.module_call_graph if e.fqn in paths and e.signature is not None
+                 and _value_leaves(e.signature.in_spec) and not must_run_live(e.fqn)]
+        if masks:
+            for path in masks:
+                dropped.append((path, "it takes a BlockMask and nothing needs it live: FlexAttention runs as "
+                                      "depthrewrite's operator"))
+                paths.remove(path)
+            log.info("module calls: %s take a BlockMask; exporting them inlined", masks)
             continue
         ep.__dict__["_dr_dropped"] = tuple(dropped)
         return ep
@@ -656,13 +674,14 @@ _CONTAINERS = (tuple, list, dict)
 
 def _object_input(spec: pytree.TreeSpec) -> str | None:
     """The type name of a non-container pytree node in a module's input spec (a transformers ``DynamicCache`` passed
-    to an attention module), or None: such a call cannot be rebuilt from the graph's tensors."""
+    to an attention module), or None: such a call cannot be rebuilt from the graph's tensors. A FlexAttention
+    ``BlockMask`` can: nothing updates it in place, and its unflatten rebuilds it (mask function included)."""
     if spec.is_leaf():
         return None
-    if spec.type not in _CONTAINERS and not (isinstance(spec.type, type) and issubclass(spec.type, _CONTAINERS)):
+    if (spec.type not in _CONTAINERS and not (isinstance(spec.type, type) and issubclass(spec.type, _CONTAINERS))
+            and not is_block_mask_type(spec.type)):
         return spec.type.__name__
-    children = spec.children() if callable(getattr(spec, "children", None)) else spec.children_specs  # torch < 2.13
-    return next((t for c in children if (t := _object_input(c)) is not None), None)
+    return next((t for c in _children(spec) if (t := _object_input(c)) is not None), None)
 
 
 def lower_module_calls(gm: fx.GraphModule, blocks: tuple[str, ...] = (), live: nn.Module | None = None
@@ -729,8 +748,9 @@ def lower_module_calls(gm: fx.GraphModule, blocks: tuple[str, ...] = (), live: n
             if checked and _takes_dtensors(live, path):
                 mod_node = out.create_node("get_attr", path, name=f"_dr_module_{len(called)}")
                 mod_node.meta["nn_module_stack"] = parent
-                flat = [_replicated(out, x, mod_node, parent) for x in flat]
-            args, kwargs = pytree.tree_unflatten(flat, sig.in_spec)
+                values = _value_leaves(sig.in_spec)  # a BlockMask's tensors stay as they are
+                flat = [x if i in values else _replicated(out, x, mod_node, parent) for i, x in enumerate(flat)]
+            args, kwargs = _unflatten_inputs(out, flat, sig.in_spec, parent)
             leaf = sig.out_spec.is_leaf()
             call = out.create_node("call_module", path, tuple(args), dict(kwargs),
                                    name=outs[0][1].name if leaf and outs[0][1] is not None and not checked
@@ -775,6 +795,61 @@ def lower_module_calls(gm: fx.GraphModule, blocks: tuple[str, ...] = (), live: n
         out.erase_node(n)
     out.lint()
     return out, called, refused
+
+
+def _children(spec: pytree.TreeSpec) -> list:
+    return spec.children() if callable(getattr(spec, "children", None)) else spec.children_specs  # torch < 2.13
+
+
+class RebuildValue:
+    """A graph target rebuilding a value object (a FlexAttention ``BlockMask``) from its pytree leaves, as a module
+    call takes it: ``TreeSpec.unflatten`` on graph nodes would run its constructor on the nodes themselves."""
+
+    __module__ = __name__
+
+    def __init__(self, spec: pytree.TreeSpec):
+        self.spec = spec
+        self.__name__ = f"rebuild_{spec.type.__name__}"
+
+    def __call__(self, *leaves: Any) -> Any:
+        return pytree.tree_unflatten(list(leaves), self.spec)
+
+    def __repr__(self) -> str:
+        return self.__name__
+
+
+def _value_leaves(spec: pytree.TreeSpec) -> set[int]:
+    """The flat indices of the leaves inside a ``BlockMask`` of ``spec``."""
+    out: set[int] = set()
+
+    def walk(s: pytree.TreeSpec, start: int) -> None:
+        if is_block_mask_type(s.type):
+            out.update(range(start, start + s.num_leaves))
+        elif not s.is_leaf():
+            for c in _children(s):
+                walk(c, start)
+                start += c.num_leaves
+
+    walk(spec, 0)
+    return out
+
+
+def _unflatten_inputs(g: fx.Graph, flat: list, spec: pytree.TreeSpec, stack: dict) -> Any:
+    """``tree_unflatten(flat, spec)`` for a module call's inputs, each ``BlockMask`` in them one node rebuilding it."""
+    leaves = iter(flat)
+
+    def walk(s: pytree.TreeSpec) -> Any:
+        if s.is_leaf():
+            return next(leaves)
+        if is_block_mask_type(s.type):
+            node = g.create_node("call_function", RebuildValue(s), tuple(next(leaves) for _ in range(s.num_leaves)),
+                                 name="block_mask")
+            node.meta["nn_module_stack"] = stack
+            return node
+        kids = [walk(c) for c in _children(s)]
+        return pytree.SUPPORTED_NODES[s.type].unflatten_fn(kids, s.context)
+
+    return walk(spec)
 
 
 def _final(redirect: dict[fx.Node, fx.Node], n: fx.Node) -> fx.Node:
