@@ -166,6 +166,7 @@ def test_a_hooked_module_taking_the_block_mask_is_called_live():
     first = torch.zeros(2, T, dtype=torch.long)
     plain = dr.convert(model, "attnres", example_inputs=(ids, block_mask(documents(first))), inplace=False)
     assert "inlined: blocks.0.attn (it takes a BlockMask and nothing needs it live" in str(plain.report())
+    assert "mask=BlockMask (ids.shape[1]=8)" in str(plain.report())  # the mask's fixed sizes are not listed
 
     seen = []
     model.blocks[0].attn.register_forward_hook(lambda m, args, out: seen.append(args[1]))

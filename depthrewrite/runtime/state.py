@@ -20,7 +20,7 @@ from ..blocks import block_infos, build_runner, convert_blocks, get_path, share_
 from ..capture import CONTINUATION_META, is_cache, register_cache_support
 from ..converted import as_converted
 from ..errors import ConfigError, DepthRewriteError
-from ..flexattention import register_block_mask_for
+from ..flexattention import is_block_mask, register_block_mask_for
 from ..passes.lower.module_calls import is_dtensor
 from ..passes.rewrite.msar_decode import HISTORY_META
 from ..pipeline import split
@@ -46,6 +46,17 @@ def _run(entry: GraphEntry, pos: tuple, kw: dict, exporting: bool = False) -> An
     with loaded(entry.offloaded) if entry.offloaded else contextlib.nullcontext():
         return entry.module(*pos, **kw) if exporting else call_graph(entry.run, pos, kw, checked=entry.complete)
 
+
+
+def _block_mask_leaves(args: tuple, kwargs: dict) -> list[bool]:
+    """For each tensor of a call's inputs, in flattening order: whether it belongs to a FlexAttention ``BlockMask``."""
+    out: list[bool] = []
+    for x in pytree.tree_leaves((args, kwargs), is_leaf=is_block_mask):
+        if is_block_mask(x):
+            out += [True] * sum(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(x))
+        elif isinstance(x, torch.Tensor):
+            out.append(False)
+    return out
 
 class ConversionState:
     """Everything depthrewrite keeps on a converted model (``model.__dict__["_depthrewrite"]``): the recipe (scheme
@@ -251,8 +262,11 @@ class ConversionState:
             runner = self.keep_blocks(model, gm)
         guards = guards_of(gm)
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]
-        fixed = [f"{name}.shape[{d}]={g}" for name, dims in zip(names, guards) for d, g in dims.items()
-                 if isinstance(g, int) and d < 2 and "cache" not in name]
+        in_mask = _block_mask_leaves(args, kwargs)  # a BlockMask's sizes are its structure: not listed
+        if len(in_mask) != len(names):
+            in_mask = [False] * len(names)
+        fixed = [f"{name}.shape[{d}]={g}" for name, dims, m in zip(names, guards, in_mask) for d, g in dims.items()
+                 if isinstance(g, int) and d < 2 and "cache" not in name and not m]
         if fixed:  # dimensions export specialised: this graph runs those sizes only
             structure += f" ({', '.join(fixed)})"
         entry = GraphEntry(module=gm, structure=structure, guards=guards, seconds=time.perf_counter() - t0,
