@@ -413,7 +413,12 @@ def _functionalise_fresh_writes(graph: fx.Graph) -> int:
     from torch.multiprocessing.reductions import StorageWeakRef
 
     def storage(v: Any):
-        return StorageWeakRef(v.untyped_storage()) if isinstance(v, torch.Tensor) else None
+        if not isinstance(v, torch.Tensor):
+            return None
+        try:
+            return StorageWeakRef(v.untyped_storage())
+        except RuntimeError:  # a value with no storage of its own (a vmap-batched one, transformers' mask functions)
+            return None
 
     order = {n: i for i, n in enumerate(graph.nodes)}
     turned = 0

@@ -455,3 +455,25 @@ def test_an_in_place_write_that_others_read_is_not_split():
     why = split_blocks(graph(True), ("blocks.0", "blocks.1"), lambda blk: False)
     assert isinstance(why, str) and "writes a tensor in place" in why
     assert not isinstance(split_blocks(graph(False), ("blocks.0", "blocks.1"), lambda blk: False), str)
+
+
+def test_a_value_without_storage_in_the_graph_meta_does_not_break_the_split():
+    """transformers' FlexAttention mask functions run under vmap while captured: a node's recorded value can be a
+    batched tensor, which has no storage. The in-place analysis skips it instead of failing with a bare RuntimeError."""
+    from depthrewrite.blocks import split_blocks
+
+    batched = []
+    torch.func.vmap(lambda t: batched.append(t) or t)(torch.ones(2, 3))
+    model = nn.Module()
+    model.blocks = nn.ModuleList([nn.Identity(), nn.Identity()])
+    g = fx.Graph()
+    x = g.placeholder("x")
+    buf = g.call_function(torch.ops.aten.ones_like.default, (x,))
+    buf.meta["val"] = batched[0]
+    g.call_function(torch.ops.aten.fill_.Scalar, (buf, 2.0))
+    a = g.call_function(torch.ops.aten.mul.Tensor, (x, x))
+    a.meta["nn_module_stack"] = {"b0": ("blocks.0", nn.Identity)}
+    b = g.call_function(torch.ops.aten.mul.Tensor, (a, x))
+    b.meta["nn_module_stack"] = {"b1": ("blocks.1", nn.Identity)}
+    g.output(b)
+    assert not isinstance(split_blocks(fx.GraphModule(model, g), ("blocks.0", "blocks.1"), lambda blk: False), str)
