@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from bench.quality import _mean_std as _ms
 from depthrewrite.errors import ConfigError, DepthRewriteError
 
 #: the study's model, data and optimisation; a run file records it, and a run made with another one is refused
@@ -169,10 +170,6 @@ def run_missing(folder: Path, cfg: dict, jobs: int, threads: int, quick: bool, c
 
 
 # --- the report -----------------------------------------------------------------------------------------------------
-
-def _ms(xs: list[float]) -> tuple[float, float]:
-    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
-
 
 def _final(rec: dict) -> float:
     return rec["val_points"][-1][1]
