@@ -259,6 +259,8 @@ def section(runs: dict[str, list[dict]], cfg: dict, plot_name: str) -> str:
     means = [statistics.fmean(_final(r) for r in runs[n]) for n in main]
     stds = [_ms([_final(r) for r in runs[n]])[1] for n in main if len(runs[n]) > 1]
     noise = statistics.fmean(stds) if stds else float("nan")
+    spread = (f"a typical seed-to-seed standard deviation of {noise:.4f}" if stds
+              else "no estimate of the seed-to-seed spread yet (one seed per variant)")
     gap = max(means) - min(means) if means else float("nan")
     threads = sorted({r["threads"] for r in allr})
     jobs = sorted({r.get("jobs", 1) for r in allr})
@@ -268,7 +270,7 @@ def section(runs: dict[str, list[dict]], cfg: dict, plot_name: str) -> str:
 
 ## Where depth matters: {cfg['layers']} layers
 
-{f"**Incomplete:** {done} of {expected} runs have finished; the tables show those.{chr(10)}{chr(10)}" if done < expected else ""}**Setup.** The same Llama and corpus as above, deeper and wider: {cfg['layers']} blocks = {sub} residual
+{f"**Incomplete:** {done} of {expected} runs have finished; the tables show those.{chr(10)}{chr(10)}" if done < expected else ""}**Setup.** The same Llama and corpus as above, deeper and wider: {cfg['layers']} transformer layers = {sub} residual
 sublayers, hidden {cfg['hidden']}, {r0['model_params']:,} parameters. Every run: {cfg['steps']} steps of {cfg['batch']} × {cfg['seq']} bytes
 ({r0['tokens']:,} tokens), AdamW (lr {cfg['lr']}, β = (0.9, 0.95)), {cfg['warmup']} warmup steps then cosine decay,
 clipping 1.0, **compiled** (`torch.compile`, the `depthrewrite` backend; inductor for vanilla); validation every
@@ -303,8 +305,7 @@ indicative and comparable within the table). Wall time of all runs together: {_w
 
 **What this does and does not show.** {cfg['layers']} layers and {r0['tokens'] / 1e6:.1f}M tokens per run, on a
 {r0['model_params'] / 1e6:.1f}M-parameter byte-level model: about {math.log10(10e9 / max(1, r0['tokens'])):.0f} orders of magnitude fewer tokens than the MSAR
-paper's 10B-token ablation. The spread of the variants' mean validation losses is {gap:.4f} against a typical seed-to-seed standard
-deviation of {noise:.4f}; a paired difference is a finding here only where every seed agrees in sign. The block-count
+paper's 10B-token ablation. The spread of the variants' mean validation losses is {gap:.4f} against {spread}; a paired difference is a finding here only where every seed agrees in sign. The block-count
 axis has one seed and cannot separate differences smaller than that standard deviation. The costs (step time,
 activations) are those of the reference ops on a CPU; see `bench/RESULTS.md` for kernels and GPUs.
 """
@@ -329,8 +330,8 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
     ax1.set_ylabel("validation loss (nats/byte), mean of seeds")
     ax1.set_title("validation loss during training")
     finals = [_final(r) for n in names for r in runs[n]]
-    if finals:
-        ax1.set_ylim(min(finals) - 0.05, min(finals) + 0.8)
+    if finals:  # every point shown, the early ones of a slow variant too
+        ax1.set_ylim(min(finals) - 0.05, max(p[1] for n in names for r in runs[n] for p in r["val_points"]) + 0.05)
     ax1.legend(fontsize=8)
     for i, n in enumerate(names):
         ys = [_final(r) for r in runs[n]]
