@@ -79,7 +79,9 @@ def _train_one(run: Run, cfg: dict, corpus_bytes: int | None, jobs: int) -> dict
     from depthrewrite.demo.train import VARIANTS, TrainConfig, Variant, tiny_llama, train_variant
 
     base = VARIANTS[run.variant]
-    variant = Variant(run.name, base.label, base.scheme, {**base.options, **run.options}, init_tol=base.init_tol)
+    options = {**base.options, **run.options}
+    label = f"Block AttnRes ({options['blocks']} blocks)" if run.options.get("blocks") else base.label
+    variant = Variant(run.name, label, base.scheme, options, init_tol=base.init_tol)
     tcfg = TrainConfig(steps=cfg["steps"], batch=cfg["batch"], seq=cfg["seq"], lr=cfg["lr"], warmup=cfg["warmup"],
                        eval_every=cfg["eval_every"], eval_batches=cfg["eval_batches"], compile=True)
     corpus = Corpus.stdlib(max_bytes=corpus_bytes)
@@ -97,6 +99,7 @@ def _train_one(run: Run, cfg: dict, corpus_bytes: int | None, jobs: int) -> dict
         step_times=steps, step_time=statistics.median(steps[min(20, len(steps) - 1):]), first_step=steps[0],
         saved_bytes=mem, peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         started=started, finished=time.time(), threads=torch.get_num_threads(), jobs=jobs, torch=torch.__version__,
+        python=platform.python_version(),
         cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
         load=(os.getloadavg() if hasattr(os, "getloadavg") else None),
     )
@@ -171,6 +174,19 @@ def run_missing(folder: Path, cfg: dict, jobs: int, threads: int, quick: bool, c
 
 # --- the report -----------------------------------------------------------------------------------------------------
 
+#: steps per window of the step-time statistic (after the first 20: captures, compile, warm-up)
+WINDOW = 50
+
+
+def step_time(rec: dict) -> float:
+    """Seconds per compiled training step of a run: the lowest median over windows of :data:`WINDOW` steps after the
+    20th. The runs share a 2-core machine with each other (and at times other work), which slows whole stretches of a
+    run by up to 2x; the least-contended window is the closest to the step's own cost."""
+    steps = rec["step_times"][20:] or rec["step_times"]
+    windows = [steps[i:i + WINDOW] for i in range(0, len(steps), WINDOW)]
+    return min(statistics.median(w) for w in windows if len(w) >= min(WINDOW, len(steps)))
+
+
 def _final(rec: dict) -> float:
     return rec["val_points"][-1][1]
 
@@ -210,7 +226,7 @@ def section(runs: dict[str, list[dict]], cfg: dict, plot_name: str) -> str:
     main = [n for n in MAIN if n in runs]
     expected = len(planned(cfg))
     van = runs.get("vanilla")
-    van_step = statistics.fmean(r["step_time"] for r in van) if van else None
+    van_step = statistics.fmean(step_time(r) for r in van) if van else None
     van_mem = statistics.fmean(r["saved_bytes"] for r in van) if van else None
     rows = []
     for n in main:
@@ -218,7 +234,7 @@ def section(runs: dict[str, list[dict]], cfg: dict, plot_name: str) -> str:
         vm, vs = _ms([_final(r) for r in rs])
         p = _paired(runs, n) if n != "vanilla" else None
         diff = "—" if p is None else f"{p[0]:+.4f} ± {p[1]:.4f} ({p[2]}/{p[3]} lower)"
-        step = statistics.fmean(r["step_time"] for r in rs)
+        step = statistics.fmean(step_time(r) for r in rs)
         mem = statistics.fmean(r["saved_bytes"] for r in rs)
         ratio = lambda a, b: "" if not b else f" ({a / b:.2f}×)"
         init = [r["init_error"] for r in rs if r["init_error"] is not None]
@@ -250,11 +266,10 @@ def section(runs: dict[str, list[dict]], cfg: dict, plot_name: str) -> str:
         if not rs:
             continue
         s = math.ceil(sub / n_blocks)  # the spec's block size from a block count (Full: one sublayer per block)
-        paper_s = PAPER_BLOCKS.get(s)
         p = _paired({"vanilla": runs.get("vanilla", []), name: rs}, name)
         axis_rows.append(
             f"| {'Full (every sublayer)' if name == 'attnres' else f'N = {n_blocks}'} | {s} | {_final(rs[0]):.4f} | "
-            f"{'—' if p is None else f'{p[0]:+.4f}'} | {'—' if paper_s is None else f'{paper_s:.3f}'} |"
+            f"{'—' if p is None else f'{p[0]:+.4f}'} |"
         )
     means = [statistics.fmean(_final(r) for r in runs[n]) for n in main]
     stds = [_ms([_final(r) for r in runs[n]])[1] for n in main if len(runs[n]) > 1]
@@ -284,28 +299,31 @@ weights and batches. Each run is one file in `docs/results_depth/`.
 ![validation loss during training, and per-seed final losses]({plot_name})
 
 Columns: the paired difference is (variant − vanilla) per seed, its mean ± std, and in how many seeds the variant was
-lower. Compiled step: median seconds of the training steps after the 20th, from the run itself (forward, backward,
+lower. Compiled step: the lowest median over windows of {WINDOW} training steps after the 20th, from the run itself (forward, backward,
 clipping, AdamW; {', '.join(map(str, threads))} torch thread(s), {r0['cores']} CPU cores ({r0['cpu']}), torch {r0['torch']}, the reference ops:
-no Triton kernels on CPU). First step: the compile. Saved activations: bytes saved for backward by one eager training
+no Triton kernels on CPU). First step: the capture (converted models) and the compile. Saved activations: bytes saved for backward by one eager training
 step of the trained model (`bench.training.saved_bytes`, one {cfg['batch']} × {cfg['seq']} batch). Peak RSS: the run's process,
 compile included. Load average at the end of the runs: {min(loads) if loads else float('nan'):.1f}–{max(loads) if loads else float('nan'):.1f}
-on {r0['cores']} cores ({' or '.join(map(str, jobs))} run(s) at a time, at times beside other work: the step times are
-indicative and comparable within the table). Wall time of all runs together: {_wall_hours(allr):.2f} h.
+on {r0['cores']} cores ({' or '.join(map(str, jobs))} run(s) at a time, at times beside other work, which slows whole
+stretches of a run by up to 2×: the step times are indicative, the ratios to vanilla rough). Wall time of all runs together: {_wall_hours(allr):.2f} h.
 
 ### Against the papers
 
 {paper_rows or "(too few of the paper's variants have finished)"}
 
-**Block count** (Block AttnRes at this depth, seed 0 only; S = sublayers per block; the paper's numbers are its
-16-layer, 436M-parameter ablation, AttnRes paper Fig. 6):
+**Block count** (Block AttnRes at this depth, seed 0 only; S = sublayers per block, S = ⌈{sub}/N⌉):
 
-| blocks | S | val loss (seed 0) | − vanilla (seed 0) | paper, loss at that S |
-|---|---|---|---|---|
+| blocks | S | val loss (seed 0) | − vanilla (seed 0) |
+|---|---|---|---|
 """ + "\n".join(axis_rows) + f"""
+
+The AttnRes paper's block-size sweep (its 16-layer, 436M-parameter model, Fig. 6; loss by S):
+{", ".join(f"S = {k}: {v:.3f}" for k, v in PAPER_BLOCKS.items())} — larger blocks drift toward the baseline (1.766).
 
 **What this does and does not show.** {cfg['layers']} layers and {r0['tokens'] / 1e6:.1f}M tokens per run, on a
 {r0['model_params'] / 1e6:.1f}M-parameter byte-level model: about {math.log10(10e9 / max(1, r0['tokens'])):.0f} orders of magnitude fewer tokens than the MSAR
-paper's 10B-token ablation. The spread of the variants' mean validation losses is {gap:.4f} against {spread}; a paired difference is a finding here only where every seed agrees in sign. The block-count
+paper's 10B-token ablation. The spread of the variants' mean validation losses is {gap:.4f} against {spread}; a paired difference is a finding here only where every seed agrees in sign (with 3 seeds, noise alone agrees 1 time in
+4 per variant, so across the table one or two such agreements are expected by chance). The block-count
 axis has one seed and cannot separate differences smaller than that standard deviation. The costs (step time,
 activations) are those of the reference ops on a CPU; see `bench/RESULTS.md` for kernels and GPUs.
 """
@@ -374,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     folder = args.dir or (Path("bench-quality-quick/depth") if args.quick else DEFAULT_DIR)
     page = args.page or (folder.parent / "results.md" if args.quick else Path("docs/results.md"))
     corpus_bytes = args.max_bytes if args.max_bytes is not None else (2_000_000 if args.quick else None)
+    if args.max_bytes is not None:  # another corpus: another study, refused beside the default one's runs
+        cfg["max_bytes"] = args.max_bytes
     try:
         torch.set_num_threads(max(1, args.threads))
         if args.worker:
@@ -385,6 +405,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if not args.report:
             only = [s.strip() for s in args.only.split(",")] if args.only else None
+            unknown = sorted(set(only or ()) - {r.name for r in planned(cfg)})
+            if unknown:
+                raise ConfigError(f"--only: no run named {', '.join(unknown)} in the depth study; its runs: "
+                                  f"{', '.join(dict.fromkeys(r.name for r in planned(cfg)))}")
             start = _dt.datetime.now()
             try:
                 run_missing(folder, cfg, max(1, args.jobs), args.threads, args.quick, corpus_bytes, only)

@@ -412,13 +412,19 @@ def _functionalise_fresh_writes(graph: fx.Graph) -> int:
     turned; the graph keeps its order, so the block split may then move reads freely."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
+    unknown = object()  # a value whose storage cannot be read (a vmap-batched one, transformers' mask functions)
+
     def storage(v: Any):
         if not isinstance(v, torch.Tensor):
             return None
         try:
             return StorageWeakRef(v.untyped_storage())
-        except RuntimeError:  # a value with no storage of its own (a vmap-batched one, transformers' mask functions)
-            return None
+        except RuntimeError:
+            return unknown
+
+    def may_alias(u: fx.Node, sx: Any) -> bool:
+        su = storage(u.meta.get("val"))
+        return su is unknown or su == sx
 
     order = {n: i for i, n in enumerate(graph.nodes)}
     turned = 0
@@ -438,7 +444,7 @@ def _functionalise_fresh_writes(graph: fx.Graph) -> int:
         if functional is None or functional._schema.is_mutable:
             continue
         sx = storage(x.meta.get("val"))
-        if sx is None or any(order[u] > order[n] or storage(u.meta.get("val")) == sx for u in x.users if u is not n):
+        if sx is None or sx is unknown or any(order[u] > order[n] or may_alias(u, sx) for u in x.users if u is not n):
             continue
         n.target = functional
         turned += 1

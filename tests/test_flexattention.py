@@ -182,3 +182,9 @@ def test_a_hooked_module_taking_the_block_mask_is_called_live():
             assert len(seen) == n + 2 and flexattention.is_block_mask(seen[-1])
             torch.testing.assert_close(seen[-1].to_dense(), m.to_dense())  # the caller's mask, rebuilt
     assert "blocks.0.attn (" not in str(conv.report())  # called live (blocks.1.attn, unhooked, stays inlined)
+    compiled = torch.compile(conv, backend="eager")  # Dynamo through the mask's rebuild and the live call
+    with torch.no_grad():
+        m = block_mask(documents(docs[1]))
+        n = len(seen)
+        torch.testing.assert_close(compiled(ids, m), model(ids, m), atol=1e-5, rtol=0)
+        assert len(seen) == n + 2

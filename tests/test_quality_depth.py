@@ -50,7 +50,7 @@ def test_section_pairs_by_seed_counts_signs_and_puts_the_papers_beside():
     runs = {
         "vanilla": [_record("vanilla", s, v) for s, v in enumerate((2.0, 2.1, 2.2))],
         "attnres": [_record("attnres", s, v) for s, v in enumerate((1.9, 2.0, 2.3))],
-        "msar": [_record("msar", s, v, step_time=3.0, saved_bytes=2**21) for s, v in enumerate((1.8, 1.9, 2.0))],
+        "msar": [_record("msar", s, v, step_times=[90.0, 3.0, 3.0], saved_bytes=2**21) for s, v in enumerate((1.8, 1.9, 2.0))],
         "block-attnres-n2": [_record("block-attnres-n2", 0, 1.95)],
     }
     text = section(runs, PRESET, "p.png")
@@ -60,9 +60,16 @@ def test_section_pairs_by_seed_counts_signs_and_puts_the_papers_beside():
     assert "3000 (3.00×)" in text and "2.0 (2.00×)" in text  # step time and activations against vanilla
     assert "| 1.898 | 1.867 | 1.847 |" in text  # the MSAR paper's ablation beside ours
     assert "Ordering, best first — paper: msar < attnres < vanilla; here: msar < attnres < vanilla (the same)." in text
-    assert "| N = 2 | 12 | 1.9500 | -0.0500 | — |" in text  # S = 24 / 2; the paper has no S = 12
-    assert "| Full (every sublayer) | 1 | 1.9000 | -0.1000 | 1.737 |" in text
+    assert "| N = 2 | 12 | 1.9500 | -0.0500 |" in text  # S = 24 / 2
+    assert "| Full (every sublayer) | 1 | 1.9000 | -0.1000 |" in text and "S = 1: 1.737" in text
     assert "Wall time of all runs together: 1.00 h" in text  # overlapping runs count once
+
+
+def test_step_time_is_the_least_contended_window():
+    """Runs share the machine: a stretch slowed 2x by other work does not set the step time."""
+    steps = [40.0] * 20 + [2.0] * 50 + [1.0] * 50 + [2.0] * 30
+    assert quality_depth.step_time({"step_times": steps}) == 1.0
+    assert quality_depth.step_time({"step_times": [9.0, 1.0, 1.0]}) == 1.0  # shorter than the warm-up: every step
 
 
 def test_a_run_of_another_configuration_is_refused(tmp_path, capsys):

@@ -843,7 +843,7 @@ def _unflatten_inputs(g: fx.Graph, flat: list, spec: pytree.TreeSpec, stack: dic
             return next(leaves)
         if is_block_mask_type(s.type):
             node = g.create_node("call_function", RebuildValue(s), tuple(next(leaves) for _ in range(s.num_leaves)),
-                                 name="block_mask")
+                                 name="_dr_block_mask")
             node.meta["nn_module_stack"] = stack
             return node
         kids = [walk(c) for c in _children(s)]
