@@ -115,8 +115,12 @@ def load_runs(folder: Path, cfg: dict) -> dict[str, list[dict]]:
     """The finished runs in ``folder`` by run name (seeds in order); a run made with another config is refused."""
     out: dict[str, list[dict]] = {}
     for f in sorted(folder.glob("*.json")):
-        rec = json.loads(f.read_text())
-        if rec["config"] != cfg:
+        try:
+            rec = json.loads(f.read_text())
+            made_with = rec["config"], rec["name"], rec["seed"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"{f} is not a run of the depth study ({type(e).__name__}: {e}); move it out of {folder}")
+        if made_with[0] != cfg:
             raise ConfigError(
                 f"{f} was made with another configuration ({rec['config']}) than this study's ({cfg}); move the "
                 "folder away (or pass --dir) to start a study with this one"

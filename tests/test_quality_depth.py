@@ -79,6 +79,12 @@ def test_a_run_of_another_configuration_is_refused(tmp_path, capsys):
     assert "vanilla-s0.json was made with another configuration" in err and "move the folder away" in err
 
 
+def test_a_stray_file_is_named(tmp_path, capsys):
+    (tmp_path / "notes.json").write_text("[1, 2]")
+    assert quality_depth.main(["--report", "--dir", str(tmp_path), "--page", str(tmp_path / "r.md")]) == 2
+    assert "notes.json is not a run of the depth study" in capsys.readouterr().err
+
+
 def test_write_page_replaces_only_its_own_section(tmp_path):
     page = tmp_path / "results.md"
     page.write_text("# small\n\nbody\n\n" + MARKER + "\n\nold depth section\n")
