@@ -817,6 +817,9 @@ class RebuildValue:
     def __repr__(self) -> str:
         return self.__name__
 
+    def __reduce__(self) -> tuple:  # pickled by its class and spec (its __name__ names no module attribute)
+        return RebuildValue, (self.spec,)
+
 
 def _value_leaves(spec: pytree.TreeSpec) -> set[int]:
     """The flat indices of the leaves inside a ``BlockMask`` of ``spec``."""
