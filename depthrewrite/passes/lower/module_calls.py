@@ -406,7 +406,7 @@ def export_with_signatures(model: nn.Module, args: tuple, kwargs: dict, dynamic_
     no signatures at all (the lowering then calls nothing). The refused paths go to ``ep.meta``-less storage on the
     returned program as ``_dr_dropped``. ``live``: the paths that must run live (hooks or a forward taken out for the
     capture); a module taking a FlexAttention ``BlockMask`` is called only if it holds one of them or tensor-parallel
-    parameters, else it stays inlined: FlexAttention then runs as depthrewrite's operator, which the ``depthrewrite``
+    parameters, else the lowering keeps it inlined (listed in ``_dr_dropped``, its signature kept: no second export): FlexAttention then runs as depthrewrite's operator, which the ``depthrewrite``
     backend compiles and which trains on a CPU, where the model's own module may compile it itself or refuse a
     backward (torchtitan's)."""
     paths = candidate_paths(model)
@@ -461,13 +461,9 @@ def export_with_signatures(model: nn.Module, args: tuple, kwargs: dict, dynamic_
             continue
         masks = [e.fqn for e in ep.module_call_graph if e.fqn in paths and e.signature is not None
                  and _value_leaves(e.signature.in_spec) and not must_run_live(e.fqn)]
-        if masks:
-            for path in masks:
-                dropped.append((path, "it takes a BlockMask and nothing needs it live: FlexAttention runs as "
-                                      "depthrewrite's operator"))
-                paths.remove(path)
-            log.info("module calls: %s take a BlockMask; exporting them inlined", masks)
-            continue
+        # kept inlined by the lowering (their signatures stay recorded: no second export for them)
+        dropped += [(path, "it takes a BlockMask and nothing needs it live: FlexAttention runs as depthrewrite's "
+                           "operator") for path in masks]
         ep.__dict__["_dr_dropped"] = tuple(dropped)
         return ep
     ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
@@ -708,10 +704,13 @@ def lower_module_calls(gm: fx.GraphModule, blocks: tuple[str, ...] = (), live: n
                     by_key.setdefault(key, (v[0], []))[1].append(n)
     by_name = {nm: n for n in graph.nodes if (nm := _name(n)) is not None and count[nm] == 1}
     refused: list[tuple[str, str]] = list(info.dropped)
+    kept_inlined = {p for p, _ in info.dropped}  # decided at the export (a module taking a BlockMask)
     plan: dict[fx.Node, tuple] = {}  # first node of a region -> (path, inputs, outs, stack)
     gone: set[fx.Node] = set()
     redirect: dict[fx.Node, fx.Node] = {}
     for key, (path, nodes) in sorted(by_key.items(), key=lambda kv: kv[1][0].count(".")):
+        if path in kept_inlined:
+            continue
         R = _own_ops([n for n in nodes if n not in gone and role_of(n) is None and _name(n) is not None])
         if not R:
             continue
