@@ -396,8 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     folder = args.dir or (Path("bench-quality-quick/depth") if args.quick else DEFAULT_DIR)
     page = args.page or (folder.parent / "results.md" if args.quick else Path("docs/results.md"))
     corpus_bytes = args.max_bytes if args.max_bytes is not None else (2_000_000 if args.quick else None)
-    if args.max_bytes is not None:  # another corpus: another study, refused beside the default one's runs
-        cfg["max_bytes"] = args.max_bytes
+    if corpus_bytes is not None:  # another corpus: another study, refused beside the default one's runs
+        cfg["max_bytes"] = corpus_bytes
     try:
         torch.set_num_threads(max(1, args.threads))
         if args.worker:
