@@ -28,6 +28,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -380,6 +381,18 @@ def write_page(folder: Path, cfg: dict, page: Path) -> None:
     print(f"wrote the depth section of {page} ({sum(map(len, runs.values()))} runs) and {png}")
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM (``kill``; a background job ignores Ctrl-C's SIGINT) stops the runner as Ctrl-C does: its workers are
+    terminated too, and their runs start again next time."""
+    import signal
+
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.quality --preset depth", description=__doc__.split("\n")[0])
     ap.add_argument("--dir", type=Path, default=None, help=f"run files (default {DEFAULT_DIR})")
@@ -408,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
             _write_json(folder / run.file, _train_one(run, cfg, corpus_bytes, args.jobs))
             return 0
         if not args.report:
+            _stop_on_sigterm()
             only = [s.strip() for s in args.only.split(",")] if args.only else None
             unknown = sorted(set(only or ()) - {r.name for r in planned(cfg)})
             if unknown:
