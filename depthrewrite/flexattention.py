@@ -25,8 +25,8 @@ from typing import Any, Iterator
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["is_block_mask", "is_block_mask_type", "has_block_mask", "register_block_mask", "register_block_mask_for", "capturing",
-           "flex_attention", "retarget"]
+__all__ = ["is_block_mask", "is_block_mask_type", "has_block_mask", "register_block_mask", "register_block_mask_for",
+           "capturing", "flex_attention", "retarget"]
 
 try:
     import torch.nn.attention.flex_attention as _flex

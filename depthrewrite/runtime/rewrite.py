@@ -117,20 +117,19 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) ->
 
     def captured(module_calls: bool, keep_cache: bool) -> tuple:
         """``(gm, hooks taken out, keep_cache, chain, blocks found)`` for one capture of this call."""
-        extra = {"module_calls": True} if module_calls else {}
         hooks_out = hooks_out_for_capture(model) if module_calls else contextlib.nullcontext({})
         with as_original(model), blocks_for_capture(model, blocks), hooks_out as removed_hooks:
+            # the paths whose hooks or forward were taken out must run live (a module taking a BlockMask included)
+            extra = {"module_calls": True, "live": tuple(removed_hooks)} if module_calls else {}
             try:
-                gm = capture(model, args, kwargs, keep_cache=keep_cache, **extra,
-                             **({"live": tuple(removed_hooks)} if module_calls else {}))
+                gm = capture(model, args, kwargs, keep_cache=keep_cache, **extra)
             except CaptureError:
                 if not implied:
                     raise
                 log.warning("depthrewrite: %s could not be captured with the cache its config turns on; this call "
                             "structure returns no cache (pass use_cache=True to see why)", name)
                 keep_cache = False
-                gm = capture(model, args, kwargs, keep_cache=False, **extra,
-                             **({"live": tuple(removed_hooks)} if module_calls else {}))
+                gm = capture(model, args, kwargs, keep_cache=False, **extra)
         if keep_cache:  # a scheme with decoding state of its own (MSAR) reads it from extra cache layers
             gm.meta[DECODE_META] = history_inputs(gm, args, kwargs)
         mixes_tokens = scheme_record(config).mixes_tokens

@@ -47,7 +47,6 @@ def _run(entry: GraphEntry, pos: tuple, kw: dict, exporting: bool = False) -> An
         return entry.module(*pos, **kw) if exporting else call_graph(entry.run, pos, kw, checked=entry.complete)
 
 
-
 def _block_mask_leaves(args: tuple, kwargs: dict) -> list[bool]:
     """For each tensor of a call's inputs, in flattening order: whether it belongs to a FlexAttention ``BlockMask``."""
     out: list[bool] = []
@@ -57,6 +56,7 @@ def _block_mask_leaves(args: tuple, kwargs: dict) -> list[bool]:
         elif isinstance(x, torch.Tensor):
             out.append(False)
     return out
+
 
 class ConversionState:
     """Everything depthrewrite keeps on a converted model (``model.__dict__["_depthrewrite"]``): the recipe (scheme

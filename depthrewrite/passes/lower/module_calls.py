@@ -400,15 +400,16 @@ def check_live_modules(model: nn.Module, gm: fx.GraphModule, called: list[str], 
         )
 
 
-def export_with_signatures(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, live: tuple[str, ...] = ()):
+def export_with_signatures(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any,
+                           live: tuple[str, ...] = ()):
     """``torch.export.export`` (non-strict) preserving the call signatures of :func:`candidate_paths`. A path export
     refuses (named in its error) is dropped and the export retried; when the error names none, it is retried with
     no signatures at all (the lowering then calls nothing). The refused paths go to ``ep.meta``-less storage on the
     returned program as ``_dr_dropped``. ``live``: the paths that must run live (hooks or a forward taken out for the
     capture); a module taking a FlexAttention ``BlockMask`` is called only if it holds one of them or tensor-parallel
-    parameters, else the lowering keeps it inlined (listed in ``_dr_dropped``, its signature kept: no second export): FlexAttention then runs as depthrewrite's operator, which the ``depthrewrite``
-    backend compiles and which trains on a CPU, where the model's own module may compile it itself or refuse a
-    backward (torchtitan's)."""
+    parameters, else the lowering keeps it inlined (listed in ``_dr_dropped``, its signature kept: no second export):
+    FlexAttention then runs as depthrewrite's operator, which the ``depthrewrite`` backend compiles and which trains
+    on a CPU, where the model's own module may compile it itself or refuse a backward (torchtitan's)."""
     paths = candidate_paths(model)
     dropped: list[tuple[str, str]] = []
 
