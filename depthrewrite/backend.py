@@ -233,15 +233,48 @@ def _compile(gm: fx.GraphModule, example_inputs, opts: BackendOptions, record: G
         import torch._inductor
 
         patches = torch._inductor.list_mode_options(mode)
-    decomps = None
-    if ours:
+    if not ours:
+        return compile_fx(
+            gm, example_inputs, inner_compile=_recording("auto", record, compile_fx_inner), config_patches=patches
+        )
+    import torch._functorch.config
+
+    # AOT autograd's cache would skip the decomposition on a hit (explain() would lose what was lowered); inductor's
+    # FX graph cache keys on the decomposed graph, so it stays on (the table pickles by name: _InductorTable)
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        return compile_fx(
+            gm, example_inputs, inner_compile=_recording("auto", record, compile_fx_inner), config_patches=patches,
+            decompositions=_InductorTable(ours),
+        )
+
+
+class _InductorTable(dict):
+    """Inductor's decomposition table with the depth ops' entries, for ``compile_fx(decompositions=...)``.
+
+    Inductor pickles the table into its FX graph cache key, and torch's own table holds entries pickle cannot name
+    (``aten.alias_copy``'s pybind11 function), which turned the cache off for every converted graph: each compile
+    (each seed of a study, each rerun) started from nothing. The graph inductor keys on is already decomposed (the
+    table's depth entries ran in AOT autograd before), so the table is keyed by what it adds: the depth ops' names.
+    """
+
+    def __init__(self, ours: dict):
         from torch._inductor.decomposition import select_decomp_table
 
-        decomps = {**select_decomp_table(), **ours}
-    return compile_fx(
-        gm, example_inputs, inner_compile=_recording("auto", record, compile_fx_inner), config_patches=patches,
-        decompositions=decomps,
-    )
+        super().__init__({**select_decomp_table(), **ours})
+        self.names = tuple(sorted(op.name() for op in ours))
+
+    def __reduce__(self):
+        return _inductor_table, (self.names,)
+
+
+def _inductor_table(names: tuple[str, ...]) -> dict:
+    """What an :class:`_InductorTable` unpickles to (inductor only hashes it): torch's table and the named depth ops'
+    reference decompositions."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    from .kernels.decompose import decompositions
+
+    return {**select_decomp_table(), **{op: fn for op, fn in decompositions().items() if op.name() in names}}
 
 
 def depthrewrite_backend(gm: fx.GraphModule, example_inputs: list, *, options: dict | None = None, mode: str | None = None):

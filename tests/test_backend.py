@@ -220,6 +220,9 @@ def test_explain_of_a_plain_module_says_what_to_do():
 
 def test_inductor_trains_a_converted_model_like_eager():
     """The one real compile: AOT autograd + inductor (C++ on CPU), three SGD steps of Block AttnRes."""
+    from torch._dynamo.utils import counters
+
+    bypassed = counters["inductor"]["fxgraph_cache_bypass"]
     eager, comp = _pair("attnres", dict(blocks=2))
     compiled = torch.compile(comp, backend="depthrewrite", options={"two_phase": "always"})
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, comp)]
@@ -236,8 +239,27 @@ def test_inductor_trains_a_converted_model_like_eager():
     exp = dr.explain(compiled)
     assert exp.graphs[0].inner == "inductor"
     # AOT graphs are recorded when inductor compiles them (a warm compile cache skips that step)
-    assert {a.stage for a in exp.graphs[0].aot} >= {"forward", "backward"} or "compile cache" in str(exp)
+    # the depth ops were lowered: AOT autograd traced both directions (its cache is off for such a graph), and
+    # inductor could key its FX graph cache (the decomposition table pickles by name)
+    assert {a.stage for a in exp.graphs[0].aot} >= {"forward", "backward"}
+    assert counters["inductor"]["fxgraph_cache_bypass"] == bypassed
     assert exp.graphs[0].two_phase
+
+
+def test_the_decomposition_table_keys_inductors_cache_by_its_ops():
+    """Inductor pickles ``compile_fx``'s decomposition table into its FX graph cache key; torch's own table holds an
+    entry pickle cannot name, so the depth table is named by its ops (a bypass recompiled every converted graph)."""
+    from torch._inductor.codecache import FxGraphCachePickler
+
+    from depthrewrite.backend import _InductorTable, _inductor_table
+    from depthrewrite.kernels.decompose import decompositions
+
+    gm = torch.fx.symbolic_trace(torch.nn.Identity())
+    a, b = _InductorTable(decompositions()), _InductorTable(decompositions())
+    assert FxGraphCachePickler(gm).get_key(a) == FxGraphCachePickler(gm).get_key(b)
+    fewer = _InductorTable({op: fn for op, fn in decompositions().items() if "msar" in op.name()})
+    assert FxGraphCachePickler(gm).get_key(fewer) != FxGraphCachePickler(gm).get_key(a)
+    assert set(_inductor_table(fewer.names)) == set(fewer)
 
 
 def test_fullgraph_on_the_whole_converted_model_says_to_compile_per_block():
