@@ -222,6 +222,11 @@ def _wall_hours(recs: list[dict]) -> float:
     return total / 3600
 
 
+def _run_hours(recs: list[dict]) -> float:
+    """The runs' own durations added up, in hours (a run's process, start to file)."""
+    return sum(r["finished"] - r["started"] for r in recs) / 3600
+
+
 def section(runs: dict[str, list[dict]], cfg: dict, plot_name: str) -> str:
     """The Markdown section of docs/results.md for the runs on disk."""
     allr = [r for rs in runs.values() for r in rs]
@@ -310,7 +315,8 @@ no Triton kernels on CPU). First step: the capture (converted models) and the co
 step of the trained model (`bench.training.saved_bytes`, one {cfg['batch']} × {cfg['seq']} batch). Peak RSS: the run's process,
 compile included. Load average at the end of the runs: {min(loads) if loads else float('nan'):.1f}–{max(loads) if loads else float('nan'):.1f}
 on {r0['cores']} cores ({' or '.join(map(str, jobs))} run(s) at a time, at times beside other work, which slows whole
-stretches of a run by up to 2×: the step times are indicative, the ratios to vanilla rough). Wall time of all runs together: {_wall_hours(allr):.2f} h.
+stretches of a run by up to 2×: the step times are indicative, the ratios to vanilla rough). Wall time of all runs together: {_wall_hours(allr):.2f} h (runs made
+over several sessions, at times one at a time; their own times add up to {_run_hours(allr):.2f} h, so {_run_hours(allr) / 2:.2f} h of wall time two at a time).
 
 ### Against the papers
 
