@@ -315,8 +315,8 @@ no Triton kernels on CPU). First step: the capture (converted models) and the co
 step of the trained model (`bench.training.saved_bytes`, one {cfg['batch']} × {cfg['seq']} batch). Peak RSS: the run's process,
 compile included. Load average at the end of the runs: {min(loads) if loads else float('nan'):.1f}–{max(loads) if loads else float('nan'):.1f}
 on {r0['cores']} cores ({' or '.join(map(str, jobs))} run(s) at a time, at times beside other work, which slows whole
-stretches of a run by up to 2×: the step times are indicative, the ratios to vanilla rough). Wall time of all runs together: {_wall_hours(allr):.2f} h (runs made
-over several sessions, at times one at a time; their own times add up to {_run_hours(allr):.2f} h, so {_run_hours(allr) / 2:.2f} h of wall time two at a time).
+stretches of a run by up to 2×: the step times are indicative, the ratios to vanilla rough). Wall time of all runs together: {_wall_hours(allr):.2f} h (the union of the
+runs' intervals, however many ran at once); their own times add up to {_run_hours(allr):.2f} h, {_run_hours(allr) / 2:.2f} h of wall time two at a time.
 
 ### Against the papers
 

@@ -38,6 +38,7 @@ Options (``torch.compile(m, backend="depthrewrite", options={...})``):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from collections import Counter
@@ -226,6 +227,7 @@ def _compile(gm: fx.GraphModule, example_inputs, opts: BackendOptions, record: G
             inference_compiler=_recording("inference", record, _boxed_eager),
             **({"decompositions": ours} if ours else {}),
         )(gm, example_inputs)
+    import torch._functorch.config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     patches = None
@@ -233,18 +235,13 @@ def _compile(gm: fx.GraphModule, example_inputs, opts: BackendOptions, record: G
         import torch._inductor
 
         patches = torch._inductor.list_mode_options(mode)
-    if not ours:
-        return compile_fx(
-            gm, example_inputs, inner_compile=_recording("auto", record, compile_fx_inner), config_patches=patches
-        )
-    import torch._functorch.config
-
-    # AOT autograd's cache would skip the decomposition on a hit (explain() would lose what was lowered); inductor's
-    # FX graph cache keys on the decomposed graph, so it stays on (the table pickles by name: _InductorTable)
-    with torch._functorch.config.patch(enable_autograd_cache=False):
+    # where depth ops are lowered, AOT autograd's cache would skip the lowering on a hit (explain() would lose what
+    # was lowered); inductor's FX graph cache keys on the lowered graph, so it stays on (_InductorTable pickles by name)
+    caches = torch._functorch.config.patch(enable_autograd_cache=False) if ours else contextlib.nullcontext()
+    with caches:
         return compile_fx(
             gm, example_inputs, inner_compile=_recording("auto", record, compile_fx_inner), config_patches=patches,
-            decompositions=_InductorTable(ours),
+            decompositions=_InductorTable(ours) if ours else None,
         )
 
 
@@ -267,14 +264,12 @@ class _InductorTable(dict):
         return _inductor_table, (self.names,)
 
 
-def _inductor_table(names: tuple[str, ...]) -> dict:
+def _inductor_table(names: tuple[str, ...]) -> _InductorTable:
     """What an :class:`_InductorTable` unpickles to (inductor only hashes it): torch's table and the named depth ops'
     reference decompositions."""
-    from torch._inductor.decomposition import select_decomp_table
-
     from .kernels.decompose import decompositions
 
-    return {**select_decomp_table(), **{op: fn for op, fn in decompositions().items() if op.name() in names}}
+    return _InductorTable({op: fn for op, fn in decompositions().items() if op.name() in names})
 
 
 def depthrewrite_backend(gm: fx.GraphModule, example_inputs: list, *, options: dict | None = None, mode: str | None = None):

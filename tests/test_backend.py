@@ -238,7 +238,6 @@ def test_inductor_trains_a_converted_model_like_eager():
         torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-5, msg=f"step {step}")
     exp = dr.explain(compiled)
     assert exp.graphs[0].inner == "inductor"
-    # AOT graphs are recorded when inductor compiles them (a warm compile cache skips that step)
     # the depth ops were lowered: AOT autograd traced both directions (its cache is off for such a graph), and
     # inductor could key its FX graph cache (the decomposition table pickles by name)
     assert {a.stage for a in exp.graphs[0].aot} >= {"forward", "backward"}
