@@ -78,6 +78,20 @@ def _torchtune_cache() -> None:
     conv(args[0], mask=mask, input_pos=torch.arange(T)[None].expand(B, -1))
 
 
+def _olmo_core_cache() -> None:
+    from tests.frameworks.flash_stand_in import build_olmo_flash, olmo_flash_on_cpu
+    from tests.frameworks.models import _stubbed
+
+    with _stubbed("olmo_core"):
+        from olmo_core.generate.generation_module import GenerationConfig, TransformerGenerationModule
+    with olmo_flash_on_cpu():
+        model, args, _ = build_olmo_flash()
+        conv = dr.convert(model, "attnres", blocks=2, example_inputs=args)
+        cfg = GenerationConfig(pad_token_id=0, eos_token_id=1, max_new_tokens=2, do_sample=False, use_cache=True)
+        TransformerGenerationModule(conv, cfg, device=torch.device("cpu")).generate_batch(args[0][:1, :5],
+                                                                                          log_timing=False)
+
+
 def _flat_checkpointing() -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
@@ -124,6 +138,9 @@ CASES: list[tuple[str, str, Callable[[], None]]] = [
      "position 0 is exact; the next token is refused before anything is written.", _litgpt_msar_continuation),
     ("torchtune's KV cache (call)", "`setup_caches`: its `KVCache.update` asserts on a tensor's value, which export "
      "cannot trace.", _torchtune_cache),
+    ("OLMo-core's KV cache (call)", "`TransformerGenerationModule` with `use_cache=True` (flash-attn's backend; here "
+     "on a CPU through the tests' stand-in for its functions): the RoPE offset and write positions come from the "
+     "cache module's own buffer.", _olmo_core_cache),
     ("Checkpointing a flat graph (call)", "A nanoGPT whose attention writes its mask in place and reads a view of it "
      "afterwards (converted with `module_calls=False`; with module calls the attention is one call and the blocks "
      "split): the write cannot be made out of place, the blocks stay inlined, and torch's "

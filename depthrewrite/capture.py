@@ -407,6 +407,28 @@ def _user_frame(e: BaseException) -> str | None:
     return best
 
 
+#: what to do instead of capturing a framework's own KV cache, by the cache module's top-level package
+_CACHE_ADVICE = {
+    "torchtune": ("Call without it, e.g. within torchtune.modules.common_utils.disable_kv_cache(model), or remove it "
+                  "with delete_kv_caches(model); torchtune's generate() then decodes without a cache."),
+    "olmo_core": ("Generate with GenerationConfig(use_cache=False) (TransformerGenerationModule recomputes the "
+                  "sequence and the converted model decodes exactly), or remove the cache with the generation "
+                  "module's free_inference_cache()."),
+    "": "Remove the cache (call the model without it) and recompute the sequence each step.",
+}
+
+
+def kv_cache_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The submodules of ``model`` that hold a KV cache in their own buffers: a module with both a ``k_cache`` and a
+    ``v_cache`` buffer (torchtune's ``KVCache``, OLMo-core's ``KVCacheManager``), as ``(path, module)``."""
+    found = []
+    for path, mod in model.named_modules():
+        own = {n for n, _ in mod.named_buffers(recurse=False)}
+        if {"k_cache", "v_cache"} <= own:
+            found.append((path, mod))
+    return found
+
+
 def _explain_export_error(model: nn.Module, e: BaseException, args: tuple, kwargs: dict) -> str:
     """The CaptureError text for export's exception ``e``: the likely cause first (a float tensor where token ids
     belong; a data-dependent check in the model's code, with its place), then export's own first line."""
@@ -422,12 +444,19 @@ def _explain_export_error(model: nn.Module, e: BaseException, args: tuple, kwarg
         return (f"torch.export could not capture {name}: {which} reaches an embedding lookup, which takes integer "
                 f"token ids{at}. Pass token ids as a torch.long (or int) tensor. (export: {type(e).__name__}: {first})")
     if "data-dependent" in text or "DataDependent" in type(e).__name__:
+        caches = kv_cache_modules(model)
+        if caches:
+            path, mod = caches[0]
+            of = f", one of {len(caches)}" if len(caches) > 1 else ""
+            cause = (f"the KV cache the model keeps in its own modules, {path} ({type(mod).__name__}{of}): its write "
+                     "positions come from the cache's own buffers, so each call would need another graph. "
+                     + _CACHE_ADVICE.get(type(mod).__module__.split(".")[0], _CACHE_ADVICE[""]))
+        else:
+            cause = ("state the model keeps across calls (a KV cache set up inside the model), or an input check. "
+                     "Remove the check, or call the model in a way that does not reach it.")
         return (f"torch.export could not capture {name}: the model's code branches on a tensor's value (an `if`, "
-                f"`assert` or `.item()` on data){at}, which a graph for every input cannot follow. This is typical of "
-                "state the model keeps across calls: a KV cache set up inside the model (torchtune's setup_caches: "
-                "call without it, e.g. within torchtune.modules.common_utils.disable_kv_cache(model), or remove it "
-                "with delete_kv_caches(model)), or of input checks. Remove the check, or call the model in a way "
-                f"that does not reach it. (export: {type(e).__name__}: {first})")
+                f"`assert` or `.item()` on data){at}, which a graph for every input cannot follow. The likely cause "
+                f"is {cause} (export: {type(e).__name__}: {first})")
     m = re.search(r"Unsupported input type <class '([\w.]+)'>", text)
     if m:
         cls = m.group(1).rsplit(".", 1)[-1]
