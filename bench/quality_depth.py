@@ -192,6 +192,43 @@ def step_time(rec: dict) -> float:
     return min(statistics.median(w) for w in windows if len(w) >= min(WINDOW, len(steps)))
 
 
+#: a training-loss rise worth naming on the page: the loss averaged over RISE_SMOOTH steps climbing more than
+#: RISE_NATS above its lowest earlier value (late in these runs the batch-to-batch noise lifts it by ≤ ~0.06)
+RISE_SMOOTH, RISE_NATS = 25, 0.09
+
+
+def loss_rise(rec: dict) -> tuple[float, int, float, int, float]:
+    """The largest rise of a run's smoothed training loss above its lowest earlier value: (rise, step of that low,
+    low, step of the peak, peak); steps are the windows' centres (1-based), from the 30th window on."""
+    c = rec["train_losses"]
+    w = min(RISE_SMOOTH, len(c))
+    sm = [statistics.fmean(c[i:i + w]) for i in range(len(c) - w + 1)]
+    best, lo = (0.0, 0, sm[0], 0, sm[0]), 0
+    for t, v in enumerate(sm):
+        if v < sm[lo]:
+            lo = t
+        if t >= 30 and v - sm[lo] > best[0]:
+            best = (v - sm[lo], lo + w // 2 + 1, sm[lo], t + w // 2 + 1, v)
+    return best
+
+
+def _rises(runs: dict[str, list[dict]]) -> str:
+    """A sentence naming the runs whose training loss rose by more than RISE_NATS, and the largest rise elsewhere."""
+    found, other = [], 0.0
+    for rs in runs.values():
+        for r in sorted(rs, key=lambda r: r["seed"]):
+            rise, s0, low, s1, peak = loss_rise(r)
+            if rise > RISE_NATS:
+                found.append(f"{r['label']}, seed {r['seed']}: {low:.2f} at step {s0} → {peak:.2f} at step {s1}")
+            else:
+                other = max(other, rise)
+    head = (f"**Loss rises.** Training loss (mean over {RISE_SMOOTH} steps) climbing more than {RISE_NATS} nats above "
+            "its lowest earlier value: ")
+    return head + ("; ".join(found) if found else "none") + (
+        f". In every other run the largest such rise is {other:.3f}." if found else
+        f" (the largest rise is {other:.3f}).")
+
+
 def _final(rec: dict) -> float:
     return rec["val_points"][-1][1]
 
@@ -337,6 +374,8 @@ paper's 10B-token ablation. The spread of the variants' mean validation losses i
 4 per variant, so across the table one or two such agreements are expected by chance). The block-count
 axis has one seed and cannot separate differences smaller than that standard deviation. The costs (step time,
 activations) are those of the reference ops on a CPU; see `bench/RESULTS.md` for kernels and GPUs.
+
+{_rises(runs)}
 """
     return text
 

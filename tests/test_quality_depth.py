@@ -65,6 +65,21 @@ def test_section_pairs_by_seed_counts_signs_and_puts_the_papers_beside():
     assert "Wall time of all runs together: 1.00 h" in text  # overlapping runs count once
 
 
+def test_loss_rises_are_named_on_the_page():
+    """A run whose smoothed training loss climbs back up by more than RISE_NATS is named with where and how far; the
+    others' largest rise is stated. Steps are the smoothing windows' centres."""
+    flat = [3.0 - 0.001 * i for i in range(200)]
+    bump = flat[:100] + [flat[99] + 0.3] * 50 + flat[150:]
+    assert quality_depth.loss_rise({"train_losses": flat})[0] == 0.0
+    rise, s0, low, s1, peak = quality_depth.loss_rise({"train_losses": bump})
+    assert abs(rise - 0.3) < 0.03 and s0 < 100 < s1 <= 150 and peak > low
+    runs = {"vanilla": [_record("vanilla", 0, 2.0, train_losses=flat)],
+            "moda": [_record("moda", 1, 2.0, train_losses=bump)]}
+    text = section(runs, PRESET, "p.png")
+    assert "**Loss rises.**" in text and "MODA, seed 1: " in text and "In every other run the largest such rise is 0.000" in text
+    assert "none (the largest rise is 0.000)" in section({"vanilla": runs["vanilla"]}, PRESET, "p.png")
+
+
 def test_step_time_is_the_least_contended_window():
     """Runs share the machine: a stretch slowed 2x by other work does not set the step time."""
     steps = [40.0] * 20 + [2.0] * 50 + [1.0] * 50 + [2.0] * 30
