@@ -231,3 +231,21 @@ def test_derived_size_guards():
     odd = GraphEntry(module=None, structure="t", guards=({0: ("s0", 2, None)}, {0: Derived(sympy.Function("f")(s0))}),
                      seconds=0.0)
     assert odd.complete and odd.matches([torch.zeros(3), torch.zeros(9)]) and not odd.complete
+
+
+def test_a_called_module_whose_weight_became_a_shard_is_resharded():
+    """A module the graphs call is opaque to the module-tree check, except that every tensor shape it held must
+    still be there: a weight replaced by a smaller local shard (tensor parallelism with plain tensors, torchtitan's
+    spmd_types) may change its output's size, so the graphs around it are captured again. Tensors added beside the
+    old ones (a LoRA layer's) or of the same shape (a quantized or resharded-as-DTensor weight) are no change."""
+    from depthrewrite.runtime.tree import ModuleTree
+
+    root = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+    before = ModuleTree(root, {"0": True})
+    assert before.called_shapes["0"] == {(8, 4): 1, (8,): 1}
+    root[0].extra = nn.Linear(4, 2)  # LoRA-like: beside the old weight
+    assert before.resharded(ModuleTree(root, {"0": True})) is None
+    root[0].weight = nn.Parameter(torch.zeros(8, 4))  # the same shape, another tensor
+    assert before.resharded(ModuleTree(root, {"0": True})) is None
+    root[0].weight = nn.Parameter(torch.zeros(4, 4))  # a shard
+    assert before.resharded(ModuleTree(root, {"0": True})) == ("0", (8, 4))

@@ -180,6 +180,11 @@ class ConversionState:
         new = ModuleTree(model, self.tree.called)
         if new.logical != self.tree.logical:
             return False
+        resharded = self.tree.resharded(new)
+        if resharded is not None:  # a called module's output may change size: the graphs around it recaptured
+            log.info("depthrewrite: %s: %s no longer holds a tensor of shape %s (resharded); recapturing",
+                     self.original.__name__, *resharded)
+            return False
         wrapped = self._subclass_read_inline(model)
         if wrapped is not None:  # its graphs read it as aten ops a tensor subclass may not implement: recapture
             log.info("depthrewrite: %s: %s is now a %s read by the graphs' own ops; recapturing",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import operator
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Any, Iterator
 
 import torch
@@ -116,7 +116,7 @@ class ModuleTree:
     identities of every parameter and buffer."""
 
     __slots__ = ("names", "mods", "types", "owners", "children", "hooks", "hook_snapshot", "tensors", "config",
-                 "ckpt_owners", "ckpt", "called", "logical")
+                 "ckpt_owners", "ckpt", "called", "logical", "called_shapes")
 
     def __init__(self, root: nn.Module, called: dict[str, bool] | None = None):
         named = [(n, m) for n, m in root.named_modules() if m is not root]
@@ -138,6 +138,7 @@ class ModuleTree:
         self.ckpt_owners = [m for m in self.owners if "gradient_checkpointing" in m.__dict__]
         self.ckpt = [m.__dict__["gradient_checkpointing"] for m in self.ckpt_owners]
         self.called = dict(called or {})  # called_modules() of the graphs this tree runs: opaque in logical
+        self.called_shapes: dict[str, Counter] = {}  # filled by _logical: the shapes each called module holds
         self.logical = self._logical()  # taken now: the modules it reads change in place
 
     def changed(self, root: nn.Module) -> bool:
@@ -182,6 +183,8 @@ class ModuleTree:
             if root is not None:
                 if root == cname:  # inside a called module: nothing the graphs read
                     items.append((cname, "called", typ if self.called[cname] else None, _inside(mod)))
+                    self.called_shapes[cname] = Counter(tuple(t.shape) for t in (*mod.parameters(), *mod.buffers())
+                                                        if not nn.parameter.is_lazy(t))
                 continue
             block = isinstance(mod, ConvertedBlock)
             hooks = () if block else tuple(tuple(d.values()) for d in self.hook_snapshot[4 * i:4 * i + 4])
@@ -190,6 +193,18 @@ class ModuleTree:
                 tensors(cname, mod._parameters), tensors(cname, mod._buffers),
             ))
         return tuple(items), self.config
+
+    def resharded(self, new: "ModuleTree") -> tuple[str, tuple] | None:
+        """``(path, shape)`` of a module every graph calls that no longer holds a tensor of a shape it held when
+        recorded: its weights were replaced by smaller local shards (tensor parallelism with plain local tensors, as
+        torchtitan's ``spmd_types`` backend shards them), so its output may have other sizes than the graph around
+        it was traced with. Tensors added beside the old ones (a LoRA layer) or of the same shape (a quantized or
+        FSDP2-sharded weight, which keep their logical shape) are no change. None when nothing was resharded."""
+        for path, had in self.called_shapes.items():
+            now = new.called_shapes.get(path)
+            if now is not None and not had <= now:
+                return path, next(s for s in had if had[s] > now[s])
+        return None
 
     def user_hooks(self) -> list[tuple[str, Any]]:
         """``(module path, hook)`` for hooks on submodules that no library we know installed (transformers records

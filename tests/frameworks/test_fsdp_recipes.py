@@ -14,7 +14,8 @@ torchtitan's own tensor parallelism (issue #24 item 2, #25 item 2) runs in the s
 sharding configs (``set_llama3_sharding_config``, as its trainer sets them) and ``model.parallelize(parallel_dims)``
 on a 2-rank TP mesh, converting before and after parallelising. Its modules keep activations as DTensors between
 them; the converted graph computes its depth mixing on their (replicated) local values and hands them back as
-DTensors (docs/training.md). Each rank runs the whole batch: loss and gradients equal one process."""
+DTensors (docs/training.md). Each rank runs the whole batch: loss and gradients equal one process. Its default
+``spmd_backend="spmd_types"`` (plain local shards, no DTensor) is run as its trainer runs it."""
 
 from __future__ import annotations
 
@@ -64,8 +65,18 @@ TP_CASES = [
     # graph's tensors; its FlexAttention refuses a CPU backward (as the original does): forward only
     *[(f"torchtitan-tp-flex-{s}", "torchtitan", "llama3-flex", "parallelize", s) for s in ("mhc", "msar")],
     ("torchtitan-tp-first-flex-attnres", "torchtitan", "llama3-flex", "parallelize:first", "attnres"),
+    # its default spmd_backend="spmd_types": weights become plain local shards, activations plain tensors, the
+    # redistributions run in each module's wrapped forward (the converted model calls them live); a conversion
+    # before parallelising is captured again when its called modules' weights shrink to shards
+    ("torchtitan-spmd-attnres", "torchtitan", "llama3", "spmd", "attnres"),
+    ("torchtitan-spmd-block-msar", "torchtitan", "llama3", "spmd", "block-msar"),
+    ("torchtitan-spmd-first-mhc", "torchtitan", "llama3", "spmd:first", "mhc"),
+    # MoDA rewrites the attention with whole heads: the traced redistributions (collectives) are refused, in both orders
+    ("torchtitan-spmd-moda", "torchtitan", "llama3", "spmd", "moda"),
+    ("torchtitan-spmd-first-moda", "torchtitan", "llama3", "spmd:first", "moda"),
 ]
 CASES += TP_CASES
+SPMD_REFUSED = ("torchtitan-spmd-moda", "torchtitan-spmd-first-moda")
 REFUSED = {"olmo_core-full-attnres": "lm_head is sharded with FSDP (fully_shard): its parameters are gathered by hooks",
            "torchtitan-tp-moda": "layers.0.attention has its forward replaced on the instance"}
 SP_REFUSED = "torchtitan-tp-sp-attnres"
@@ -165,6 +176,66 @@ def _titan_tp_case(name: str, recipe: str, scheme: str) -> dict:
                 sharded=sharded)
 
 
+def _titan_spmd_case(recipe: str, scheme: str) -> dict:
+    """torchtitan's TP with its default ``spmd_backend="spmd_types"`` (set process-wide, as its trainer does, and put
+    back after), forward and backward inside its ``get_spmd_context``, against one process. The output is each rank's
+    plain vocabulary shard: gathered (differentiably) into the whole logits; a sharded weight's gradient is compared
+    with its slice of the reference's."""
+    import torch.distributed.nn.functional as dist_fn
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    import torchtitan.distributed.utils as titan_dist
+    from torch.testing._internal.distributed import fake_pg  # noqa: F401  (torchtitan's size-1 mesh axes use it)
+
+    from tests.frameworks.models import build, example_inputs
+
+    parallel_dims.device_type = "cpu"
+    before = titan_dist.get_spmd_backend()
+    titan_dist.set_spmd_backend("spmd_types")
+    try:
+        dims = parallel_dims.ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=WORLD, pp=1, ep=1, world_size=WORLD,
+                                          spmd_backend="spmd_types")
+        dims.build_mesh()
+        spmd = titan_dist.get_spmd_context(parallel_dims=dims)
+        model, _, _ = build("torchtitan", "llama3", sharding="tp")
+        model.train()
+        (ids,), _ = example_inputs(model)
+        if recipe.endswith(":first"):
+            ref = dr.convert(copy.deepcopy(model), scheme, example_inputs=(ids,))
+            with spmd():
+                model.parallelize(dims)
+                conv = dr.convert(model, scheme, example_inputs=(ids,))
+        else:
+            conv = dr.convert(model, scheme, example_inputs=(ids,))
+            ref = copy.deepcopy(conv)
+        g = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for p, q in zip(conv.depthrewrite.parameters(), ref.depthrewrite.parameters()):
+                r = torch.randn(p.shape, generator=g) * 0.1
+                p.copy_(r)
+                q.copy_(r)
+        if not recipe.endswith(":first"):
+            with spmd():
+                conv.parallelize(dims)
+        want = ref(ids).float().pow(2).mean()
+        want.backward()
+        with spmd():
+            out = torch.cat(dist_fn.all_gather(conv(ids).contiguous()), dim=-1).float()
+            loss = out.pow(2).mean()
+            (loss / WORLD).backward()  # every rank computes the whole loss; the gather's backward sums their grads
+        rank, ref_grads, worst, sharded = dist.get_rank(), dict(ref.named_parameters()), 0.0, 0
+        for n, p in conv.named_parameters():
+            r = ref_grads[n].grad
+            if p.shape != r.shape:  # a local shard: this rank's slice of the whole gradient
+                sharded += 1
+                d = next(i for i, (a, b) in enumerate(zip(p.shape, r.shape)) if a != b)
+                r = r.chunk(WORLD, d)[rank]
+            worst = max(worst, (p.grad - r).abs().max().item())
+        return dict(loss=loss.item(), ref=want.item(), grad=worst, sharded=sharded,
+                    module_calls=conv.__dict__["_depthrewrite"].module_calls)
+    finally:
+        titan_dist.set_spmd_backend(before)
+
+
 def _flex_kwargs(model):
     """ids -> torchtitan's FlexAttention kwargs for them (positions and the BlockMask its model builds)."""
     masks = model.get_attention_masks
@@ -182,6 +253,8 @@ def _case(mesh, rank: int, framework: str, name: str, recipe: str, scheme: str) 
 
     if recipe.startswith("parallelize"):
         return _titan_tp_case(name, recipe, scheme)
+    if recipe.startswith("spmd"):
+        return _titan_spmd_case(recipe, scheme)
 
     with _stubbed(framework):
         flex = name.endswith("-flex")  # torchtitan with FlexAttention: each call takes positions and their BlockMask
@@ -244,7 +317,8 @@ def recipe_results(tmp_path_factory):
     return torch.load(tmp / "rank0.pt")
 
 
-@pytest.mark.parametrize("case", [c[0] for c in CASES if c[0] not in REFUSED and c[0] != SP_REFUSED])
+@pytest.mark.parametrize("case", [c[0] for c in CASES if c[0] not in REFUSED and c[0] != SP_REFUSED
+                                  and c[0] not in SPMD_REFUSED])
 def test_framework_recipe_trains_as_one_process(recipe_results, case):
     got = recipe_results[case]
     assert "error" not in got, got
@@ -267,6 +341,17 @@ def test_torchtitan_sequence_parallelism_is_a_typed_error(recipe_results):
     got = recipe_results[SP_REFUSED]
     assert got.get("error") == "ConfigError", got
     assert "tok_embeddings returned a DTensor placed as (Shard(dim=1),)" in got["text"], got
+
+
+@pytest.mark.parametrize("case", SPMD_REFUSED)
+def test_moda_under_torchtitans_spmd_types_tensor_parallelism_is_a_typed_error(recipe_results, case):
+    """With plain local shards nothing is a DTensor, and MoDA's attention, traced with the plan's redistributions,
+    used to pair a rank's heads with other heads' depth slots (logits off by 0.1, no error) when converted after
+    parallelising, and to fail in a reshape when converted before. Both orders are now a ConfigError naming the
+    traced communication."""
+    got = recipe_results[case]
+    assert got.get("error") == "ConfigError", got
+    assert "MoDA cannot convert a tensor-parallel model" in got["text"] and "_c10d_functional" in got["text"], got
 
 
 def test_an_fsdp1_wrapper_is_a_typed_error():
