@@ -166,7 +166,7 @@ def test_sequence_parallelism_is_a_typed_error(tp_results):
 
 
 # ---- 2-D: FSDP2 over data-parallel ranks x tensor parallelism, 4 gloo ranks (mesh dp=2 x tp=2) -------------------
-TWO_D = ("attnres", "mhc")
+TWO_D = ("attnres", "mhc", "block-msar")
 
 
 def _case_2d(mesh, rank: int, scheme: str) -> dict:
