@@ -84,6 +84,7 @@ class GraphEntry:
     calls: int = 0
     runner: Any = None  # the module a call runs: glue plus one call per block module (depthrewrite.blocks); None: module
     offloaded: tuple = ()  # (path, module, hook): accelerate-offloaded modules its graphs read directly (.offload)
+    collective: str | None = None  # a cross-rank collective traced into the graphs it runs (described), if any
 
     @property
     def run(self) -> fx.GraphModule:
@@ -96,6 +97,11 @@ class GraphEntry:
         module hook (FlopCounterMode, ModuleTracker) needs."""
         calls = self.runner.meta.get("depthrewrite_module_calls") if self.runner is not None else None
         return bool(calls and calls["called"])
+
+    def graphs(self) -> list[fx.Graph]:
+        """The graphs a call runs: the runner's and its block programs', or the flat graph's."""
+        run = self.run
+        return [run.graph, *(p.graph for p in run.__dict__.get("_dr_programs", {}).values())]
 
     def matches(self, tensors: list[torch.Tensor]) -> bool:
         """Whether a call's tensors (flattened, in the graph's input order) fit this graph's shape guards: every

@@ -21,6 +21,7 @@ from ..capture import CONTINUATION_META, is_cache, register_cache_support
 from ..converted import as_converted
 from ..errors import ConfigError, DepthRewriteError
 from ..flexattention import is_block_mask, register_block_mask_for
+from ..passes.analyse.graph import describe_collective, first_collective
 from ..passes.lower.module_calls import is_dtensor
 from ..passes.rewrite.msar_decode import HISTORY_META
 from ..pipeline import split
@@ -277,6 +278,8 @@ class ConversionState:
         entry = GraphEntry(module=gm, structure=structure, guards=guards, seconds=time.perf_counter() - t0,
                            runner=runner)
         entry.offloaded = offloaded_reads(model, direct_reads([entry]))
+        traced = first_collective(entry.graphs())
+        entry.collective = describe_collective(traced) if traced is not None else None
         # the first capture adds model.depthrewrite; what is opaque depends on every graph kept, this one too
         self.tree = ModuleTree(model, called_modules([*self.entries(), entry]))
         log.info("depthrewrite: captured a graph for %s (%s) in %.2f s", self.original.__name__, structure, entry.seconds)
@@ -374,6 +377,12 @@ class ConversionState:
                 "call with use_cache=False."
             )
         tracing = exporting or torch.compiler.is_dynamo_compiling()
+        refuse = None
+        if entry.collective is not None and torch.is_grad_enabled() and not exporting:
+            refuse = _traced_collectives_error(entry, self.original.__name__,
+                                               self.blocks_note if entry.runner is None else None)
+            if torch.compiler.is_dynamo_compiling():  # no backward hook in a trace: refused before it
+                raise refuse
         if not tracing and tree_module.CHECK_MODULE_TREE:
             check_global_hooks(entry, self.original.__name__)
         try:
@@ -387,6 +396,8 @@ class ConversionState:
             if tree_module.CHECK_MODULE_TREE:
                 check_global_hooks(entry, self.original.__name__)
             out = _run(entry, pos, kw)
+        if refuse is not None:
+            _no_backward(out, refuse)
         self.last[bool(model.training)] = entry
         entry.calls += 1
         history = None
@@ -400,6 +411,33 @@ class ConversionState:
             store_history(target, history)
             target.__dict__[SEEN_TOKENS] = target.get_seq_length()
         return out
+
+
+def _traced_collectives_error(entry: GraphEntry, name: str, flat_because: str | None) -> ConfigError:
+    """A graph that runs a tensor-parallel plan's communication inlined (traced from the modules' own code, as
+    torchtitan's ``spmd_types`` backend does) computes the forward right, but the plan's backward communication (the
+    gradient all-reduce of a column-parallel layer's input, an autograd function whose forward is the identity) was
+    not traced: gradients would be wrong, silently. The error a backward through such a call raises."""
+    why = (f"the model runs one flat graph ({flat_because}), which calls no module" if flat_because is not None else
+           "this conversion inlines the modules (module_calls=False, or a module whose call cannot be kept)")
+    return ConfigError(
+        f"the converted {name} cannot compute gradients through this call: its graph for it ({entry.structure}) runs "
+        f"the model's own cross-rank communication inlined ({entry.collective}), because {why}. Traced into a graph, "
+        "tensor parallelism keeps its forward communication (the forward is exact) but loses what its modules do in "
+        "backward (the gradient all-reduce of a column-parallel layer's input), so the gradients would be wrong. "
+        "Convert with module calls (the default, module_calls=None) so the parallelised modules run live, or use this "
+        "call for inference only (under torch.no_grad() nothing is refused)."
+    )
+
+
+def _no_backward(out: Any, error: Exception) -> None:
+    """Make a backward through any tensor of ``out`` raise ``error`` (the forward stays usable)."""
+    def refuse(grad):
+        raise error
+
+    for t in pytree.tree_leaves(out):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(refuse)
 
 
 FULLGRAPH_REASON = (

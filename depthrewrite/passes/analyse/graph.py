@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 from functools import cached_property
+from typing import Iterable
 
 import networkx as nx
 import torch
@@ -44,6 +45,26 @@ def module_path_of(node: fx.Node) -> str | None:
         return None
     path = list(stack.values())[-1][0]
     return normalise_module_path(path)
+
+
+#: op namespaces of collective communication traced into a graph (a model's own tensor-parallel code)
+COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d", "_c10d_functional_autograd")
+
+
+def first_collective(graphs: Iterable[fx.Graph]) -> fx.Node | None:
+    """The first node of ``graphs`` that communicates across ranks (a collective traced from the model's own code,
+    such as a tensor-parallel plan's all-reduce run inside an inlined module), or None."""
+    for g in graphs:
+        for n in g.nodes:
+            if n.op == "call_function" and getattr(n.target, "namespace", None) in COLLECTIVE_NAMESPACES:
+                return n
+    return None
+
+
+def describe_collective(n: fx.Node) -> str:
+    """``"_c10d_functional.all_reduce in layers.0.attention.wo, node all_reduce"``."""
+    where = module_path_of(n) or "the model's own code"
+    return f"{n.target.namespace}.{n.target._opname} in {where}, node {n.name}"
 
 
 class Dataflow:

@@ -31,7 +31,7 @@ import torch.nn as nn
 from ...errors import AttentionPatternError, ConfigError
 from ...kernels import moda as _kernels  # noqa: F401  (registers depthrewrite::moda_*, the ops this rewrite inserts)
 from ..analyse.chain import Branch, Chain
-from ..analyse.graph import module_path_of
+from ..analyse.graph import describe_collective, first_collective, module_path_of
 from ..analyse.ops import op_name, op_of, strip_alias, tensor_val
 from ..meta import NodeRole, depth_op_name, inherit_meta, role_of, sizes_of, unsafe_view_of
 from ..result import Change, PassResult
@@ -844,26 +844,20 @@ def _writes(n: fx.Node) -> bool:
     return schema is None and n.target is not operator.getitem or bool(schema is not None and schema.is_mutable)
 
 
-#: op namespaces of collective communication traced into a graph (a model's own tensor-parallel code)
-_COLLECTIVES = ("_c10d_functional", "c10d", "_c10d_functional_autograd")
-
-
 def _refuse_collectives(gm: fx.GraphModule) -> None:
     """MoDA rewrites each attention with whole heads and adds replicated parameters per head (λ, the FFN slots' K/V
     projections): under tensor parallelism with local tensors (torchtitan's ``spmd_types`` backend: the weights are
     plain local shards and the redistributions are traced as collectives) a rank's heads would be paired with other
     heads' slots, silently. A graph holding collective communication is refused, naming where it came from."""
-    for n in gm.graph.nodes:
-        ns = getattr(n.target, "namespace", None) if n.op == "call_function" else None
-        if ns in _COLLECTIVES:
-            where = module_path_of(n) or "the model's own code"
-            raise ConfigError(
-                f"MoDA cannot convert a tensor-parallel model: the captured graph communicates across ranks "
-                f"({ns}.{n.target._opname} in {where}, node {n.name}), and MoDA rewrites each attention with whole "
-                "heads and per-head parameters of its own. Train MoDA without tensor parallelism (data parallelism "
-                "and FSDP2 work), or use AttnRes, MSAR or mHC, which keep the attention a module of its own and run "
-                "under tensor parallelism (docs/training.md#tensor-parallelism)."
-            )
+    n = first_collective([gm.graph])
+    if n is not None:
+        raise ConfigError(
+            f"MoDA cannot convert a tensor-parallel model: the captured graph communicates across ranks "
+            f"({describe_collective(n)}), and MoDA rewrites each attention with whole "
+            "heads and per-head parameters of its own. Train MoDA without tensor parallelism (data parallelism "
+            "and FSDP2 work), or use AttnRes, MSAR or mHC, which keep the attention a module of its own and run "
+            "under tensor parallelism (docs/training.md#tensor-parallelism)."
+        )
 
 
 def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassResult:
