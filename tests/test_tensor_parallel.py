@@ -3,7 +3,9 @@
 layer, 2 gloo ranks, converting before and after parallelising. A tensor-parallel model converts with module calls
 (docs/design/module-calls.md): the attention and MLP sublayers the scheme leaves intact run as the live modules,
 so the plan's hooks and sharded weights act as on the original. Losses and gradients equal one process; what cannot
-work yet (MoDA, which changes the attention itself; sequence parallelism) is a typed error."""
+work yet (sequence parallelism) is a typed error. MoDA, which changes the attention itself, runs its attention with
+every head on every rank: the column-parallel projections' outputs are gathered, the row-parallel output projection
+gets each rank's slice back."""
 
 from __future__ import annotations
 
@@ -31,7 +33,10 @@ CASES = [
     ("attnres-tp", "llama", "attnres", "tp"),
     ("block-msar-tp", "llama", "block-msar", "tp"),
     ("qwen2-mhc-tp", "qwen2", "mhc", "tp"),  # q/k/v with biases (Qwen's plan shards them with the weights)
+    # MoDA rewrites the attention: its q/k/v outputs are gathered whole, o_proj gets this rank's slice back
     ("moda-convert", "llama", "moda", "convert"),
+    ("moda-tp", "llama", "moda", "tp"),
+    ("qwen2-moda-tp", "qwen2", "moda", "tp"),
     ("sp-attnres-tp", "llama", "attnres", "sp"),
 ]
 
@@ -100,8 +105,23 @@ def _case(mesh, model_name: str, scheme: str, order: str) -> dict:
     st = conv.__dict__["_depthrewrite"]
     sharded = sum(type(p).__name__ == "DTensor" for p in conv.parameters())
     new_sharded = sum(type(p).__name__ == "DTensor" for p in conv.depthrewrite.parameters())
+    gathered, sliced = _reshards(conv)
     return dict(loss=losses[0], ref=losses[1], grad=worst, module_calls=st.module_calls, sharded=sharded,
-                new_sharded=new_sharded)
+                new_sharded=new_sharded, gathered=gathered, sliced=sliced)
+
+
+def _reshards(conv) -> tuple[int, int]:
+    """In the first block program: how many q/k/v projections' outputs are checked where the graph needs them whole
+    (each is gathered when it comes out as this rank's slice), and how many inputs are sliced for a row-parallel
+    module (as_local_shard)."""
+    from depthrewrite.passes.lower.module_calls import as_local_shard, check_local_shape
+
+    progs = conv.__dict__["_depthrewrite"].last[True].runner.__dict__["_dr_programs"]
+    g = next(iter(progs.values())).graph
+    sliced = sum(n.target is as_local_shard for n in g.nodes)
+    gathered = sum(n.target is check_local_shape and str(n.args[2]).endswith(("q_proj", "k_proj", "v_proj"))
+                   for n in g.nodes)
+    return gathered, sliced
 
 
 def _worker(rank: int, init_file: str, out_dir: str) -> None:
@@ -138,7 +158,7 @@ def tp_results(tmp_path_factory):
     return [torch.load(tmp / f"rank{r}.pt") for r in range(WORLD)]
 
 
-@pytest.mark.parametrize("case", [c[0] for c in CASES if c[2] != "moda" and c[3] != "sp"])
+@pytest.mark.parametrize("case", [c[0] for c in CASES if c[3] != "sp"])
 def test_tensor_parallel_trains_as_one_process(tp_results, case):
     for r in tp_results:
         got = r[case]
@@ -149,13 +169,13 @@ def test_tensor_parallel_trains_as_one_process(tp_results, case):
         assert got["sharded"] > 0 and got["new_sharded"] == 0  # the depth-mixing parameters are replicated
 
 
-def test_moda_under_tensor_parallelism_is_a_typed_error(tp_results):
+def test_moda_under_tensor_parallelism_runs_every_head_on_every_rank(tp_results):
     """MoDA changes the attention (depth K/V join its softmax), so the attention runs as graph operations traced with
-    whole heads; the sharded q_proj's local output is refused where it comes out, not in a reshape later."""
+    every head. It used to be refused where the sharded q_proj's local output came out; now the column-parallel
+    q/k/v outputs are gathered whole (differentiably) and o_proj gets each rank's slice: the graph shows both."""
     for r in tp_results:
-        got = r["moda-convert"]
-        assert got.get("error") == "ConfigError", got
-        assert "q_proj returned a tensor of shape" in got["text"] and "tensor-parallel plan" in got["text"]
+        for case in ("moda-convert", "moda-tp", "qwen2-moda-tp"):
+            assert r[case]["gathered"] >= 3 and r[case]["sliced"] >= 1, (case, r[case])
 
 
 def test_sequence_parallelism_is_a_typed_error(tp_results):
@@ -166,7 +186,7 @@ def test_sequence_parallelism_is_a_typed_error(tp_results):
 
 
 # ---- 2-D: FSDP2 over data-parallel ranks x tensor parallelism, 4 gloo ranks (mesh dp=2 x tp=2) -------------------
-TWO_D = ("attnres", "mhc", "block-msar")
+TWO_D = ("attnres", "mhc", "block-msar", "moda")
 
 
 def _case_2d(mesh, rank: int, scheme: str) -> dict:

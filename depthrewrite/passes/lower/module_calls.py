@@ -33,13 +33,14 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ...flexattention import is_block_mask_type
 from ..analyse.ops import alias_of
 from ..meta import role_of
 
 __all__ = ["CALL_META", "HOOK_ATTRS", "LOWERED_META", "SIGNATURES_META", "STAMP_META", "ModuleCallInfo",
-           "candidate_paths", "check_live_modules", "check_local_shape", "export_with_signatures", "hooks_out_for_capture",
+           "as_local_shard", "candidate_paths", "check_live_modules", "check_local_shape", "export_with_signatures", "hooks_out_for_capture",
            "hook_owner", "is_dtensor", "lower_module_calls", "sequence_parallel", "stamp", "take_hooks_out",
            "tensor_parallel", "traced_hook"]
 
@@ -206,8 +207,34 @@ def _holds_tp(model: nn.Module, path: str) -> bool:
     if any(next(_styles_of(h), None) is not None for m in mod.modules()
            for attr in ("_forward_pre_hooks", "_forward_hooks") for h in getattr(m, attr).values()):
         return True
-    return any(is_dtensor(p) and not _fsdp_managed(model, ".".join(x for x in (path, n.rpartition(".")[0]) if x))
+    return any(is_dtensor(p) and (not _fsdp_managed(model, ".".join(x for x in (path, n.rpartition(".")[0]) if x))
+                                  or _sharded_before_fsdp(model, p))
                for n, p in mod.named_parameters())
+
+
+def _sharded_before_fsdp(model: nn.Module, param: torch.Tensor) -> bool:
+    """Whether FSDP2 manages ``param`` and it was a DTensor before ``fully_shard`` (a tensor-parallel weight of a 2-D
+    FSDP × TP model, as torchtitan's ``parallelize_llama`` makes them): it runs as a DTensor on the TP mesh inside the
+    module's forward. Read from FSDP2's per-parameter records (``FSDPParam.is_dtensor``), which also give the mesh it
+    runs on (kept for :func:`_dtensor_mesh`)."""
+    for m in model.modules():
+        if not is_fsdp(m) or not hasattr(m, "_get_fsdp_state"):
+            continue
+        try:
+            group = m._get_fsdp_state()._fsdp_param_group
+            records = list(group.fsdp_params) if group is not None else []
+        except Exception:  # noqa: BLE001 - FSDP2 internals of another torch: no answer
+            return False
+        for fp in records:
+            spec = getattr(fp, "_unsharded_dtensor_spec", None)
+            if getattr(fp, "is_dtensor", False) and spec is not None:
+                _RUNS_ON[fp.sharded_param] = spec
+    return param in _RUNS_ON
+
+
+#: FSDP2-sharded parameters that were DTensors before ``fully_shard`` -> the DTensor spec they run as in forward (their
+#: TP mesh and placements)
+_RUNS_ON: Any = WeakIdKeyDictionary()
 
 
 def tensor_parallel(model: nn.Module) -> bool:
@@ -270,7 +297,8 @@ def sequence_parallel(model: nn.Module) -> tuple[str, str] | None:
 
 
 @torch.fx.wrap
-def check_local_shape(t: Any, dims: tuple | None, path: str, parent: str, why: str, to_output: bool = False) -> Any:
+def check_local_shape(t: Any, dims: tuple | None, path: str, parent: str, why: str, to_output: bool = False,
+                      module: nn.Module | None = None) -> Any:
     """Run-time check after a call of a module with tensor-parallel parameters: its output has the sizes the graph
     around it was traced with (static dimensions). A plan that leaves the output sharded (``ColwiseParallel``'s
     local output) fails here, with a ConfigError, instead of in a reshape further down.
@@ -298,6 +326,9 @@ def check_local_shape(t: Any, dims: tuple | None, path: str, parent: str, why: s
         return t
     if t.dim() == len(dims) and all(d is None or d == s for d, s in zip(dims, t.shape)):
         return t
+    whole = _gathered(t, dims, module)
+    if whole is not None:
+        return whole
     from ...errors import ConfigError
 
     want = tuple("*" if d is None else d for d in dims)
@@ -311,11 +342,72 @@ def check_local_shape(t: Any, dims: tuple | None, path: str, parent: str, why: s
     )
 
 
+def _sharded_weight(module: nn.Module | None, dim: int) -> Any:
+    """``module.weight`` when it is a DTensor sharded along ``dim`` on a 1-D mesh (``dim`` 0: ``ColwiseParallel``'s
+    Linear, whose local output is a slice of the features; 1: ``RowwiseParallel``'s, which takes a slice), else None."""
+    w = getattr(module, "weight", None) if module is not None else None
+    if not is_dtensor(w) or w.dim() != 2:
+        return None
+    spec = _RUNS_ON.get(w)  # FSDP2 x TP between steps: as it runs inside the forward
+    mesh, placements = (w.device_mesh, w.placements) if spec is None else (spec.mesh, spec.placements)
+    if mesh.ndim != 1 or not placements[0].is_shard() or placements[0].dim != dim:
+        return None
+    return w
+
+
+def _gathered(t: Any, dims: tuple, module: nn.Module | None) -> Any:
+    """A column-parallel Linear's local output, which the graph expects whole (a sublayer the scheme changes, such as
+    MoDA's attention, runs as graph operations traced with every head): every rank's slices gathered into the whole
+    tensor, differentiably (its backward hands each rank its slice of the gradient, which every rank computed
+    whole). None when ``t`` is not such a slice."""
+    w = _sharded_weight(module, 0)
+    if w is None or not isinstance(t, torch.Tensor) or is_dtensor(t) or t.dim() != len(dims):
+        return None
+    full = w.shape[0]
+    if dims[-1] != full or t.shape[-1] != w.to_local().shape[0] or \
+            any(d is not None and d != s for d, s in zip(dims[:-1], t.shape[:-1])):
+        return None
+    from torch.distributed.tensor import DTensor, Shard
+
+    shape = (*t.shape[:-1], full)
+    stride = tuple(int(torch.Size(shape)[i + 1:].numel()) for i in range(len(shape)))
+    return DTensor.from_local(t, w.device_mesh, [Shard(t.dim() - 1)], run_check=False, shape=torch.Size(shape),
+                              stride=stride).full_tensor()
+
+
+@torch.fx.wrap
+def as_local_shard(t: Any, module: nn.Module) -> Any:
+    """A whole tensor going into a row-parallel Linear (``RowwiseParallel``, which takes this rank's slice of the
+    features): this rank's slice, differentiably (its backward gathers every rank's slice of the gradient). Anything
+    else unchanged (a tensor already of the local width)."""
+    w = _sharded_weight(module, 1)
+    if w is None or not isinstance(t, torch.Tensor) or is_dtensor(t) or not t.is_floating_point() or t.dim() == 0:
+        return t
+    if t.shape[-1] != w.shape[1] or t.shape[-1] == w.to_local().shape[1]:
+        return t
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = w.device_mesh
+    return DTensor.from_local(t, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(t.dim() - 1)]).to_local()
+
+
+def _local_shard(graph: fx.Graph, x: Any, module: fx.Node, stack: dict) -> Any:
+    """``as_local_shard(x, module)`` for a floating tensor node ``x`` (anything else unchanged)."""
+    v = x.meta.get("val") if isinstance(x, fx.Node) else None
+    if not isinstance(v, torch.Tensor) or not v.is_floating_point():
+        return x
+    r = graph.create_node("call_function", as_local_shard, (x, module), name=f"{x.name}_local_shard")
+    r.meta.update({k: v for k, v in x.meta.items() if k in ("val", "tensor_meta")})
+    r.meta["nn_module_stack"] = stack
+    return r
+
+
 def _dtensor_mesh(module: nn.Module) -> Any:
     """The device mesh of the first DTensor parameter or buffer of ``module`` itself (not its submodules), or None."""
     for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
         if is_dtensor(t):
-            return t.device_mesh
+            spec = _RUNS_ON.get(t)  # FSDP2 x TP: the TP mesh, not the sharded parameter's 2-D one
+            return t.device_mesh if spec is None else spec.mesh
     return None
 
 
@@ -745,11 +837,15 @@ def lower_module_calls(gm: fx.GraphModule, blocks: tuple[str, ...] = (), live: n
             sig = info.signatures[path]
             flat = [env[inputs[a.name]] if a.name in inputs else a.value for a in sig.inputs]
             checked = path in tp
-            if checked and _takes_dtensors(live, path):
+            mod_node = None
+            if checked:
                 mod_node = out.create_node("get_attr", path, name=f"_dr_module_{len(called)}")
                 mod_node.meta["nn_module_stack"] = parent
+            if checked and _takes_dtensors(live, path):
                 values = _value_leaves(sig.in_spec)  # a BlockMask's tensors stay as they are
                 flat = [x if i in values else _replicated(out, x, mod_node, parent) for i, x in enumerate(flat)]
+            elif checked and _sharded_weight(live.get_submodule(path), 1) is not None:  # row-parallel: its input shard
+                flat = [_local_shard(out, x, mod_node, parent) for x in flat]
             args, kwargs = _unflatten_inputs(out, flat, sig.in_spec, parent)
             leaf = sig.out_spec.is_leaf()
             call = out.create_node("call_module", path, tuple(args), dict(kwargs),
@@ -775,7 +871,7 @@ def lower_module_calls(gm: fx.GraphModule, blocks: tuple[str, ...] = (), live: n
                     why = next((w for p, w in refused if p == parent_path), "")
                     to_output = bool(src.users) and all(u.op == "output" for u in src.users)
                     r = out.create_node("call_function", check_local_shape,
-                                        (r, dims, path, parent_path, why, to_output), name=src.name)
+                                        (r, dims, path, parent_path, why, to_output, mod_node), name=src.name)
                     r.meta.update({k: v for k, v in src.meta.items() if k in ("val", "tensor_meta")})
                     r.meta["nn_module_stack"] = parent
                 env[src] = r
