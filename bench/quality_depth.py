@@ -337,7 +337,9 @@ sublayers, hidden {cfg['hidden']}, {r0['model_params']:,} parameters. Every run:
 ({r0['tokens']:,} tokens), AdamW (lr {cfg['lr']}, β = (0.9, 0.95)), {cfg['warmup']} warmup steps then cosine decay,
 clipping 1.0, **compiled** (`torch.compile`, the `depthrewrite` backend; inductor for vanilla); validation every
 {cfg['eval_every']} steps on {cfg['eval_batches']} fixed windows of held-out files. Seed s gives every variant the same original
-weights and batches. Each run is one file in `docs/results_depth/`.
+weights and batches. Each run is one file in `docs/results_depth/`. Run the study with `python -m bench.quality
+--preset depth --jobs 2` (resumable: a run whose file exists is skipped; a progress bar per run on a terminal) and
+regenerate this section from the committed files with `python -m bench.quality --preset depth --report`.
 
 | variant | seeds | val loss (mean ± std) | − vanilla, paired by seed | new params | compiled step (ms) | first step, compile (s) | saved activations (MiB) | peak RSS (GiB) | init max\\|Δ\\|/max\\|ref\\| |
 |---|---|---|---|---|---|---|---|---|---|
@@ -353,7 +355,8 @@ step of the trained model (`bench.training.saved_bytes`, one {cfg['batch']} × {
 compile included. Load average at the end of the runs: {min(loads) if loads else float('nan'):.1f}–{max(loads) if loads else float('nan'):.1f}
 on {r0['cores']} cores ({' or '.join(map(str, jobs))} run(s) at a time, at times beside other work, which slows whole
 stretches of a run by up to 2×: the step times are indicative, the ratios to vanilla rough). Wall time of all runs together: {_wall_hours(allr):.2f} h (the union of the
-runs' intervals, however many ran at once); their own times add up to {_run_hours(allr):.2f} h, {_run_hours(allr) / 2:.2f} h of wall time two at a time.
+runs' intervals, however many ran at once); their own times add up to {_run_hours(allr):.2f} h, {_run_hours(allr) / 2:.2f} h of wall time two at a time (`--jobs 2`;
+the issue's budget is 3 h on this machine).
 
 ### Against the papers
 
