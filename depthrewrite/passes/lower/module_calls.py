@@ -27,7 +27,7 @@ import operator
 import re
 import sys
 from collections import OrderedDict
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
@@ -391,17 +391,6 @@ def as_local_shard(t: Any, module: nn.Module) -> Any:
     return DTensor.from_local(t, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(t.dim() - 1)]).to_local()
 
 
-def _local_shard(graph: fx.Graph, x: Any, module: fx.Node, stack: dict) -> Any:
-    """``as_local_shard(x, module)`` for a floating tensor node ``x`` (anything else unchanged)."""
-    v = x.meta.get("val") if isinstance(x, fx.Node) else None
-    if not isinstance(v, torch.Tensor) or not v.is_floating_point():
-        return x
-    r = graph.create_node("call_function", as_local_shard, (x, module), name=f"{x.name}_local_shard")
-    r.meta.update({k: v for k, v in x.meta.items() if k in ("val", "tensor_meta")})
-    r.meta["nn_module_stack"] = stack
-    return r
-
-
 def _dtensor_mesh(module: nn.Module) -> Any:
     """The device mesh of the first DTensor parameter or buffer of ``module`` itself (not its submodules), or None."""
     for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
@@ -438,12 +427,14 @@ def as_replicated(t: Any, module: nn.Module) -> Any:
     return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
-def _replicated(graph: fx.Graph, x: Any, module: fx.Node, stack: dict) -> Any:
-    """``as_replicated(x, module)`` for a floating tensor node ``x`` (anything else unchanged)."""
+def _wrapped(fn: Callable, graph: fx.Graph, x: Any, module: fx.Node, stack: dict) -> Any:
+    """``fn(x, module)`` (:func:`as_replicated`, :func:`as_local_shard`) for a floating tensor node ``x`` going into a
+    call of ``module`` (anything else unchanged)."""
     v = x.meta.get("val") if isinstance(x, fx.Node) else None
     if not isinstance(v, torch.Tensor) or not v.is_floating_point():
         return x
-    r = graph.create_node("call_function", as_replicated, (x, module), name=f"{x.name}_replicated")
+    suffix = "replicated" if fn is as_replicated else "local_shard"
+    r = graph.create_node("call_function", fn, (x, module), name=f"{x.name}_{suffix}")
     r.meta.update({k: v for k, v in x.meta.items() if k in ("val", "tensor_meta")})
     r.meta["nn_module_stack"] = stack
     return r
@@ -843,9 +834,10 @@ def lower_module_calls(gm: fx.GraphModule, blocks: tuple[str, ...] = (), live: n
                 mod_node.meta["nn_module_stack"] = parent
             if checked and _takes_dtensors(live, path):
                 values = _value_leaves(sig.in_spec)  # a BlockMask's tensors stay as they are
-                flat = [x if i in values else _replicated(out, x, mod_node, parent) for i, x in enumerate(flat)]
+                flat = [x if i in values else _wrapped(as_replicated, out, x, mod_node, parent)
+                        for i, x in enumerate(flat)]
             elif checked and _sharded_weight(live.get_submodule(path), 1) is not None:  # row-parallel: its input shard
-                flat = [_local_shard(out, x, mod_node, parent) for x in flat]
+                flat = [_wrapped(as_local_shard, out, x, mod_node, parent) for x in flat]
             args, kwargs = _unflatten_inputs(out, flat, sig.in_spec, parent)
             leaf = sig.out_spec.is_leaf()
             call = out.create_node("call_module", path, tuple(args), dict(kwargs),
