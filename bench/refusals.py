@@ -104,6 +104,23 @@ def _flat_checkpointing() -> None:
     conv(idx)
 
 
+def _traced_collective() -> None:
+    import tempfile
+
+    import torch.distributed as dist
+
+    from tests.test_converted_guards import traced_collective_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=0, world_size=1)
+        try:
+            conv = dr.convert(traced_collective_model(), "attnres", module_calls=False).train()
+            ids = _ids()[0]
+            conv(ids, labels=ids).loss.backward()
+        finally:
+            dist.destroy_process_group()
+
+
 #: (heading, what the model does, the call that is refused)
 CASES: list[tuple[str, str, Callable[[], None]]] = [
     ("BERT (`hf:bert`)", "PostNorm: each residual sum is normalised right after the add.",
@@ -146,6 +163,10 @@ CASES: list[tuple[str, str, Callable[[], None]]] = [
      "split): the write cannot be made out of place, the blocks stay inlined, and torch's "
      "`apply_activation_checkpointing` could recompute nothing. (litgpt's Gemma-2 used to be such a model; its "
      "`masked_fill_` on a fresh mask is now turned out of place and its blocks are modules.)", _flat_checkpointing),
+    ("Tensor-parallel communication traced into a graph (backward)", "A Llama whose MLPs all-reduce their output in "
+     "their own code, as a row-parallel layer does with plain local tensors (torchtitan's `spmd_types`), converted "
+     "with `module_calls=False` (one rank here): the forward runs, a backward through it is refused.",
+     _traced_collective),
 ]
 
 

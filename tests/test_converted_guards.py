@@ -249,3 +249,52 @@ def test_a_called_module_whose_weight_became_a_shard_is_resharded():
     assert before.resharded(ModuleTree(root, {"0": True})) is None
     root[0].weight = nn.Parameter(torch.zeros(4, 4))  # a shard
     assert before.resharded(ModuleTree(root, {"0": True})) == ("0", (8, 4))
+
+
+class AllReduced(nn.Module):
+    """A Linear whose output is all-reduced over the default process group in its own forward, as a row-parallel
+    layer's code does under tensor parallelism with plain local tensors (torchtitan's ``spmd_types``)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        import torch.distributed as dist
+        from torch.distributed._functional_collectives import all_reduce
+
+        return all_reduce(self.inner(x), "sum", dist.group.WORLD)
+
+
+def traced_collective_model() -> nn.Module:
+    """A tiny Llama whose MLPs all-reduce their output (call inside an initialised process group)."""
+    torch.manual_seed(0)
+    model = hf_model("llama", layers=2)
+    for blk in model.model.layers:
+        blk.mlp.down_proj = AllReduced(blk.mlp.down_proj)
+    return model
+
+
+def test_a_backward_through_traced_communication_is_a_config_error(tmp_path):
+    """With module calls off, the MLP's all-reduce is traced into the graph: its forward is exact (one rank here),
+    but a tensor-parallel plan's backward communication would not be in the graph, so a backward is refused, naming
+    the collective and its module; without gradients nothing is refused. (Under torchtitan's spmd_types TP this was
+    0.03 off in the gradients, silently: tests/frameworks/test_fsdp_recipes.py.)"""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        model = traced_collective_model()
+        want = model(IDS, labels=IDS).loss.item()
+        conv = dr.convert(model, "attnres", module_calls=False)
+        conv.train()
+        out = conv(IDS, labels=IDS)
+        assert abs(out.loss.item() - want) < 1e-5
+        with pytest.raises(dr.ConfigError, match=r"_c10d_functional\.all_reduce in model\.layers\.0\.mlp\.down_proj"):
+            out.loss.backward()
+        with torch.no_grad():
+            assert abs(conv(IDS, labels=IDS).loss.item() - want) < 1e-5
+        called = dr.convert(traced_collective_model(), "attnres")  # module calls: the MLP runs live, nothing traced
+        called(IDS, labels=IDS).loss.backward()
+    finally:
+        dist.destroy_process_group()
