@@ -14,6 +14,8 @@ the state X keeps the model dtype.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 __all__ = ["sinkhorn", "mhc_coeffs_ref", "mhc_pre_ref", "mhc_post_ref", "mhc_collapse_ref"]
@@ -38,7 +40,7 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float, exact_rows: bool = Fa
 
 def mhc_coeffs_ref(
     X: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, iters: int, eps: float,
-    exact_rows: bool = False,
+    exact_rows: bool = False, *, project: Callable[..., torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The dynamic coefficients of one mHC site.
 
@@ -50,6 +52,7 @@ def mhc_coeffs_ref(
         iters (int): Sinkhorn iterations.
         eps (float): RMS epsilon, H_pre floor and Sinkhorn epsilon.
         exact_rows (bool): the last Sinkhorn row normalisation without ``eps`` (rows of H_res sum to 1).
+        project (callable): computes :func:`sinkhorn` (same arguments); None: :func:`sinkhorn` itself.
 
     Returns:
         (H_pre ``[..., n]``, H_post ``[..., n]``, H_res ``[..., n, n]``), fp32 (or wider).
@@ -62,7 +65,7 @@ def mhc_coeffs_ref(
     pre = torch.sigmoid(a[0] * mix[..., :n] + b[:n]) + eps
     post = 2 * torch.sigmoid(a[1] * mix[..., n : 2 * n] + b[n : 2 * n])
     res = (a[2] * mix[..., 2 * n :] + b[2 * n :]).unflatten(-1, (n, n))
-    return pre, post, sinkhorn(res, iters, eps, exact_rows)
+    return pre, post, (project or sinkhorn)(res, iters, eps, exact_rows)
 
 
 def mhc_pre_ref(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
