@@ -3,10 +3,31 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
+
+
+def record_cases(cases: dict[str, Callable[[], Any]], rank: int, out_dir: str, max_text: int | None = None) -> None:
+    """In a worker: run each case (name -> no-argument callable) in this rank's process group, its result or its error
+    (type and text, cut to ``max_text`` characters) recorded for the tests, with a barrier after each, and save them
+    to ``out_dir/rank{rank}.pt``; the process group is destroyed after."""
+    import torch
+    import torch.distributed as dist
+
+    results: dict[str, Any] = {}
+    try:
+        for name, run in cases.items():
+            try:
+                results[name] = run()
+            except Exception as e:  # noqa: BLE001 - recorded, asserted by the tests
+                results[name] = dict(error=type(e).__name__, text=str(e)[:max_text])
+            dist.barrier()
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
 
 
 def spawn_ranks(worker: Callable[..., None], args: tuple, nprocs: int, timeout_s: float, what: str) -> None:

@@ -10,7 +10,6 @@ gets each rank's slice back."""
 from __future__ import annotations
 
 import copy
-import os
 import warnings
 from datetime import timedelta
 
@@ -21,7 +20,7 @@ import torch.distributed as dist
 import depthrewrite as dr
 from depthrewrite.demo.zoo import hf_model
 
-from .distributed import spawn_ranks
+from .distributed import record_cases, spawn_ranks
 
 WORLD = 2
 # (name, model, scheme, order): order "convert" = convert, then parallelise (a recapture); "tp" = the reverse
@@ -132,23 +131,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=120))
     mesh = init_device_mesh("cpu", (WORLD,))
-    _record({name: (lambda c=c: _case(mesh, *c)) for name, *c in CASES}, rank, out_dir)
-
-
-def _record(cases: dict, rank: int, out_dir: str) -> None:
-    """Run each case (name -> no-argument callable) in this rank's process group, its result or its error recorded
-    for the tests, and save them to ``out_dir/rank{rank}.pt``; the process group is destroyed after."""
-    results = {}
-    try:
-        for name, run in cases.items():
-            try:
-                results[name] = run()
-            except Exception as e:  # noqa: BLE001 - recorded, asserted by the tests
-                results[name] = dict(error=type(e).__name__, text=str(e))
-            dist.barrier()
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    record_cases({name: (lambda c=c: _case(mesh, *c)) for name, *c in CASES}, rank, out_dir)
 
 
 @pytest.fixture(scope="module")
@@ -231,7 +214,7 @@ def _worker_2d(rank: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=4,
                             timeout=timedelta(seconds=120))
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    _record({scheme: (lambda s=scheme: _case_2d(mesh, rank, s)) for scheme in TWO_D}, rank, out_dir)
+    record_cases({scheme: (lambda s=scheme: _case_2d(mesh, rank, s)) for scheme in TWO_D}, rank, out_dir)
 
 
 def test_fsdp2_times_tensor_parallel_trains_as_one_process(tmp_path):

@@ -20,6 +20,7 @@ DTensors (docs/training.md). Each rank runs the whole batch: loss and gradients 
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 import os
 import sys
@@ -32,7 +33,7 @@ import torch.distributed as dist
 
 import depthrewrite as dr
 
-from ..distributed import spawn_ranks
+from ..distributed import record_cases, spawn_ranks
 
 WORLD = 2
 SCHEMES = ["attnres", "msar", "mhc", "moda"]
@@ -307,17 +308,8 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=120))
     mesh = init_device_mesh("cpu", (WORLD,))
-    results = {}
-    try:
-        for case, framework, name, recipe, scheme in CASES:
-            try:
-                results[case] = _case(mesh, rank, framework, name, recipe, scheme)
-            except Exception as e:  # noqa: BLE001 - recorded, asserted by the tests
-                results[case] = dict(error=type(e).__name__, text=str(e)[:2000])
-            dist.barrier()
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    record_cases({case: functools.partial(_case, mesh, rank, framework, name, recipe, scheme)
+                  for case, framework, name, recipe, scheme in CASES}, rank, out_dir, max_text=2000)
 
 
 @pytest.fixture(scope="module")

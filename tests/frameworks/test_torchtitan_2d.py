@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import os
 import warnings
 from datetime import timedelta
 
@@ -18,7 +17,7 @@ import torch.distributed as dist
 
 import depthrewrite as dr
 
-from ..distributed import spawn_ranks
+from ..distributed import record_cases, spawn_ranks
 
 WORLD = 4
 SCHEMES = ("attnres", "block-msar", "mhc")
@@ -86,17 +85,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
     warnings.simplefilter("ignore")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=120))
-    results = {}
-    try:
-        for scheme in SCHEMES:
-            try:
-                results[scheme] = _case(scheme)
-            except Exception as e:  # noqa: BLE001 - recorded, asserted by the test
-                results[scheme] = dict(error=type(e).__name__, text=str(e)[:2000])
-            dist.barrier()
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    record_cases({scheme: (lambda s=scheme: _case(s)) for scheme in SCHEMES}, rank, out_dir, max_text=2000)
 
 
 def test_torchtitans_own_2d_recipe_trains_as_one_process(tmp_path):
