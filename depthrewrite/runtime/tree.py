@@ -75,10 +75,8 @@ def called_modules(entries: list) -> dict[str, bool]:
     every: set[str] | None = None
     structured: set[str] = set()
     for e in entries:
-        run = e.run
-        graphs = [run.graph, *(p.graph for p in run.__dict__.get("_dr_programs", {}).values())]
         mine = set()
-        for g in graphs:
+        for g in e.graphs():
             for n in g.nodes:
                 path = n.meta.get(CALL_META) if n.op == "call_module" else None
                 if path is not None:

@@ -40,9 +40,9 @@ from ..analyse.ops import alias_of
 from ..meta import role_of
 
 __all__ = ["CALL_META", "HOOK_ATTRS", "LOWERED_META", "SIGNATURES_META", "STAMP_META", "ModuleCallInfo",
-           "as_local_shard", "candidate_paths", "check_live_modules", "check_local_shape", "export_with_signatures", "hooks_out_for_capture",
-           "hook_owner", "is_dtensor", "lower_module_calls", "sequence_parallel", "stamp", "take_hooks_out",
-           "tensor_parallel", "traced_hook"]
+           "as_local_shard", "candidate_paths", "check_live_modules", "check_local_shape", "export_with_signatures",
+           "hooks_out_for_capture", "hook_owner", "is_dtensor", "lower_module_calls", "sequence_parallel", "stamp",
+           "take_hooks_out", "tensor_parallel", "traced_hook"]
 
 log = logging.getLogger(__name__)
 
@@ -186,15 +186,21 @@ def is_fsdp(module: nn.Module) -> bool:
 def _fsdp_managed(model: nn.Module, path: str) -> bool:
     """Whether ``path`` is ``fully_shard``'s (itself or a module above it): its DTensor parameters are gathered into
     plain tensors before the module runs."""
-    mod: nn.Module | None = model
+    return _fsdp_owner(model, path) is not None
+
+
+def _fsdp_owner(model: nn.Module, path: str) -> nn.Module | None:
+    """The innermost module at or above ``path`` that ``fully_shard`` wraps (the one whose FSDP2 state holds the
+    parameters of ``path`` itself), or None."""
+    owner, mod = None, model
     for part in [*(path.split(".") if path else []), None]:
         if is_fsdp(mod):
-            return True
+            owner = mod
         if part is not None:
             mod = mod._modules.get(part)
             if mod is None:
-                return False
-    return False
+                return owner
+    return owner
 
 
 def _holds_tp(model: nn.Module, path: str) -> bool:
@@ -207,28 +213,30 @@ def _holds_tp(model: nn.Module, path: str) -> bool:
     if any(next(_styles_of(h), None) is not None for m in mod.modules()
            for attr in ("_forward_pre_hooks", "_forward_hooks") for h in getattr(m, attr).values()):
         return True
-    return any(is_dtensor(p) and (not _fsdp_managed(model, ".".join(x for x in (path, n.rpartition(".")[0]) if x))
-                                  or _sharded_before_fsdp(model, p))
-               for n, p in mod.named_parameters())
+    for n, p in mod.named_parameters():
+        if is_dtensor(p):
+            owner = _fsdp_owner(model, ".".join(x for x in (path, n.rpartition(".")[0]) if x))
+            if owner is None or _sharded_before_fsdp(owner, p):
+                return True
+    return False
 
 
-def _sharded_before_fsdp(model: nn.Module, param: torch.Tensor) -> bool:
-    """Whether FSDP2 manages ``param`` and it was a DTensor before ``fully_shard`` (a tensor-parallel weight of a 2-D
-    FSDP × TP model, as torchtitan's ``parallelize_llama`` makes them): it runs as a DTensor on the TP mesh inside the
-    module's forward. Read from FSDP2's per-parameter records (``FSDPParam.is_dtensor``), which also give the mesh it
-    runs on (kept for :func:`_dtensor_mesh`)."""
-    for m in model.modules():
-        if not is_fsdp(m) or not hasattr(m, "_get_fsdp_state"):
-            continue
-        try:
-            group = m._get_fsdp_state()._fsdp_param_group
-            records = list(group.fsdp_params) if group is not None else []
-        except Exception:  # noqa: BLE001 - FSDP2 internals of another torch: no answer
-            return False
-        for fp in records:
-            spec = getattr(fp, "_unsharded_dtensor_spec", None)
-            if getattr(fp, "is_dtensor", False) and spec is not None:
-                _RUNS_ON[fp.sharded_param] = spec
+def _sharded_before_fsdp(owner: nn.Module, param: torch.Tensor) -> bool:
+    """Whether ``param``, which the ``fully_shard`` of ``owner`` manages, was a DTensor before it (a tensor-parallel
+    weight of a 2-D FSDP × TP model, as torchtitan's ``parallelize_llama`` makes them): it runs as a DTensor on the TP
+    mesh inside the module's forward. Read from the owner's FSDP2 per-parameter records (``FSDPParam.is_dtensor``),
+    which also give the mesh it runs on (kept for :func:`_dtensor_mesh`)."""
+    if param in _RUNS_ON:
+        return True
+    try:
+        group = owner._get_fsdp_state()._fsdp_param_group
+        records = list(group.fsdp_params) if group is not None else []
+    except Exception:  # noqa: BLE001 - FSDP1, or FSDP2 internals of another torch: no answer
+        return False
+    for fp in records:
+        spec = getattr(fp, "_unsharded_dtensor_spec", None)
+        if getattr(fp, "is_dtensor", False) and spec is not None:
+            _RUNS_ON[fp.sharded_param] = spec
     return param in _RUNS_ON
 
 
@@ -433,8 +441,7 @@ def _wrapped(fn: Callable, graph: fx.Graph, x: Any, module: fx.Node, stack: dict
     v = x.meta.get("val") if isinstance(x, fx.Node) else None
     if not isinstance(v, torch.Tensor) or not v.is_floating_point():
         return x
-    suffix = "replicated" if fn is as_replicated else "local_shard"
-    r = graph.create_node("call_function", fn, (x, module), name=f"{x.name}_{suffix}")
+    r = graph.create_node("call_function", fn, (x, module), name=f"{x.name}_{fn.__name__.removeprefix('as_')}")
     r.meta.update({k: v for k, v in x.meta.items() if k in ("val", "tensor_meta")})
     r.meta["nn_module_stack"] = stack
     return r
