@@ -46,25 +46,46 @@ def _per_token(model, prefix: int, tokens: int, cache: bool, repeats: int) -> fl
     return min(token_sample(model, ids, tokens, cache) for _ in range(repeats))
 
 
-def _per_token_ab(model, prefix: int, tokens: int, cache: bool, repeats: int) -> tuple[float, float]:
-    """``(now, with export's input check)``: samples of the two settings taken in turn, best of ``repeats`` each."""
+def _set_check(on: bool) -> None:
     from depthrewrite.runtime import entries
 
+    entries.SKIP_EXPORT_INPUT_CHECK = not on
+
+
+def _set_before_fast_paths(on: bool) -> None:
+    """The two no-grad fast paths of 2026-12-07 off (on=True) or on: depth ops called through the dispatcher, and
+    MSAR's streams one at a time."""
+    from depthrewrite.kernels import direct
+    from depthrewrite.kernels.msar import reference as msar_reference
+
+    direct.ENABLED = not on
+    msar_reference._SMALL_MIX = 0 if on else msar_reference.SMALL_MIX
+
+
+# --ab WHAT: (row label, toggle(True) turns the older behaviour on, toggle(False) restores today's)
+AB = {
+    "check": ("export's check", _set_check),  # export's input check on every call (as before 2026-12-05)
+    "fast-paths": ("before 12-07", _set_before_fast_paths),  # depth ops via the dispatcher, MSAR's streams one by one
+}
+
+
+def _per_token_ab(model, prefix: int, tokens: int, cache: bool, repeats: int, toggle) -> tuple[float, float]:
+    """``(today's, the older setting's)``: samples of the two settings taken in turn, best of ``repeats`` each."""
     ids = prefix_ids(model, prefix)
     token_sample(model, ids, 1, cache)
     best = [float("inf"), float("inf")]
     try:
         for r in range(repeats):
             for which in ((0, 1) if r % 2 == 0 else (1, 0)):
-                entries.SKIP_EXPORT_INPUT_CHECK = which == 0
+                toggle(which == 1)
                 best[which] = min(best[which], token_sample(model, ids, tokens, cache))
     finally:
-        entries.SKIP_EXPORT_INPUT_CHECK = True
+        toggle(False)
     return best[0], best[1]
 
 
 def rows(layers: int, hidden: int, prefixes: tuple[int, int], tokens: int, repeats: int,
-         ab: bool = False) -> list[list]:
+         ab: str | None = None) -> list[list]:
     torch.manual_seed(0)
     base = hf_model("llama", layers=layers, hidden=hidden, max_position_embeddings=max(prefixes) + tokens + 8).eval()
     variants = [("vanilla", None, {})]
@@ -77,8 +98,10 @@ def rows(layers: int, hidden: int, prefixes: tuple[int, int], tokens: int, repea
         rec = None if key is None else dr.scheme(model.report().config)
         cache = rec is None or rec.no_cached_decoding is None
         if ab and key is not None:
-            (short, short_b), (long, long_b) = (_per_token_ab(model, p, tokens, cache, repeats) for p in prefixes)
-            out.append([f"{label}, export's check", "yes" if cache else "no (use_cache=False)", f"{1e3 * short_b:.2f}",
+            what, toggle = AB[ab]
+            (short, short_b), (long, long_b) = (_per_token_ab(model, p, tokens, cache, repeats, toggle)
+                                                for p in prefixes)
+            out.append([f"{label}, {what}", "yes" if cache else "no (use_cache=False)", f"{1e3 * short_b:.2f}",
                         f"{1e3 * long_b:.2f}", f"{long_b / short_b:.2f}"])
         else:
             short, long = (_per_token(model, p, tokens, cache, repeats) for p in prefixes)
@@ -95,9 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--ab", action="store_true",
-                   help="also time each converted model with export's input check on every call (as before "
-                        "2026-12-05), samples taken in turn with today's")
+    p.add_argument("--ab", choices=sorted(AB),
+                   help="also time each converted model with an older setting, samples taken in turn with today's: "
+                        "'check' runs export's input check on every call (as before 2026-12-05), 'fast-paths' calls "
+                        "the depth ops through the dispatcher and MSAR's streams one at a time at a no-grad call (as "
+                        "before 2026-12-07)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     s, l_ = a.prefixes

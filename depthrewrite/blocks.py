@@ -37,6 +37,7 @@ import torch.nn as nn
 
 from .converted import resolve_target
 from .errors import DepthRewriteError
+from .kernels.direct import plain_eager
 from .passes.lower.module_calls import is_dtensor, take_hooks_out
 
 __all__ = [
@@ -120,11 +121,14 @@ def block_paths(model: nn.Module, chain: Any) -> tuple[tuple[str, ...], tuple[in
 # ---- the block program --------------------------------------------------------------------------------------------
 
 
+_UNSET = object()
+
+
 class BlockProgram:
     """What one converted block runs for one captured graph: the block's part of it, with the block as ``self``
     (parameters read from the block by their original names). Passed to the block as its first argument."""
 
-    __slots__ = ("path", "fn", "module", "inputs", "outputs", "checkpoint")
+    __slots__ = ("path", "fn", "module", "inputs", "outputs", "checkpoint", "_direct")
 
     def __init__(self, path: str, module: fx.GraphModule, inputs: tuple[str, ...], outputs: tuple[str, ...],
                  checkpoint: Callable[[nn.Module], bool]):
@@ -134,6 +138,17 @@ class BlockProgram:
         self.inputs = inputs
         self.outputs = outputs
         self.checkpoint = checkpoint  # checkpoint(block): whether depthrewrite itself checkpoints it in this call
+        self._direct: Any = _UNSET
+
+    @property
+    def direct(self) -> Callable[..., tuple] | None:
+        """The code for a plainly eager call (no gradients: a decoding step), with the depth ops' bodies called
+        directly (:mod:`depthrewrite.kernels.direct`); None when the program calls no depth op. Made on first use."""
+        if self._direct is _UNSET:
+            from .kernels.direct import direct_forward
+
+            self._direct = direct_forward(self.module)
+        return self._direct
 
     @property
     def graph(self) -> fx.Graph:
@@ -158,6 +173,10 @@ def _block_forward(self, program: BlockProgram, *inputs: Any) -> tuple:
         from torch.utils.checkpoint import checkpoint
 
         return checkpoint(program.fn, self, *inputs, use_reentrant=False)
+    if plain_eager():
+        direct = program.direct
+        if direct is not None:
+            return direct(self, *inputs)
     return program.fn(self, *inputs)
 
 

@@ -227,6 +227,11 @@ def backend_reason(op: str, *tensors: torch.Tensor | None) -> str | None:
     :func:`decide` does when the forced ``"triton"`` backend cannot run)."""
     if decide(op, *tensors) != "reference":
         return None
+    return _reference_reason(tensors)
+
+
+def _reference_reason(tensors: tuple) -> str:
+    """Why :func:`decide` picked the reference for these tensors (it did)."""
     mode = get_kernel_backend()
     if mode == "reference":
         return "kernel backend 'reference'"
@@ -265,7 +270,7 @@ def route(op: str, tensors: tuple, covers: Callable[[], str | None]) -> bool:
     ``tensors``), then the op's gate (``covers()``, evaluated only when the backend picks Triton). The outcome and
     the fallback reason are recorded for :func:`last_routes`."""
     how = decide(op, *tensors)
-    why = backend_reason(op, *tensors) if how == "reference" else covers()
+    why = _reference_reason(tensors) if how == "reference" else covers()
     if getattr(_state, "probing", False):
         raise _Routed(why is None)
     _ROUTES[op] = Route(how if why is None else "reference", why)

@@ -16,7 +16,9 @@ In eager mode the convolution is ``conv2d`` on a channels-last view (time on the
 depthwise kernel on CPU, no transposes), or for a few positions (a decoding step) one multiply and one sum over the
 unfolded windows, cheaper than oneDNN's call there; while ``torch.compile`` traces (:func:`torch.compiler.is_compiling`)
 it is the same sum of k shifted multiply-adds written pointwise, which inductor fuses with its consumers. Per stream the
-key statistics are one norm and one matrix-vector product over the stack, the softmax runs over the stacked axis.
+key statistics are one norm and one matrix-vector product over the stack, the softmax runs over the stacked axis. A
+small call with gradients off (a decoding step) computes all m streams at once over one ``[m, K, B·T, D]`` stack of
+the views (:func:`_streams_at_once`), fewer and larger ops than the loop over streams.
 """
 
 from __future__ import annotations
@@ -190,12 +192,50 @@ def msar_mix_ref(
     lead, (T, D) = sources[0].shape[:-2], sources[0].shape[-2:]
     K, m = len(sources), query.shape[0]
     u = gain.to(acc) * query.to(acc)  # [m, D]
-    X, _, V = _stream_views(sources, conv, acc, left)
-    Z = []
-    for r in range(m):
-        _, _, a = _scores(V[r], u[r], eps, K)
-        Z.append(_weighted(a, V[r] if conv_values else X))  # [B·T, D]
-    Zs = torch.stack(Z, dim=-2)  # [B·T, m, D]
+    if not torch.is_grad_enabled() and not _pointwise() and m * K * sources[0].numel() <= _SMALL_MIX:
+        Zs = _streams_at_once(sources, u, conv, acc, eps, conv_values, left)
+    else:
+        X, _, V = _stream_views(sources, conv, acc, left)
+        Z = []
+        for r in range(m):
+            _, _, a = _scores(V[r], u[r], eps, K)
+            Z.append(_weighted(a, V[r] if conv_values else X))  # [B·T, D]
+        Zs = torch.stack(Z, dim=-2)  # [B·T, m, D]
+    h = _mixed(Zs, phi, bias, alpha, sigmoid_mixer, eps_mix, acc)
+    return (h.reshape(*lead, T, D) * scale).to(sources[0].dtype)  # a tensor of its own, not a view (FSDP2 warns)
+
+
+#: up to this many elements in all stream views (m·K·B·T·D) a no-grad eager call computes every stream at once
+#: (a decoding step: ~40 ops where the loop over streams runs ~100, each a few µs at this size)
+SMALL_MIX = 1 << 16
+_SMALL_MIX = SMALL_MIX  # the bound in force (bench/generation.py --ab fast-paths sets 0)
+
+
+def _streams_at_once(sources, u, conv, acc, eps: float, conv_values: bool, left) -> torch.Tensor:
+    """The m streams' ``Z`` ``[B·T, m, D]`` of :func:`msar_mix_ref` in one pass over a ``[m, K, B·T, D]`` stack of
+    the views (every conv a window sum with its taps left-padded to the longest filter), for a few positions."""
+    K = len(sources)
+    X = _stack(sources, acc)  # [K·B, T, D]
+    T, D = X.shape[-2:]
+    views = X.unsqueeze(0)
+    if conv:
+        k = max(w.shape[-1] for w in conv)
+        Xp = _pad_time(X, k - 1, _stack(left, acc) if left is not None else None)
+        W = torch.stack([F.pad(w.to(acc), (k - w.shape[-1], 0)) for w in conv])  # [m-1, D, k]
+        Y = (Xp[:, Xp.shape[1] - (T + k - 1):].unfold(1, k, 1).unsqueeze(0) * W[:, None, None]).sum(-1)
+        views = torch.cat([views, Y])  # [m, K·B, T, D]
+    m = views.shape[0]
+    Vs = views.reshape(m, K, -1, D)  # [m, K, B·T, D]
+    rs = torch.rsqrt(torch.linalg.vector_norm(Vs, dim=-1).square() / D + eps)  # [m, K, B·T]
+    dt = (Vs.reshape(m, -1, D) @ u.unsqueeze(-1)).reshape(m, K, -1)
+    a = torch.softmax(dt * rs, dim=1)
+    values = Vs if conv_values else X.reshape(1, K, -1, D)
+    return (a.unsqueeze(-1) * values).sum(1).transpose(0, 1)  # [B·T, m, D]
+
+
+def _mixed(Zs: torch.Tensor, phi, bias, alpha, sigmoid_mixer: bool, eps_mix: float, acc: torch.dtype) -> torch.Tensor:
+    """``Σ_r g_r Z^(r)`` ``[B·T, D]`` from the streams ``Zs`` ``[B·T, m, D]``: the sigmoid mixer or the mean."""
+    m = Zs.shape[-2]
     if sigmoid_mixer:
         z = Zs.flatten(-2)
         z = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + eps_mix)
@@ -203,4 +243,4 @@ def msar_mix_ref(
         h = (g.unsqueeze(-1) * Zs).sum(-2)
     else:
         h = Zs.sum(-2) * (1.0 / m)
-    return (h.reshape(*lead, T, D) * scale).to(sources[0].dtype)  # a tensor of its own, not a view (FSDP2 warns)
+    return h
