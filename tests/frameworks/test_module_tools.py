@@ -1,9 +1,9 @@
 """Module tools on every framework model (issue: modules stay modules, item 1): the converted torchtitan, torchtune,
 litgpt and OLMo-core models call their intact modules, so a forward hook on a projection inside a block fires on every
 call with the original's output shapes (no recapture), and FlopCounterMode counts every module inside the blocks as
-it counts them in the original. Two modules of these models stay inlined: torchtitan DeepSeek-V3's MoE router gate
-(export leaves its call markers inside the higher-order op of the router's ``torch.autocast`` region) and OLMo-core's
-LMHead wrapper (docs/limitations.md)."""
+it counts them in the original. One module of these models stays inlined: torchtitan DeepSeek-V3's MoE router gate
+(export leaves its call markers inside the higher-order op of the router's ``torch.autocast`` region;
+docs/limitations.md). OLMo-core's LMHead wrapper, whose forward takes a string, is called."""
 
 from __future__ import annotations
 
@@ -19,11 +19,8 @@ import depthrewrite as dr
 from depthrewrite.runtime.handle import state_of
 from tests.frameworks.models import CASES, build
 
-#: modules that stay inlined, by case (the report's module-calls note says why): DeepSeek-V3's router gate, and
-#: OLMo-core's LMHead wrapper, whose signature export refuses (a ``str`` keyword, ``loss_reduction='mean'``; its norm
-#: and output Linear are called)
-INLINED = {("torchtitan", "deepseek_v3"): {"layers.1.moe.router.gate"},
-           ("olmo_core", "llama_like"): {"lm_head"}, ("olmo_core", "olmo2"): {"lm_head"}}
+#: modules that stay inlined, by case (the report's module-calls note says why): DeepSeek-V3's router gate
+INLINED = {("torchtitan", "deepseek_v3"): {"layers.1.moe.router.gate"}}
 
 
 def _observe(model: nn.Module, path: str, args: tuple, kwargs: dict):
@@ -70,3 +67,21 @@ def test_hooks_and_flop_counts_inside_the_blocks(framework, name):
               and not any(k.startswith(f"{root}.{p}") for p in inlined)}
     assert len(inside) >= 10
     assert {k: per.get(k) for k in inside} == inside
+
+
+def test_a_module_called_with_a_string_is_called_with_it():
+    """OLMo-core's LMHead takes ``loss_reduction="mean"``: export's call marker cannot take a string, so the capture
+    carries it in the call's input spec (``ConstStr``); the lowered call passes the plain string and a hook on the
+    wrapper fires on every call."""
+    model, args, kwargs = build("olmo_core", "llama_like")
+    ref = copy.deepcopy(model)
+    conv = dr.convert(model, "attnres", example_inputs=args, example_kwargs=kwargs)
+    seen = []
+    conv.lm_head.register_forward_hook(lambda mod, i, out: seen.append(out.shape))
+    with torch.no_grad():
+        got = [conv(*args, **kwargs) for _ in range(2)]
+        want = ref(*args, **kwargs)
+    torch.testing.assert_close(got[1], want, atol=1e-5, rtol=0)
+    assert len(seen) == 2
+    code = state_of(conv).entries()[0].run.code
+    assert "self.lm_head(" in code and "loss_reduction = 'mean'" in code

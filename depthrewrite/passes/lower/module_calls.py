@@ -490,6 +490,41 @@ def check_live_modules(model: nn.Module, gm: fx.GraphModule, called: list[str], 
         )
 
 
+class ConstStr(str):
+    """A string argument of a preserved module call, as export records it: a pytree node with no leaves and the
+    string as its context. Export's call marker (``_export_tracepoint``) cannot take a ``str`` leaf (torch 2.14:
+    ``AssertionError: Expected code to be unreachable, but got: 'mean'`` from ``proxy_tensor.extract_val``), so a
+    module called with one (OLMo-core's ``LMHead``, ``loss_reduction="mean"``) would stay inlined. Wrapped, the
+    string travels in the call's input spec; the module sees a ``str`` (this subclass) at capture, and the lowered
+    call passes it as a constant (the generated code writes its ``repr``: a plain string)."""
+
+    __slots__ = ()
+    __module__ = __name__
+
+
+pytree.register_pytree_node(ConstStr, lambda c: ([], str(c)), lambda _, context: ConstStr(context),
+                            serialized_type_name=f"{__name__}.ConstStr")
+
+
+def _strings_as_specs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A forward pre-hook (first of all) for a capture: every string in the call's inputs as a :class:`ConstStr`."""
+    def wrap(x: Any) -> Any:
+        return ConstStr(x) if type(x) is str else x
+
+    return pytree.tree_map(wrap, args), pytree.tree_map(wrap, kwargs)
+
+
+@contextlib.contextmanager
+def _string_arguments_kept(model: nn.Module, paths: list[str]) -> Iterator[None]:
+    handles = [model.get_submodule(p).register_forward_pre_hook(_strings_as_specs, with_kwargs=True, prepend=True)
+               for p in paths]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def export_with_signatures(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any,
                            live: tuple[str, ...] = ()):
     """``torch.export.export`` (non-strict) preserving the call signatures of :func:`candidate_paths`. A path export
@@ -508,8 +543,9 @@ def export_with_signatures(model: nn.Module, args: tuple, kwargs: dict, dynamic_
 
     for _ in range(8):
         try:
-            ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False,
-                                     preserve_module_call_signature=tuple(paths))
+            with _string_arguments_kept(model, paths):
+                ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False,
+                                         preserve_module_call_signature=tuple(paths))
         except Exception as e:  # noqa: BLE001 - a refusal of one path; the plain export below reports the rest
             if not paths:
                 raise
@@ -766,7 +802,7 @@ def _object_input(spec: pytree.TreeSpec) -> str | None:
     if spec.is_leaf():
         return None
     if (spec.type not in _CONTAINERS and not (isinstance(spec.type, type) and issubclass(spec.type, _CONTAINERS))
-            and not is_block_mask_type(spec.type)):
+            and not is_block_mask_type(spec.type) and spec.type is not ConstStr):
         return spec.type.__name__
     return next((t for c in _children(spec) if (t := _object_input(c)) is not None), None)
 
