@@ -10,7 +10,8 @@ no gradient is recorded, no mode or tracer is watching, every tensor is a plain 
 the op's body when its tensors are plain ``torch.Tensor`` and the op itself otherwise (a DTensor, a fake tensor, any
 subclass); :func:`plain_eager` says whether the whole call qualifies: gradients off, not compiling, tracing or
 exporting, no Dynamo frame callback, no torch-function or dispatch mode (``FlopCounterMode``), no functorch
-transform. The body is the one function the op runs (routing to its fused kernel or its reference), so results are
+transform, no forward-mode AD level (a dual tensor is a plain tensor; the op refuses forward AD where a fused
+kernel called directly would drop the tangent). The body is the one function the op runs (routing to its fused kernel or its reference), so results are
 the same bits.
 """
 
@@ -20,6 +21,7 @@ import functools
 from typing import Any, Callable
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 import torch.fx as fx
 
 __all__ = ["direct_forward", "plain_eager"]
@@ -40,7 +42,8 @@ _callback = _frame_callback()
 
 
 def plain_eager() -> bool:
-    """Whether this call runs plainly eager: gradients off, no compiler, tracer, mode or transform active."""
+    """Whether this call runs plainly eager: gradients off, no compiler, tracer, mode, transform or forward-AD level
+    active."""
     if torch.compiler.is_compiling():  # first: under Dynamo this folds to False and nothing below is traced
         return False
     return (
@@ -51,6 +54,7 @@ def plain_eager() -> bool:
         and torch._C._len_torch_dispatch_stack() == 0
         and torch._C._functorch.peek_interpreter_stack() is None
         and torch._C._get_tracing_state() is None
+        and forward_ad._current_level < 0  # dual tensors are plain tensors: the op refuses forward AD, a kernel drops it
     )
 
 

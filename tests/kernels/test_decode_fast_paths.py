@@ -73,6 +73,8 @@ def test_plain_eager_only_without_gradients_modes_or_compilers():
             assert not direct.plain_eager()
         with _Seen():
             assert not direct.plain_eager()
+        with torch.autograd.forward_ad.dual_level():
+            assert not direct.plain_eager()
     with torch.inference_mode():
         assert direct.plain_eager()
 
