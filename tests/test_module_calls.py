@@ -333,6 +333,28 @@ def test_auto_mode_traces_a_hook_it_cannot_keep_with_a_warning():
         strict(**kwargs)
 
 
+def test_a_forward_set_on_an_inlined_module_is_refused():
+    """A forward set on the instance of a module whose call the scheme cannot keep (MoDA's attention) would be
+    skipped by the inlined graph: a ModuleCallError naming it. Only torchtitan's own redistribution wrapper (its
+    ``partial_dtensor`` tensor parallelism, reproduced at the live calls around the inlined module) is let through
+    (tests/frameworks/test_fsdp_recipes.py: torchtitan-tp-*-moda)."""
+    from depthrewrite.errors import ModuleCallError
+    from depthrewrite.passes.lower.module_calls import redistributes_only
+
+    m, (args, kwargs), _ = _llama()
+    conv = dr.convert(m, "moda", example_kwargs=kwargs, module_calls=True)
+    attn = conv.model.layers[1].self_attn
+    cls_forward = type(attn).forward
+
+    def forward_with_redistribution(*a, **k):  # a look-alike, not torchtitan's
+        return cls_forward(attn, *a, **k)
+
+    attn.forward = forward_with_redistribution
+    assert not redistributes_only(attn)
+    with pytest.raises(ModuleCallError, match="layers.1.self_attn has its forward replaced on the instance"):
+        conv(**kwargs)
+
+
 # ---- modules the graphs call are opaque: what happens inside them needs no recapture --------------------------------
 
 

@@ -6,13 +6,13 @@ wrapper and a ``torch._dynamo.disable`` frame before it reaches the body: about 
 visible share of a generated token's time (bench/generation.py). None of those layers does anything for such a call:
 no gradient is recorded, no mode or tracer is watching, every tensor is a plain tensor.
 
-:func:`direct_forward` gives a graph module's code with each ``depthrewrite`` op replaced by a function that calls
-the op's body when its tensors are plain ``torch.Tensor`` and the op itself otherwise (a DTensor, a fake tensor, any
+:func:`direct_forward` gives a graph module's code with each ``depthrewrite`` op replaced by a function that calls the
+op's body when its tensors are plain ``torch.Tensor`` and the op itself otherwise (a DTensor, a fake tensor, any
 subclass); :func:`plain_eager` says whether the whole call qualifies: gradients off, not compiling, tracing or
-exporting, no Dynamo frame callback, no torch-function or dispatch mode (``FlopCounterMode``), no functorch
-transform, no forward-mode AD level (a dual tensor is a plain tensor; the op refuses forward AD where a fused
-kernel called directly would drop the tangent). The body is the one function the op runs (routing to its fused kernel or its reference), so results are
-the same bits.
+exporting, no Dynamo frame callback, no torch-function or dispatch mode (``FlopCounterMode``), no functorch transform,
+no forward-mode AD level (a dual tensor is a plain tensor; the op refuses forward AD where a fused kernel called
+directly would drop the tangent). The body is the one function the op runs (routing to its fused kernel or its
+reference), so results are the same bits.
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ def plain_eager() -> bool:
         and torch._C._len_torch_dispatch_stack() == 0
         and torch._C._functorch.peek_interpreter_stack() is None
         and torch._C._get_tracing_state() is None
-        and forward_ad._current_level < 0  # dual tensors are plain tensors: the op refuses forward AD, a kernel drops it
+        # a dual tensor is a plain tensor: the op refuses forward AD, a kernel called directly would drop the tangent
+        and forward_ad._current_level < 0
     )
 
 

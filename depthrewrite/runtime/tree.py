@@ -27,6 +27,13 @@ _hooks_of = operator.attrgetter(*_HOOKS)
 _children_of = operator.attrgetter("_modules")
 _params_of = operator.attrgetter("_parameters")
 _buffers_of = operator.attrgetter("_buffers")
+_dict_of = operator.attrgetter("__dict__")
+
+
+def _own_forwards(mods: list[nn.Module]) -> list[Any]:
+    """Each module's ``forward`` set on the instance (torchtitan's parallelize, accelerate's hooks, a user's
+    wrapper), or None: C-level passes."""
+    return list(map(dict.get, map(_dict_of, mods), itertools.repeat("forward")))
 _HOOK_WORDS = {
     "_forward_pre_hooks": "a forward pre-hook",
     "_forward_hooks": "a forward hook",
@@ -113,8 +120,8 @@ class ModuleTree:
     ``children[j]`` a copy of the ``_modules`` dict of ``owners[j]`` (the root, then every submodule), and the
     identities of every parameter and buffer."""
 
-    __slots__ = ("names", "mods", "types", "owners", "children", "hooks", "hook_snapshot", "tensors", "config",
-                 "ckpt_owners", "ckpt", "called", "logical", "called_shapes")
+    __slots__ = ("names", "mods", "types", "owners", "children", "hooks", "hook_snapshot", "forwards", "tensors",
+                 "config", "ckpt_owners", "ckpt", "called", "logical", "called_shapes")
 
     def __init__(self, root: nn.Module, called: dict[str, bool] | None = None):
         named = [(n, m) for n, m in root.named_modules() if m is not root]
@@ -126,6 +133,7 @@ class ModuleTree:
         # the hook dicts themselves (register_*_hook adds to them in place): any() over them is one C-level pass
         self.hooks = [d for m in self.mods for d in _hooks_of(m)]
         self.hook_snapshot = [dict(d) for d in self.hooks]
+        self.forwards = _own_forwards(self.mods)  # a forward set on an instance runs only where it is called
         # the parameter and buffer dicts themselves: those holding tensors (their tensors' identities) and the empty
         # ones (any entry added to them is a change)
         dicts = [*map(_params_of, self.owners), *map(_buffers_of, self.owners)]
@@ -140,12 +148,13 @@ class ModuleTree:
         self.logical = self._logical()  # taken now: the modules it reads change in place
 
     def changed(self, root: nn.Module) -> bool:
-        """Whether a submodule was replaced, added or removed, a hook added or removed on one, or a parameter or
-        buffer reassigned, since recording. A few C-level passes over lists (about 90 µs for a 32-layer model: docs/contract.md)."""
+        """Whether a submodule was replaced, added or removed, a hook added or removed on one, a forward set on one's
+        instance, or a parameter or buffer reassigned, since recording. A few C-level passes over lists (about 90 µs for a 32-layer model: docs/contract.md)."""
         return (
             list(map(type, self.mods)) != self.types
             or list(map(_children_of, self.owners)) != self.children  # dict ==: same names, same objects
             or self.hooks != self.hook_snapshot  # the live hook dicts against copies: same keys, same functions
+            or _own_forwards(self.mods) != self.forwards
             or any(map(len, self.tensors[1])) or _ids(self.tensors[0]) != self.tensors[2]
             or _config_state(root) != self.config  # output_hidden_states, attention implementation, ... are baked in
             or [m.__dict__.get("gradient_checkpointing") for m in self.ckpt_owners] != self.ckpt
@@ -185,7 +194,11 @@ class ModuleTree:
                                                         if not nn.parameter.is_lazy(t))
                 continue
             block = isinstance(mod, ConvertedBlock)
-            hooks = () if block else tuple(tuple(d.values()) for d in self.hook_snapshot[4 * i:4 * i + 4])
+            # a forward set on the instance runs only where the module is called: an inlined module's is a change,
+            # except accelerate's (its offload hook loads weights; what the graphs read directly is loaded around
+            # the whole call: runtime/offload.py)
+            forward = None if "_hf_hook" in mod.__dict__ else self.forwards[i]
+            hooks = () if block else (*(tuple(d.values()) for d in self.hook_snapshot[4 * i:4 * i + 4]), forward)
             items.append((
                 cname, id(mod), original_block_class(typ) if block else typ, hooks,
                 tensors(cname, mod._parameters), tensors(cname, mod._buffers),
@@ -226,6 +239,10 @@ class ModuleTree:
         if self.hooks != self.hook_snapshot:
             i = next(i for i, (a, b) in enumerate(zip(self.hooks, self.hook_snapshot)) if a != b)
             return self.names[i // len(_HOOKS)], f"{_HOOK_WORDS[_HOOKS[i % len(_HOOKS)]]} added or removed"
+        forwards = _own_forwards(self.mods)
+        if forwards != self.forwards:
+            i = next(i for i, (a, b) in enumerate(zip(forwards, self.forwards)) if a is not b)
+            return self.names[i], "its forward set or removed on the instance"
         now = dict(root.named_modules())
         for name, mod, typ in zip(self.names, self.mods, self.types):
             cur = now.get(name)

@@ -20,7 +20,7 @@ import depthrewrite as dr
 from ..distributed import record_cases, spawn_ranks
 
 WORLD = 4
-SCHEMES = ("attnres", "block-msar", "mhc")
+SCHEMES = ("attnres", "block-msar", "mhc", "moda")
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,
                                 reason="needs torchtitan (the `frameworks` extra)")
 

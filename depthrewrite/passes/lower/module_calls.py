@@ -41,7 +41,7 @@ from ..meta import role_of
 
 __all__ = ["CALL_META", "HOOK_ATTRS", "LOWERED_META", "SIGNATURES_META", "STAMP_META", "ModuleCallInfo",
            "as_local_shard", "candidate_paths", "check_live_modules", "check_local_shape", "export_with_signatures",
-           "hooks_out_for_capture", "hook_owner", "is_dtensor", "lower_module_calls", "sequence_parallel", "stamp",
+           "hooks_out_for_capture", "hook_owner", "is_dtensor", "lower_module_calls", "redistributes_only", "sequence_parallel", "stamp",
            "take_hooks_out", "tensor_parallel", "traced_hook"]
 
 log = logging.getLogger(__name__)
@@ -140,6 +140,31 @@ def take_forward_out(mod: nn.Module, undo: list) -> int:
     return 1
 
 
+FORWARD_REPLACED = ("its forward replaced on the instance (torchtitan's Module.parallelize, say), which runs only "
+                    "where it is called")
+
+
+def redistributes_only(mod: nn.Module) -> bool:
+    """Whether ``mod``'s forward set on the instance is torchtitan's ``Module.parallelize`` wrapper with the
+    ``partial_dtensor`` backend: it only turns its inputs and outputs into DTensors of the placements its sharding
+    config names (and runs a ``local_map`` region on local shards), and every collective it causes is a DTensor
+    redistribution. Inlined on whole tensors, as a rewritten sublayer runs (MoDA's attention), the module computes
+    what it computes sharded; the DTensors come back at the live calls around it (:func:`as_replicated` before a
+    call, :func:`check_local_shape` gathering a sharded output), whose autograd carries the backward communication.
+    A sequence-parallel plan never gets this far (its activations between modules are refused first)."""
+    fn = mod.__dict__.get("forward")
+    if fn is None or not getattr(fn, "__module__", "").startswith("torchtitan.") or \
+            not getattr(fn, "__qualname__", "").endswith("parallelize.<locals>.forward_with_redistribution"):
+        return False
+    try:
+        import inspect
+
+        dims = inspect.getclosurevars(fn).nonlocals.get("parallel_dims")
+    except (TypeError, ValueError):  # pragma: no cover - another torchtitan layout
+        return False
+    return getattr(dims, "spmd_backend", None) == "partial_dtensor"
+
+
 @contextlib.contextmanager
 def hooks_out_for_capture(model: nn.Module) -> Iterator[dict[str, str]]:
     """While capturing with module calls: the run-time hooks of every candidate module (tensor parallelism's input
@@ -157,9 +182,7 @@ def hooks_out_for_capture(model: nn.Module) -> Iterator[dict[str, str]]:
                 removed[path] = f"{n} hook(s) that fire at run time"
         for path, mod in model.named_modules():  # a stateless module's too (torchtitan's inner attention)
             if path and take_forward_out(mod, undo):
-                what = ("its forward replaced on the instance (torchtitan's Module.parallelize, say), which runs only "
-                        "where it is called")
-                removed[path] = f"{removed[path]} and {what}" if path in removed else what
+                removed[path] = f"{removed[path]} and {FORWARD_REPLACED}" if path in removed else FORWARD_REPLACED
         yield removed
     finally:
         for u in reversed(undo):
@@ -205,7 +228,8 @@ def _fsdp_owner(model: nn.Module, path: str) -> nn.Module | None:
 
 def _holds_tp(model: nn.Module, path: str) -> bool:
     """Whether the module at ``path`` is tensor-parallel, itself or below: a hook of a ``ParallelStyle``
-    (``parallelize_module``'s), or a DTensor parameter that FSDP2 does not manage."""
+    (``parallelize_module``'s), a DTensor parameter that FSDP2 does not manage, or a DTensor buffer (torchtitan's
+    replicated RoPE cache)."""
     try:
         mod = model.get_submodule(path)
     except AttributeError:
@@ -218,7 +242,7 @@ def _holds_tp(model: nn.Module, path: str) -> bool:
             owner = _fsdp_owner(model, ".".join(x for x in (path, n.rpartition(".")[0]) if x))
             if owner is None or _sharded_before_fsdp(owner, p):
                 return True
-    return False
+    return any(is_dtensor(b) for b in mod.buffers())
 
 
 def _sharded_before_fsdp(owner: nn.Module, param: torch.Tensor) -> bool:
@@ -321,6 +345,8 @@ def check_local_shape(t: Any, dims: tuple | None, path: str, parent: str, why: s
             t = t.to_local()
         elif to_output:
             return t
+        elif _features_sharded(t, dims):  # a column-parallel output the graph expects whole (MoDA's attention)
+            return t.full_tensor()
         else:
             from ...errors import ConfigError
 
@@ -348,6 +374,21 @@ def check_local_shape(t: Any, dims: tuple | None, path: str, parent: str, why: s
         "keeps whole (the report's 'modules called'), or give this module output_layouts=Replicate() "
         "(docs/training.md, tensor parallelism)."
     )
+
+
+def _features_sharded(t: Any, dims: tuple | None) -> bool:
+    """Whether the DTensor ``t`` is sharded on a 1-D mesh along a dimension the graph was traced with as a static
+    size equal to the whole tensor's (features, heads), not a dynamic one (batch, sequence): a column-parallel
+    Linear's output under torchtitan's ``partial_dtensor`` plan, which the graph of a sublayer the scheme rewrote
+    (MoDA's attention) expects whole; gathered (``full_tensor``: its backward hands each rank its slice of the
+    gradient every rank computed whole). A sequence-sharded one is not."""
+    if dims is None or t.device_mesh.ndim != 1 or len(dims) != t.dim():
+        return False
+    (p,) = t.placements
+    if not p.is_shard():
+        return False
+    d = p.dim % t.dim()
+    return isinstance(dims[d], int) and dims[d] == t.shape[d]
 
 
 def _sharded_weight(module: nn.Module | None, dim: int) -> Any:
@@ -417,31 +458,74 @@ def _takes_dtensors(model: nn.Module, path: str) -> bool:
     if any(next(_styles_of(h), None) is not None for attr in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs")
            for h in getattr(mod, attr, {}).values()):
         return False
-    return _dtensor_mesh(mod) is not None
+    if _dtensor_mesh(mod) is not None:
+        return True
+    # torchtitan: a module without DTensors of its own (a fused q/k/v container) called with what its parent's wrapped
+    # forward would have made a DTensor (the parent inlined, MoDA's attention), whose parallelised children take
+    # their inputs as they come
+    return not _converts_inputs(mod) and any(redistributes_only(m) and not _converts_inputs(m)
+                                             and _dtensor_mesh(m) is not None for m in mod.modules())
+
+
+def _converts_inputs(mod: nn.Module) -> bool:
+    """Whether ``mod``'s torchtitan wrapper turns plain inputs into DTensors (its sharding config names input
+    placements)."""
+    cfg = getattr(mod, "_sharding_config", None)
+    return redistributes_only(mod) and bool(getattr(cfg, "in_src_shardings", None))
+
+
+def _titan_input(module: nn.Module, name: str | None) -> tuple[Any, tuple] | None:
+    """``(mesh, placements)`` torchtitan's wrapper of ``module`` makes its input ``name`` (from a plain tensor: its
+    sharding config's source placements), or None (no such input, or no such wrapper)."""
+    if name is None or not _converts_inputs(module):
+        return None
+    import inspect
+
+    from torchtitan.protocols.sharding import resolve_placements
+
+    cfg = module._sharding_config
+    if name not in cfg.in_src_shardings and len(cfg.in_src_shardings) == 1 and module._cache_pos_arg_names() == [name]:
+        # Qwen3's QK-norm declares "input" for RMSNorm.forward(x): its one input
+        name = next(iter(cfg.in_src_shardings))
+    src = cfg.in_src_shardings.get(name)
+    dims = inspect.getclosurevars(module.__dict__["forward"]).nonlocals["parallel_dims"]
+    mesh = dims.resolve_shared_mesh([src, (cfg.in_dst_shardings or {}).get(name)])
+    return None if src is None or mesh is None else (mesh, tuple(resolve_placements(src, mesh)))
 
 
 @torch.fx.wrap
-def as_replicated(t: Any, module: nn.Module) -> Any:
+def as_replicated(t: Any, module: nn.Module, name: str | None = None) -> Any:
     """A plain floating tensor going into a call of ``module`` (see :func:`_takes_dtensors`) as a replicated DTensor on
     the module's mesh: every rank computed the same values (the graph's ops between module calls run on whole
-    tensors), which is what a replicated DTensor stream held in the original."""
+    tensors), which is what a replicated DTensor stream held in the original. An input ``name`` torchtitan's wrapper
+    of ``module`` takes as a sharded DTensor (Qwen3's QK-norm: heads sharded) is that rank's slice of it, as a
+    DTensor of those placements (from the replicated one: the backward gathers the gradient)."""
     if not isinstance(t, torch.Tensor) or is_dtensor(t) or not t.is_floating_point():
         return t
     from torch.distributed.tensor import DTensor, Replicate
 
+    placed = _titan_input(module, name)
+    if placed is not None:
+        mesh, placements = placed
+        if any(p.is_partial() for p in placements):  # pragma: no cover - no plan hands a module a partial sum
+            return t
+        whole = DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        return whole if all(p.is_replicate() for p in placements) else whole.redistribute(mesh, placements)
     mesh = _dtensor_mesh(module)
+    if mesh is None:  # a container of parallelised modules (torchtitan's fused q/k/v): theirs
+        mesh = next((m for m in map(_dtensor_mesh, module.modules()) if m is not None), None)
     if mesh is None:
         return t
     return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
-def _wrapped(fn: Callable, graph: fx.Graph, x: Any, module: fx.Node, stack: dict) -> Any:
-    """``fn(x, module)`` (:func:`as_replicated`, :func:`as_local_shard`) for a floating tensor node ``x`` going into a
-    call of ``module`` (anything else unchanged)."""
+def _wrapped(fn: Callable, graph: fx.Graph, x: Any, module: fx.Node, stack: dict, *extra: Any) -> Any:
+    """``fn(x, module, *extra)`` (:func:`as_replicated`, :func:`as_local_shard`) for a floating tensor node ``x`` going
+    into a call of ``module`` (anything else unchanged)."""
     v = x.meta.get("val") if isinstance(x, fx.Node) else None
     if not isinstance(v, torch.Tensor) or not v.is_floating_point():
         return x
-    r = graph.create_node("call_function", fn, (x, module), name=f"{x.name}_{fn.__name__.removeprefix('as_')}")
+    r = graph.create_node("call_function", fn, (x, module, *extra), name=f"{x.name}_{fn.__name__.removeprefix('as_')}")
     r.meta.update({k: v for k, v in x.meta.items() if k in ("val", "tensor_meta")})
     r.meta["nn_module_stack"] = stack
     return r
@@ -467,6 +551,8 @@ def check_live_modules(model: nn.Module, gm: fx.GraphModule, called: list[str], 
     modules: list[tuple[str, str]] = []
     for path, n in removed_hooks.items():
         if path in in_graph and not runs_live(path):
+            if n == FORWARD_REPLACED and redistributes_only(model.get_submodule(path)):
+                continue  # computed on whole tensors inlined; its DTensor state is checked below
             what = ("is sharded with FSDP (fully_shard): its parameters are gathered by hooks around its call"
                     if is_fsdp(model.get_submodule(path)) else f"has {n}")
             modules.append((path, why.get(path, "not a call of its own")))
@@ -474,7 +560,7 @@ def check_live_modules(model: nn.Module, gm: fx.GraphModule, called: list[str], 
     for path, mod in model.named_modules():
         if path in in_graph and not runs_live(path) and not _fsdp_managed(model, path):
             own = [k for k, p in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]
-                   if is_dtensor(p)]
+                   if is_dtensor(p) and not all(pl.is_replicate() for pl in p.placements)]  # replicated: read whole
             if own:
                 modules.append((path, why.get(path, "not a call of its own")))
                 problems.append(f"{path}.{own[0]} is a DTensor (tensor parallelism), but {path}'s call stays inlined "
@@ -877,7 +963,8 @@ def lower_module_calls(gm: fx.GraphModule, blocks: tuple[str, ...] = (), live: n
                 mod_node.meta["nn_module_stack"] = parent
             if checked and _takes_dtensors(live, path):
                 values = _value_leaves(sig.in_spec)  # a BlockMask's tensors stay as they are
-                flat = [x if i in values else _wrapped(as_replicated, out, x, mod_node, parent)
+                names = _input_names(sig.in_spec, live.get_submodule(path))
+                flat = [x if i in values else _wrapped(as_replicated, out, x, mod_node, parent, names[i])
                         for i, x in enumerate(flat)]
             elif checked and _sharded_weight(live.get_submodule(path), 1) is not None:  # row-parallel: its input shard
                 flat = [_wrapped(as_local_shard, out, x, mod_node, parent) for x in flat]
@@ -924,8 +1011,55 @@ def lower_module_calls(gm: fx.GraphModule, blocks: tuple[str, ...] = (), live: n
         env[n] = out.node_copy(n, env.__getitem__)
     for n in [n for n in out.nodes if n.op == "get_attr" and not n.users]:  # the called modules' own weights
         out.erase_node(n)
+    if live is not None:
+        _replicated_reads_local(out, live)
     out.lint()
     return out, called, refused
+
+
+def _live_tensor(live: nn.Module, path: str) -> torch.Tensor | None:
+    """The parameter or buffer of ``live`` at ``path``, or None (a submodule, or nothing there)."""
+    for get in (live.get_parameter, live.get_buffer):
+        try:
+            return get(path)
+        except AttributeError:
+            pass
+    return None
+
+
+@torch.fx.wrap
+def whole_local(t: Any) -> Any:
+    """A replicated DTensor parameter or buffer the graph reads directly (an inlined module's state under torchtitan's
+    plan: a RoPE cache), as the plain whole tensor every rank holds; its gradient a replicated DTensor (every rank
+    computed it whole). Anything else unchanged."""
+    if is_dtensor(t):
+        return t.to_local(grad_placements=t.placements)
+    return t
+
+
+def _replicated_reads_local(graph: fx.Graph, live: nn.Module) -> None:
+    """Each ``get_attr`` of a replicated DTensor (in ``live`` now) read through :func:`whole_local`."""
+    for n in [n for n in graph.nodes if n.op == "get_attr"]:
+        t = _live_tensor(live, n.target)
+        if not is_dtensor(t) or not all(p.is_replicate() for p in t.placements):
+            continue
+        with graph.inserting_after(n):
+            r = graph.create_node("call_function", whole_local, (n,), name=f"{n.name}_local")
+        r.meta.update(n.meta)
+        n.replace_all_uses_with(r, delete_user_cb=lambda u: u is not r)
+
+
+def _input_names(spec: pytree.TreeSpec, module: nn.Module) -> list[str | None]:
+    """Per flat leaf of a module call's ``(args, kwargs)`` spec: the argument it is (positional arguments named by
+    torchtitan's record of the forward's parameters), or None (inside a container, or not known)."""
+    args, kwargs = _children(spec)
+    pos = module._cache_pos_arg_names() if callable(getattr(module, "_cache_pos_arg_names", None)) else []
+    names: list[str | None] = []
+    for i, c in enumerate(_children(args)):
+        names += [pos[i] if i < len(pos) and c.is_leaf() else None] * c.num_leaves
+    for k, c in zip(kwargs.context, _children(kwargs)):
+        names += [k if c.is_leaf() else None] * c.num_leaves
+    return names
 
 
 def _children(spec: pytree.TreeSpec) -> list:
