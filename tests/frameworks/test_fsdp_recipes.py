@@ -76,14 +76,17 @@ TP_CASES = [
     ("torchtitan-spmd-attnres", "torchtitan", "llama3", "spmd", "attnres"),
     ("torchtitan-spmd-block-msar", "torchtitan", "llama3", "spmd", "block-msar"),
     ("torchtitan-spmd-first-mhc", "torchtitan", "llama3", "spmd:first", "mhc"),
-    # MoDA rewrites the attention with whole heads: the traced redistributions (collectives) are refused, in both orders
+    # MoDA rewrites the attention, which runs inlined on whole tensors (the capture stands whole zeros in for the
+    # local shards): the plan's redistributions are made at the live calls around it, in both orders
     ("torchtitan-spmd-moda", "torchtitan", "llama3", "spmd", "moda"),
     ("torchtitan-spmd-first-moda", "torchtitan", "llama3", "spmd:first", "moda"),
+    # MoDA with module_calls=False: the plan's collectives traced into its attention are refused at conversion
+    ("torchtitan-spmd-inline-moda", "torchtitan", "llama3", "spmd:inline", "moda"),
     # module_calls=False: the plan's forward communication traced into the graph (exact), its backward lost: refused
     ("torchtitan-spmd-inline-attnres", "torchtitan", "llama3", "spmd:inline", "attnres"),
 ]
 CASES += TP_CASES
-SPMD_REFUSED = ("torchtitan-spmd-moda", "torchtitan-spmd-first-moda")
+SPMD_REFUSED = ("torchtitan-spmd-inline-moda",)
 INLINE_REFUSED = "torchtitan-spmd-inline-attnres"
 SP_REFUSED = "torchtitan-tp-sp-attnres"
 _FRAMEWORKS = {c[1] for c in CASES}
@@ -341,11 +344,11 @@ def test_torchtitan_sequence_parallelism_is_a_typed_error(recipe_results):
 
 
 @pytest.mark.parametrize("case", SPMD_REFUSED)
-def test_moda_under_torchtitans_spmd_types_tensor_parallelism_is_a_typed_error(recipe_results, case):
-    """With plain local shards nothing is a DTensor, and MoDA's attention, traced with the plan's redistributions,
-    used to pair a rank's heads with other heads' depth slots (logits off by 0.1, no error) when converted after
-    parallelising, and to fail in a reshape when converted before. Both orders are now a ConfigError naming the
-    traced communication."""
+def test_moda_with_traced_tensor_parallel_communication_is_a_typed_error(recipe_results, case):
+    """With module calls off under torchtitan's ``spmd_types``, MoDA's attention would be traced with the plan's
+    redistributions and this rank's heads (it used to pair a rank's heads with other heads' depth slots, logits off
+    by 0.1, no error): a ConfigError naming the traced communication. With module calls (the default) it trains
+    (``torchtitan-spmd-moda``, ``torchtitan-spmd-first-moda``)."""
     got = recipe_results[case]
     assert got.get("error") == "ConfigError", got
     assert "MoDA cannot convert a tensor-parallel model" in got["text"] and "_c10d_functional" in got["text"], got

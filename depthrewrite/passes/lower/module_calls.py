@@ -26,6 +26,7 @@ import logging
 import operator
 import re
 import sys
+import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Iterator
 
@@ -145,24 +146,89 @@ FORWARD_REPLACED = ("its forward replaced on the instance (torchtitan's Module.p
 
 
 def redistributes_only(mod: nn.Module) -> bool:
-    """Whether ``mod``'s forward set on the instance is torchtitan's ``Module.parallelize`` wrapper with the
-    ``partial_dtensor`` backend: it only turns its inputs and outputs into DTensors of the placements its sharding
-    config names (and runs a ``local_map`` region on local shards), and every collective it causes is a DTensor
-    redistribution. Inlined on whole tensors, as a rewritten sublayer runs (MoDA's attention), the module computes
-    what it computes sharded; the DTensors come back at the live calls around it (:func:`as_replicated` before a
-    call, :func:`check_local_shape` gathering a sharded output), whose autograd carries the backward communication.
-    A sequence-parallel plan never gets this far (its activations between modules are refused first)."""
+    """Whether ``mod``'s forward set on the instance is torchtitan's ``Module.parallelize`` wrapper: it only
+    redistributes its inputs and outputs to the placements its sharding config names (DTensors with the
+    ``partial_dtensor`` backend, collectives on plain local tensors with ``spmd_types``) around the module's own
+    computation (a ``local_map`` region on local shards). Inlined on whole tensors, as a rewritten sublayer runs
+    (MoDA's attention), the module computes what it computes sharded, provided it reads no sharded state itself
+    (:func:`check_live_modules`); the redistributions come back at the live calls around it (:func:`as_replicated`
+    or :func:`as_tp_input` before a call, :func:`check_local_shape` gathering a sharded output, :func:`as_local_shard`
+    before a row-parallel one), whose autograd carries the backward communication. A sequence-parallel plan never
+    gets this far (its activations between modules are refused first)."""
+    return getattr(_titan_dims(mod), "spmd_backend", None) in ("partial_dtensor", "spmd_types")
+
+
+def _titan_dims(mod: nn.Module) -> Any:
+    """The ``ParallelDims`` of torchtitan's ``Module.parallelize`` wrapper set as ``mod``'s forward, or None."""
     fn = mod.__dict__.get("forward")
     if fn is None or not getattr(fn, "__module__", "").startswith("torchtitan.") or \
             not getattr(fn, "__qualname__", "").endswith("parallelize.<locals>.forward_with_redistribution"):
-        return False
-    try:
-        import inspect
+        return None
+    found = _WRAPPER_DIMS.get(fn, _WRAPPER_DIMS)
+    if found is _WRAPPER_DIMS:
+        try:
+            import inspect
 
-        dims = inspect.getclosurevars(fn).nonlocals.get("parallel_dims")
-    except (TypeError, ValueError):  # pragma: no cover - another torchtitan layout
-        return False
-    return getattr(dims, "spmd_backend", None) == "partial_dtensor"
+            found = inspect.getclosurevars(fn).nonlocals.get("parallel_dims")
+        except (TypeError, ValueError):  # pragma: no cover - another torchtitan layout
+            found = None
+        _WRAPPER_DIMS[fn] = found
+    return found
+
+
+#: torchtitan wrapper function -> its ParallelDims (read once: it runs at every call of a tensor-parallel model)
+_WRAPPER_DIMS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+def _spmd_state(mod: nn.Module) -> tuple[Any, dict[str, Any]] | None:
+    """Under torchtitan's ``spmd_types`` backend (plain local shards): ``(tp mesh, {state name: placement on it})`` of
+    ``mod`` parallelised by it, or None."""
+    dims = _titan_dims(mod)
+    if getattr(dims, "spmd_backend", None) != "spmd_types":
+        return None
+    fn = mod.__dict__["forward"]
+    state = _SPMD_STATE.get(fn)
+    if state is None:
+        from torchtitan.protocols.sharding import resolve_placements
+
+        mesh = dims.get_mesh("tp")
+        state = _SPMD_STATE[fn] = (mesh, {k: resolve_placements(v, mesh)[0]
+                                          for k, v in (mod._sharding_config.state_shardings or {}).items()})
+    return state
+
+
+#: torchtitan wrapper function (one per parallelised module) -> (tp mesh, its state's placements on it)
+_SPMD_STATE: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _spmd_weight_dim(mod: nn.Module) -> tuple[Any, int] | None:
+    """``(tp mesh, d)`` when ``mod``'s weight is a plain local shard along ``d`` (``spmd_types``), else None."""
+    state = _spmd_state(mod)
+    p = state[1].get("weight") if state is not None else None
+    return (state[0], p.dim) if p is not None and p.is_shard() else None
+
+
+def _whole_stand_ins(mod: nn.Module, undo: list) -> None:
+    """While capturing with module calls: each plain local shard ``mod`` holds under torchtitan's ``spmd_types`` (a
+    parameter or buffer its sharding config shards) stood in for by zeros of the whole tensor's shape, as FSDP2's and
+    DTensor parameters are (``blocks_for_capture``): the graph is traced with whole tensors (a rewritten attention
+    then splits every head, not this rank's), and the module calls around it take and give shards at run time."""
+    state = _spmd_state(mod)
+    for k, p in (state[1].items() if state is not None else ()):
+        owner = mod._parameters if k in mod._parameters else mod._buffers
+        t = owner.get(k)
+        if t is None or not p.is_shard():
+            continue
+        shape = list(t.shape)
+        shape[p.dim] *= state[0].size()
+        whole = torch.zeros(shape, dtype=t.dtype, device=t.device)
+        owner[k] = nn.Parameter(whole, requires_grad=t.requires_grad) if owner is mod._parameters else whole
+        undo.append(lambda d=owner, k=k, v=t: d.__setitem__(k, v))
+
+
+def _spmd_sharded_below(mod: nn.Module) -> Any:
+    """The tp mesh when ``mod`` or a module below it holds plain local shards (``spmd_types``), else None."""
+    return next((w[0] for m in mod.modules() if (w := _spmd_weight_dim(m)) is not None), None)
 
 
 @contextlib.contextmanager
@@ -181,6 +247,7 @@ def hooks_out_for_capture(model: nn.Module) -> Iterator[dict[str, str]]:
             if n:
                 removed[path] = f"{n} hook(s) that fire at run time"
         for path, mod in model.named_modules():  # a stateless module's too (torchtitan's inner attention)
+            _whole_stand_ins(mod, undo)
             if path and take_forward_out(mod, undo):
                 removed[path] = f"{removed[path]} and {FORWARD_REPLACED}" if path in removed else FORWARD_REPLACED
         yield removed
@@ -360,6 +427,8 @@ def check_local_shape(t: Any, dims: tuple | None, path: str, parent: str, why: s
         return t
     if t.dim() == len(dims) and all(d is None or d == s for d, s in zip(dims, t.shape)):
         return t
+    if to_output and module is not None and _spmd_sharded_below(module) is not None:
+        return t  # what the model returns, a plain shard as the original returns it (torchtitan's vocabulary shard)
     whole = _gathered(t, dims, module)
     if whole is not None:
         return whole
@@ -409,6 +478,9 @@ def _gathered(t: Any, dims: tuple, module: nn.Module | None) -> Any:
     MoDA's attention, runs as graph operations traced with every head): every rank's slices gathered into the whole
     tensor, differentiably (its backward hands each rank its slice of the gradient, which every rank computed
     whole). None when ``t`` is not such a slice."""
+    mesh = _spmd_sharded_below(module) if module is not None else None
+    if mesh is not None:
+        return _gathered_local(t, dims, mesh)
     w = _sharded_weight(module, 0)
     if w is None or not isinstance(t, torch.Tensor) or is_dtensor(t) or t.dim() != len(dims):
         return None
@@ -424,19 +496,57 @@ def _gathered(t: Any, dims: tuple, module: nn.Module | None) -> Any:
                               stride=stride).full_tensor()
 
 
+def _gathered_local(t: Any, dims: tuple, mesh: Any) -> Any:
+    """A plain local shard (torchtitan's ``spmd_types``: a column-parallel output, or a container's, split along
+    features or heads) gathered whole along the one dimension the graph was traced with as ``mesh.size()`` times its
+    size, differentiably (the backward hands each rank its slice); None when no single dimension fits."""
+    if not isinstance(t, torch.Tensor) or is_dtensor(t) or t.dim() != len(dims):
+        return None
+    n = mesh.size()
+    split = [d for d, (want, got) in enumerate(zip(dims, t.shape)) if want is not None and want != got]
+    if len(split) != 1 or dims[split[0]] != t.shape[split[0]] * n:
+        return None
+    from torch.distributed.tensor import DTensor, Shard
+
+    shape = torch.Size(dims[d] if d == split[0] else t.shape[d] for d in range(t.dim()))
+    stride = tuple(int(shape[i + 1:].numel()) for i in range(len(shape)))
+    return DTensor.from_local(t.contiguous(), mesh, [Shard(split[0])], run_check=False, shape=shape,
+                              stride=stride).full_tensor()
+
+
+@torch.fx.wrap
+def as_tp_input(t: Any, module: nn.Module) -> Any:
+    """A whole plain tensor going into a call of ``module`` whose column-parallel Linears hold plain local shards
+    (torchtitan's ``spmd_types``) and whose own wrapper does not take it in: the identity forward, the sum of every
+    rank's gradient backward (each rank's projection saw only its slice of the weight), which the wrapper of the
+    inlined module around it (MoDA's attention) did in the original."""
+    mesh = _spmd_sharded_below(module)
+    if mesh is None or not isinstance(t, torch.Tensor) or is_dtensor(t) or not t.is_floating_point():
+        return t
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    return DTensor.from_local(t, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
 @torch.fx.wrap
 def as_local_shard(t: Any, module: nn.Module) -> Any:
     """A whole tensor going into a row-parallel Linear (``RowwiseParallel``, which takes this rank's slice of the
     features): this rank's slice, differentiably (its backward gathers every rank's slice of the gradient). Anything
     else unchanged (a tensor already of the local width)."""
-    w = _sharded_weight(module, 1)
-    if w is None or not isinstance(t, torch.Tensor) or is_dtensor(t) or not t.is_floating_point() or t.dim() == 0:
+    if not isinstance(t, torch.Tensor) or is_dtensor(t) or not t.is_floating_point() or t.dim() == 0:
         return t
-    if t.shape[-1] != w.shape[1] or t.shape[-1] == w.to_local().shape[1]:
-        return t
+    spmd = _spmd_weight_dim(module)
+    if spmd is not None:  # torchtitan's spmd_types: a plain local shard [out, in / n]
+        mesh, d = spmd
+        if d != 1 or t.shape[-1] != module.weight.shape[1] * mesh.size():
+            return t
+    else:
+        w = _sharded_weight(module, 1)
+        if w is None or t.shape[-1] != w.shape[1] or t.shape[-1] == w.to_local().shape[1]:
+            return t
+        mesh = w.device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    mesh = w.device_mesh
     return DTensor.from_local(t, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(t.dim() - 1)]).to_local()
 
 
@@ -468,8 +578,8 @@ def _takes_dtensors(model: nn.Module, path: str) -> bool:
 
 
 def _converts_inputs(mod: nn.Module) -> bool:
-    """Whether ``mod``'s torchtitan wrapper turns plain inputs into DTensors (its sharding config names input
-    placements)."""
+    """Whether ``mod``'s torchtitan wrapper takes its inputs in itself (its sharding config names input placements:
+    a plain input becomes a DTensor with ``partial_dtensor``, is redistributed with ``spmd_types``)."""
     cfg = getattr(mod, "_sharding_config", None)
     return redistributes_only(mod) and bool(getattr(cfg, "in_src_shardings", None))
 
@@ -561,9 +671,11 @@ def check_live_modules(model: nn.Module, gm: fx.GraphModule, called: list[str], 
         if path in in_graph and not runs_live(path) and not _fsdp_managed(model, path):
             own = [k for k, p in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]
                    if is_dtensor(p) and not all(pl.is_replicate() for pl in p.placements)]  # replicated: read whole
+            spmd = _spmd_state(mod)
+            own += [k for k, pl in (spmd[1].items() if spmd is not None else ()) if not pl.is_replicate()]
             if own:
                 modules.append((path, why.get(path, "not a call of its own")))
-                problems.append(f"{path}.{own[0]} is a DTensor (tensor parallelism), but {path}'s call stays inlined "
+                problems.append(f"{path}.{own[0]} is sharded (tensor parallelism), but {path}'s call stays inlined "
                                 f"({modules[-1][1]})")
     if problems:
         raise ModuleCallError(
@@ -901,7 +1013,8 @@ def lower_module_calls(gm: fx.GraphModule, blocks: tuple[str, ...] = (), live: n
     every block when no block holds it). ``live``: the model; a called module holding tensor-parallel parameters
     gets its outputs' sizes checked at run time (:func:`check_local_shape`)."""
     info: ModuleCallInfo = gm.meta[SIGNATURES_META]
-    tp = {p for p in info.signatures if live is not None and _holds_tp(live, p)}
+    tp = {p for p in info.signatures
+          if live is not None and (_holds_tp(live, p) or _spmd_sharded_below(live.get_submodule(p)) is not None)}
     graph = gm.graph
     pos = {n: i for i, n in enumerate(graph.nodes)}
     count: dict[str, int] = {}
@@ -966,8 +1079,10 @@ def lower_module_calls(gm: fx.GraphModule, blocks: tuple[str, ...] = (), live: n
                 names = _input_names(sig.in_spec, live.get_submodule(path))
                 flat = [x if i in values else _wrapped(as_replicated, out, x, mod_node, parent, names[i])
                         for i, x in enumerate(flat)]
-            elif checked and _sharded_weight(live.get_submodule(path), 1) is not None:  # row-parallel: its input shard
+            elif checked and _row_parallel(live.get_submodule(path)):  # its input's shard
                 flat = [_wrapped(as_local_shard, out, x, mod_node, parent) for x in flat]
+            elif checked and _takes_whole_into_columns(live.get_submodule(path)):
+                flat = [_wrapped(as_tp_input, out, x, mod_node, parent) for x in flat]
             args, kwargs = _unflatten_inputs(out, flat, sig.in_spec, parent)
             leaf = sig.out_spec.is_leaf()
             call = out.create_node("call_module", path, tuple(args), dict(kwargs),
@@ -1047,6 +1162,20 @@ def _replicated_reads_local(graph: fx.Graph, live: nn.Module) -> None:
             r = graph.create_node("call_function", whole_local, (n,), name=f"{n.name}_local")
         r.meta.update(n.meta)
         n.replace_all_uses_with(r, delete_user_cb=lambda u: u is not r)
+
+
+def _row_parallel(mod: nn.Module) -> bool:
+    """A row-parallel Linear: a DTensor weight sharded along its inputs, or a plain local shard of one (spmd_types)."""
+    spmd = _spmd_weight_dim(mod)
+    return (spmd[1] == 1) if spmd is not None else _sharded_weight(mod, 1) is not None
+
+
+def _takes_whole_into_columns(mod: nn.Module) -> bool:
+    """Under ``spmd_types``: ``mod`` or a module below it is a column-parallel Linear of plain local shards, and no
+    wrapper on the way takes the input in (its own ``in_src_shardings``): :func:`as_tp_input` before the call."""
+    mods = list(mod.modules())
+    return not any(_converts_inputs(m) for m in mods) and any(
+        (w := _spmd_weight_dim(m)) is not None and w[1] == 0 for m in mods)
 
 
 def _input_names(spec: pytree.TreeSpec, module: nn.Module) -> list[str | None]:
