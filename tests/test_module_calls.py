@@ -477,3 +477,42 @@ def test_decoding_steps_call_the_modules(scheme="attnres"):
     with FlopCounterMode(display=False) as fc:
         assert torch.equal(conv.generate(ids, **gen), want)
     assert fc.get_total_flops() > 0
+
+
+def _titan_wrapped(mod: nn.Module, dims) -> nn.Module:
+    """``mod`` with a forward set on the instance shaped like torchtitan's ``Module.parallelize`` wrapper."""
+    def make(parallel_dims):
+        def forward_with_redistribution(*a, **k):
+            return type(mod).forward(mod, *a, **k) if parallel_dims is not None else None
+        return forward_with_redistribution
+
+    fn = make(dims)
+    fn.__module__ = "torchtitan.protocols.module"
+    fn.__qualname__ = "Module.parallelize.<locals>.forward_with_redistribution"
+    mod.forward = fn
+    return mod
+
+
+def test_torchtitans_spmd_wrappers_without_tensor_parallelism_are_not_sharded():
+    """torchtitan wraps every module's forward for FSDP-only runs too (``parallelize_llama`` with tp=1): with no tp
+    mesh, nothing is a local shard (no stand-ins at capture, nothing to gather or refuse) instead of an error."""
+    from depthrewrite.passes.lower import module_calls as mc
+
+    class Dims:
+        spmd_backend = "spmd_types"
+
+        def get_optional_mesh(self, *_a, **_k):
+            return None
+
+    class Config:
+        state_shardings = {"weight": object()}  # never resolved without a tp mesh
+        in_src_shardings = in_dst_shardings = out_src_shardings = out_dst_shardings = None
+
+    lin = _titan_wrapped(nn.Linear(4, 4), Dims())
+    lin._sharding_config = Config()
+    assert mc.redistributes_only(lin)
+    assert mc._spmd_state(lin) is None and mc._spmd_sharded_below(lin) is None and mc._pending_on_tp(lin) == []
+    undo: list = []
+    mc._whole_stand_ins(lin, undo)
+    assert not undo and lin.weight.shape == (4, 4)
+    assert not mc._titan_sequence_sharded(lin)

@@ -96,14 +96,15 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) ->
     offloaded = next((n or "(the model)" for n, _, _ in offload_hooks(model)), None)
     module_calls = getattr(st, "module_calls", False)
     tp = tensor_parallel(model)
-    sp = sequence_parallel(model) if tp else None
+    sp = sequence_parallel(model)  # torchtitan's spmd_types plans hold plain tensors: tensor_parallel() is False
     if sp is not None:
         raise ConfigError(
             f"{name}.{sp[0]} is tensor-parallel with activations sharded along the sequence ({sp[1]}: sequence "
             "parallelism). A converted model does not support that yet: its depth-mixing parameters are replicated "
             "plain tensors whose gradients would see only this rank's positions, and MSAR's causal convolutions need "
             "the previous rank's last positions. Use a plan that keeps activations replicated between sublayers "
-            "(RowwiseParallel(output_layouts=Replicate()), no SequenceParallel norms; docs/training.md)."
+            "(RowwiseParallel(output_layouts=Replicate()), no SequenceParallel norms; torchtitan: "
+            "enable_sequence_parallel=False; docs/training.md)."
         )
     # a tensor-parallel plan, fully_shard on a module that is not a block (torchtitan's apply_fsdp shards the
     # embedding and the output) and accelerate's offload act on modules through their hooks: they must stay calls
@@ -172,7 +173,10 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) ->
             raise
         log.info("depthrewrite: %s; capturing without module calls (hooks traced)", e)
         module_calls = False
-        gm, chain, result, keep_cache, box = rewritten(False, keep_cache)
+        try:
+            gm, chain, result, keep_cache, box = rewritten(False, keep_cache)
+        except DepthRewriteError as retry:  # refused inlined too (a plan's collectives traced): the first reason
+            raise e from retry
         warn_traced_hooks(model)
     if not result.modified:
         raise DepthRewriteError(f"{config.name}: the rewrite changed nothing on {name}; not returning an unconverted model")

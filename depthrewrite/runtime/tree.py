@@ -241,7 +241,7 @@ class ModuleTree:
             return self.names[i // len(_HOOKS)], f"{_HOOK_WORDS[_HOOKS[i % len(_HOOKS)]]} added or removed"
         forwards = _own_forwards(self.mods)
         if forwards != self.forwards:
-            i = next(i for i, (a, b) in enumerate(zip(forwards, self.forwards)) if a is not b)
+            i = next(i for i, (a, b) in enumerate(zip(forwards, self.forwards)) if a != b)
             return self.names[i], "its forward set or removed on the instance"
         now = dict(root.named_modules())
         for name, mod, typ in zip(self.names, self.mods, self.types):

@@ -82,13 +82,19 @@ TP_CASES = [
     ("torchtitan-spmd-first-moda", "torchtitan", "llama3", "spmd:first", "moda"),
     # MoDA with module_calls=False: the plan's collectives traced into its attention are refused at conversion
     ("torchtitan-spmd-inline-moda", "torchtitan", "llama3", "spmd:inline", "moda"),
+    # Qwen3's QK-norm weights are R on the tp axis (torchtitan's FSDP completes their gradient): computed whole, they
+    # would be counted once per rank there; refused
+    ("torchtitan-spmd-qwen3-moda", "torchtitan", "qwen3-untied", "spmd", "moda"),
+    # its sequence-parallel plan with plain tensors: refused at capture from the plan's own layouts
+    ("torchtitan-spmd-sp-msar", "torchtitan", "llama3", "spmd:sp", "msar"),
     # module_calls=False: the plan's forward communication traced into the graph (exact), its backward lost: refused
     ("torchtitan-spmd-inline-attnres", "torchtitan", "llama3", "spmd:inline", "attnres"),
 ]
 CASES += TP_CASES
 SPMD_REFUSED = ("torchtitan-spmd-inline-moda",)
+PENDING_REFUSED = "torchtitan-spmd-qwen3-moda"
 INLINE_REFUSED = "torchtitan-spmd-inline-attnres"
-SP_REFUSED = "torchtitan-tp-sp-attnres"
+SP_REFUSED = ("torchtitan-tp-sp-attnres", "torchtitan-spmd-sp-msar")
 _FRAMEWORKS = {c[1] for c in CASES}
 pytestmark = pytest.mark.skipif(any(importlib.util.find_spec(f) is None for f in _FRAMEWORKS),
                                 reason="needs torchtitan, torchtune and OLMo-core (the `frameworks` extra)")
@@ -185,7 +191,7 @@ def _titan_tp_case(name: str, recipe: str, scheme: str) -> dict:
                 sharded=sharded)
 
 
-def _titan_spmd_case(recipe: str, scheme: str) -> dict:
+def _titan_spmd_case(name: str, recipe: str, scheme: str) -> dict:
     """torchtitan's TP with its default ``spmd_backend="spmd_types"`` (set process-wide, as its trainer does, and put
     back after), forward and backward inside its ``get_spmd_context``, against one process. The output is each rank's
     plain vocabulary shard: gathered (differentiably) into the whole logits; a sharded weight's gradient is compared
@@ -205,7 +211,9 @@ def _titan_spmd_case(recipe: str, scheme: str) -> dict:
                                           spmd_backend="spmd_types")
         dims.build_mesh()
         spmd = titan_dist.get_spmd_context(parallel_dims=dims)
-        model, _, _ = build("torchtitan", "llama3", sharding="tp")
+        arch, _, variant = name.partition("-")
+        model, _, _ = build("torchtitan", arch, sharding="sp" if recipe.endswith(":sp") else "tp",
+                            **({"tie": False} if variant == "untied" else {}))
         model.train()
         (ids,), _ = example_inputs(model)
         if recipe.endswith((":first", ":inline")):
@@ -270,7 +278,7 @@ def _case(mesh, rank: int, framework: str, name: str, recipe: str, scheme: str) 
     if recipe.startswith("parallelize"):
         return _titan_tp_case(name, recipe, scheme)
     if recipe.startswith("spmd"):
-        return _titan_spmd_case(recipe, scheme)
+        return _titan_spmd_case(name, recipe, scheme)
 
     with _stubbed(framework):
         flex = name.endswith("-flex")  # torchtitan with FlexAttention: each call takes positions and their BlockMask
@@ -324,8 +332,8 @@ def recipe_results(tmp_path_factory):
     return torch.load(tmp / "rank0.pt")
 
 
-@pytest.mark.parametrize("case", [c[0] for c in CASES if c[0] != SP_REFUSED and c[0] not in SPMD_REFUSED
-                                  and c[0] != INLINE_REFUSED])
+@pytest.mark.parametrize("case", [c[0] for c in CASES if c[0] not in SP_REFUSED and c[0] not in SPMD_REFUSED
+                                  and c[0] not in (INLINE_REFUSED, PENDING_REFUSED)])
 def test_framework_recipe_trains_as_one_process(recipe_results, case):
     got = recipe_results[case]
     assert "error" not in got, got
@@ -335,12 +343,25 @@ def test_framework_recipe_trains_as_one_process(recipe_results, case):
     assert got["sharded"] > 0
 
 
-def test_torchtitan_sequence_parallelism_is_a_typed_error(recipe_results):
-    """Its sequence-parallel plan leaves the stream sharded along the sequence between modules: a ConfigError
-    naming the module and the placement, not a mixed-tensor error from inside DTensor."""
-    got = recipe_results[SP_REFUSED]
+def test_a_gradient_torchtitan_reduces_later_refuses_the_whole_tensor_route(recipe_results):
+    """Under ``spmd_types`` a parameter declared ``R`` on the tp axis gets each rank's partial gradient, completed by
+    torchtitan's FSDP later; MoDA's attention computed whole would hand it a complete one, counted once per rank
+    there: a ModuleCallError naming the parameter (Qwen3's QK-norm), not a retry that fails for another reason."""
+    got = recipe_results[PENDING_REFUSED]
+    assert got.get("error") == "ModuleCallError", got
+    assert "q_norm.weight is replicated on the tensor-parallel axis" in got["text"], got
+
+
+@pytest.mark.parametrize("case", SP_REFUSED)
+def test_torchtitan_sequence_parallelism_is_a_typed_error(recipe_results, case):
+    """Its sequence-parallel plan leaves the stream sharded along the sequence between modules: a ConfigError at
+    capture, read from the plan's own layouts, naming the first such module. With ``spmd_types`` those activations
+    are plain tensors nothing else would notice (MSAR's loss was 0.2% off, the depth parameters' gradients 0.2-0.6x,
+    no error)."""
+    got = recipe_results[case]
     assert got.get("error") == "ConfigError", got
-    assert "tok_embeddings returned a DTensor placed as (Shard(dim=1),)" in got["text"], got
+    assert "tok_embeddings is tensor-parallel with activations sharded along the sequence" in got["text"], got
+    assert "enable_sequence_parallel=False" in got["text"], got
 
 
 @pytest.mark.parametrize("case", SPMD_REFUSED)

@@ -187,14 +187,42 @@ def _spmd_state(mod: nn.Module) -> tuple[Any, dict[str, Any]] | None:
     if getattr(dims, "spmd_backend", None) != "spmd_types":
         return None
     fn = mod.__dict__["forward"]
-    state = _SPMD_STATE.get(fn)
-    if state is None:
-        from torchtitan.protocols.sharding import resolve_placements
-
-        mesh = dims.get_mesh("tp")
-        state = _SPMD_STATE[fn] = (mesh, {k: resolve_placements(v, mesh)[0]
-                                          for k, v in (mod._sharding_config.state_shardings or {}).items()})
+    state = _SPMD_STATE.get(fn, _SPMD_STATE)
+    if state is _SPMD_STATE:
+        state = _SPMD_STATE[fn] = _spmd_state_of(mod, dims)
     return state
+
+
+def _spmd_state_of(mod: nn.Module, dims: Any) -> tuple[Any, dict[str, Any]] | None:
+    from torchtitan.protocols.sharding import resolve_placements
+
+    mesh = dims.get_optional_mesh("tp")  # None: no tensor parallelism (torchtitan wraps every module for FSDP too)
+    if mesh is None:
+        return None
+    placements = {}
+    for k, v in (mod._sharding_config.state_shardings or {}).items():
+        try:
+            placements[k] = resolve_placements(v, mesh)[0]
+        except ValueError:  # a layout without the tp axis (expert parallelism's): nothing sharded on it
+            continue
+    return mesh, placements
+
+
+def _pending_on_tp(mod: nn.Module) -> list[str]:
+    """The parameters of ``mod`` whose ``spmd_types`` layout on the tp axis is ``R`` (replicated, each rank's gradient
+    a partial sum that torchtitan leaves to a later reduction), not ``I`` (invariant: complete on every rank)."""
+    if getattr(_titan_dims(mod), "spmd_backend", None) != "spmd_types" or _spmd_state(mod) is None:
+        return []
+    return [k for k, v in (mod._sharding_config.state_shardings or {}).items()
+            if mod._parameters.get(k) is not None and mod._parameters[k].requires_grad and _tp_type(v) == "R"]
+
+
+def _tp_type(layout: Any) -> str | None:
+    """The ``spmd_types`` type of a torchtitan layout on the tp axis, as written: ``"R"``, ``"I"``, ``"S(1)"``..."""
+    for axis, t in layout.per_axis_spmd_types().items():
+        if getattr(axis, "value", axis) == "tp":
+            return str(t).rpartition(".")[2]  # an enum member prints with its class name
+    return None
 
 
 #: torchtitan wrapper function (one per parallelised module) -> (tp mesh, its state's placements on it)
@@ -392,7 +420,21 @@ def sequence_parallel(model: nn.Module) -> tuple[str, str] | None:
                 for name, layouts in _styles_of(h):
                     if name == "SequenceParallel" or any(seq_shard(v) for v in layouts):
                         return path, name
+        if _titan_sequence_sharded(mod):
+            return path, "torchtitan's sequence-parallel sharding config"
     return None
+
+
+def _titan_sequence_sharded(mod: nn.Module) -> bool:
+    """Whether ``mod``'s torchtitan sharding config takes or gives an activation sharded along the sequence on the tp
+    axis (``S(1)`` of ``(batch, sequence, hidden)``: its ``enable_sp`` plans). With ``spmd_types`` those activations
+    are plain tensors, so the module calls' checks cannot see it."""
+    if _titan_dims(mod) is None:
+        return False
+    cfg = mod._sharding_config
+    layouts = [*(cfg.in_src_shardings or {}).values(), *(cfg.in_dst_shardings or {}).values(),
+               *(x for x in (cfg.out_src_shardings, cfg.out_dst_shardings) if x is not None and not isinstance(x, tuple))]
+    return any(_tp_type(v) == "S(1)" for v in layouts)
 
 
 @torch.fx.wrap
@@ -589,8 +631,6 @@ def _titan_input(module: nn.Module, name: str | None) -> tuple[Any, tuple] | Non
     sharding config's source placements), or None (no such input, or no such wrapper)."""
     if name is None or not _converts_inputs(module):
         return None
-    import inspect
-
     from torchtitan.protocols.sharding import resolve_placements
 
     cfg = module._sharding_config
@@ -598,8 +638,7 @@ def _titan_input(module: nn.Module, name: str | None) -> tuple[Any, tuple] | Non
         # Qwen3's QK-norm declares "input" for RMSNorm.forward(x): its one input
         name = next(iter(cfg.in_src_shardings))
     src = cfg.in_src_shardings.get(name)
-    dims = inspect.getclosurevars(module.__dict__["forward"]).nonlocals["parallel_dims"]
-    mesh = dims.resolve_shared_mesh([src, (cfg.in_dst_shardings or {}).get(name)])
+    mesh = _titan_dims(module).resolve_shared_mesh([src, (cfg.in_dst_shardings or {}).get(name)])
     return None if src is None or mesh is None else (mesh, tuple(resolve_placements(src, mesh)))
 
 
@@ -659,10 +698,12 @@ def check_live_modules(model: nn.Module, gm: fx.GraphModule, called: list[str], 
                 if isinstance(v, tuple) and v}  # the modules whose code this capture ran
     problems: list[str] = []
     modules: list[tuple[str, str]] = []
+    whole = False  # a torchtitan module computed on whole tensors inlined (its wrapper skipped)
     for path, n in removed_hooks.items():
         if path in in_graph and not runs_live(path):
             if n == FORWARD_REPLACED and redistributes_only(model.get_submodule(path)):
-                continue  # computed on whole tensors inlined; its DTensor state is checked below
+                whole = True
+                continue  # computed on whole tensors inlined; its state is checked below
             what = ("is sharded with FSDP (fully_shard): its parameters are gathered by hooks around its call"
                     if is_fsdp(model.get_submodule(path)) else f"has {n}")
             modules.append((path, why.get(path, "not a call of its own")))
@@ -677,6 +718,14 @@ def check_live_modules(model: nn.Module, gm: fx.GraphModule, called: list[str], 
                 modules.append((path, why.get(path, "not a call of its own")))
                 problems.append(f"{path}.{own[0]} is sharded (tensor parallelism), but {path}'s call stays inlined "
                                 f"({modules[-1][1]})")
+    pending = [(p, k) for p, m in model.named_modules() for k in _pending_on_tp(m)] if whole else []
+    if pending:
+        path, k = pending[0]
+        modules.append((path, "its plan leaves a gradient reduction to later"))
+        problems.append(
+            f"{path}.{k} is replicated on the tensor-parallel axis with each rank's gradient a partial sum that "
+            "torchtitan reduces later (spmd_types R), but the rewrite computes the sublayer around it on whole "
+            "tensors, whose gradients are already complete: the later reduction would count them once per rank")
     if problems:
         raise ModuleCallError(
             f"the {where} cannot keep these modules as module calls: " + "; ".join(problems[:4])
