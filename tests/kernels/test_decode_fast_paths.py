@@ -51,6 +51,9 @@ def test_msar_takes_the_loop_with_gradients_or_a_long_sequence(monkeypatch):
     args = (s, q, gain, conv, phi, bias, alpha, 1e-6, 3.0, True, True)
     msar_ref.msar_mix_ref(*args)
     assert not calls  # grad mode on: the loop (whose graph the backward recomputes)
+    with torch.no_grad():  # the registered op's forward in a training step: grad mode off, sources requiring grad
+        msar_ref.msar_mix_ref([x.detach().requires_grad_() for x in s], *args[1:])
+    assert not calls
     with torch.no_grad():
         msar_ref.msar_mix_ref(*args)
         assert calls

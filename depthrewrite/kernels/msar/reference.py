@@ -192,7 +192,10 @@ def msar_mix_ref(
     lead, (T, D) = sources[0].shape[:-2], sources[0].shape[-2:]
     K, m = len(sources), query.shape[0]
     u = gain.to(acc) * query.to(acc)  # [m, D]
-    if not torch.is_grad_enabled() and not _pointwise() and m * K * sources[0].numel() <= _SMALL_MIX:
+    # a no-grad call (decoding, evaluation): not the forward of a training step, which runs the registered op with
+    # grad mode off inside it but sources that require grad (its backward recomputes the loop below)
+    if (not torch.is_grad_enabled() and not any(s.requires_grad for s in sources) and not _pointwise()
+            and m * K * sources[0].numel() <= _SMALL_MIX):
         Zs = _streams_at_once(sources, u, conv, acc, eps, conv_values, left)
     else:
         X, _, V = _stream_views(sources, conv, acc, left)

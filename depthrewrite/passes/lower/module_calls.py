@@ -42,8 +42,8 @@ from ..meta import role_of
 
 __all__ = ["CALL_META", "HOOK_ATTRS", "LOWERED_META", "SIGNATURES_META", "STAMP_META", "ModuleCallInfo",
            "as_local_shard", "candidate_paths", "check_live_modules", "check_local_shape", "export_with_signatures",
-           "hooks_out_for_capture", "hook_owner", "is_dtensor", "lower_module_calls", "redistributes_only", "sequence_parallel", "stamp",
-           "take_hooks_out", "tensor_parallel", "traced_hook"]
+           "hooks_out_for_capture", "hook_owner", "is_dtensor", "lower_module_calls", "redistributes_only",
+           "sequence_parallel", "stamp", "take_hooks_out", "tensor_parallel", "traced_hook"]
 
 log = logging.getLogger(__name__)
 
@@ -433,7 +433,8 @@ def _titan_sequence_sharded(mod: nn.Module) -> bool:
         return False
     cfg = mod._sharding_config
     layouts = [*(cfg.in_src_shardings or {}).values(), *(cfg.in_dst_shardings or {}).values(),
-               *(x for x in (cfg.out_src_shardings, cfg.out_dst_shardings) if x is not None and not isinstance(x, tuple))]
+               *(x for x in (cfg.out_src_shardings, cfg.out_dst_shardings)
+                 if x is not None and not isinstance(x, tuple))]
     return any(_tp_type(v) == "S(1)" for v in layouts)
 
 
