@@ -34,6 +34,8 @@ def _own_forwards(mods: list[nn.Module]) -> list[Any]:
     """Each module's ``forward`` set on the instance (torchtitan's parallelize, accelerate's hooks, a user's
     wrapper), or None: C-level passes."""
     return list(map(dict.get, map(_dict_of, mods), itertools.repeat("forward")))
+
+
 _HOOK_WORDS = {
     "_forward_pre_hooks": "a forward pre-hook",
     "_forward_hooks": "a forward hook",
