@@ -211,7 +211,7 @@ def _spmd_state_of(mod: nn.Module, dims: Any) -> tuple[Any, dict[str, Any]] | No
 def _pending_on_tp(mod: nn.Module) -> list[str]:
     """The parameters of ``mod`` whose ``spmd_types`` layout on the tp axis is ``R`` (replicated, each rank's gradient
     a partial sum that torchtitan leaves to a later reduction), not ``I`` (invariant: complete on every rank)."""
-    if getattr(_titan_dims(mod), "spmd_backend", None) != "spmd_types" or _spmd_state(mod) is None:
+    if _spmd_state(mod) is None:  # not spmd_types, or no tp axis
         return []
     return [k for k, v in (mod._sharding_config.state_shardings or {}).items()
             if mod._parameters.get(k) is not None and mod._parameters[k].requires_grad and _tp_type(v) == "R"]
@@ -531,12 +531,7 @@ def _gathered(t: Any, dims: tuple, module: nn.Module | None) -> Any:
     if dims[-1] != full or t.shape[-1] != w.to_local().shape[0] or \
             any(d is not None and d != s for d, s in zip(dims[:-1], t.shape[:-1])):
         return None
-    from torch.distributed.tensor import DTensor, Shard
-
-    shape = (*t.shape[:-1], full)
-    stride = tuple(int(torch.Size(shape)[i + 1:].numel()) for i in range(len(shape)))
-    return DTensor.from_local(t, w.device_mesh, [Shard(t.dim() - 1)], run_check=False, shape=torch.Size(shape),
-                              stride=stride).full_tensor()
+    return _whole_from_shards(t, w.device_mesh, t.dim() - 1, torch.Size((*t.shape[:-1], full)))
 
 
 def _gathered_local(t: Any, dims: tuple, mesh: Any) -> Any:
@@ -549,12 +544,17 @@ def _gathered_local(t: Any, dims: tuple, mesh: Any) -> Any:
     split = [d for d, (want, got) in enumerate(zip(dims, t.shape)) if want is not None and want != got]
     if len(split) != 1 or dims[split[0]] != t.shape[split[0]] * n:
         return None
+    shape = torch.Size(dims[d] if d == split[0] else t.shape[d] for d in range(t.dim()))
+    return _whole_from_shards(t.contiguous(), mesh, split[0], shape)
+
+
+def _whole_from_shards(t: torch.Tensor, mesh: Any, dim: int, shape: torch.Size) -> torch.Tensor:
+    """Every rank's slice ``t`` along ``dim`` gathered into the whole (contiguous) tensor of ``shape``,
+    differentiably: the backward hands each rank its slice of the gradient every rank computed whole."""
     from torch.distributed.tensor import DTensor, Shard
 
-    shape = torch.Size(dims[d] if d == split[0] else t.shape[d] for d in range(t.dim()))
     stride = tuple(int(shape[i + 1:].numel()) for i in range(len(shape)))
-    return DTensor.from_local(t.contiguous(), mesh, [Shard(split[0])], run_check=False, shape=shape,
-                              stride=stride).full_tensor()
+    return DTensor.from_local(t, mesh, [Shard(dim)], run_check=False, shape=shape, stride=stride).full_tensor()
 
 
 @torch.fx.wrap
