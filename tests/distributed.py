@@ -10,6 +10,18 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 
+def grad_gaps(pairs: Any) -> tuple[float, float]:
+    """Over ``(got, want)`` gradient pairs (a DTensor gathered whole): the largest absolute difference, and the largest
+    difference relative to its reference's largest magnitude. Many gradients of these tiny models are ~1e-5 (a norm's
+    weight), so an absolute bound alone passes a gradient that is a partial sum or counted twice."""
+    worst, rel = 0.0, 0.0
+    for got, want in pairs:
+        got = got.full_tensor() if hasattr(got, "full_tensor") else got
+        d = (got - want).abs().max().item()
+        worst, rel = max(worst, d), max(rel, d / max(want.abs().max().item(), 1e-12))
+    return worst, rel
+
+
 def record_cases(cases: dict[str, Callable[[], Any]], rank: int, out_dir: str, max_text: int | None = None) -> None:
     """In a worker: run each case (name -> no-argument callable) in this rank's process group, its result or its error
     (type and text, cut to ``max_text`` characters) recorded for the tests, with a barrier after each, and save them

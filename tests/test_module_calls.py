@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import depthrewrite as dr
 from depthrewrite.demo.zoo import hf_model
-from depthrewrite.testing import nanogpt
+from depthrewrite.testing import Block, nanogpt
 
 aten = torch.ops.aten
 SCHEMES = ["attnres", "msar", "mhc", "moda"]
@@ -353,6 +353,43 @@ def test_a_forward_set_on_an_inlined_module_is_refused():
     assert not redistributes_only(attn)
     with pytest.raises(ModuleCallError, match="layers.1.self_attn has its forward replaced on the instance"):
         conv(**kwargs)
+
+
+class _Fp32MLPBlock(Block):
+    """A nanoGPT block that computes its MLP sublayer inside ``torch.autocast(dtype=float32)``, as torchtitan's MoE
+    router computes its gate."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        with torch.autocast(device_type=x.device.type, dtype=torch.float32):
+            y = self.mlp(self.ln_2(x))
+        return x + y
+
+
+def test_a_module_called_inside_an_autocast_block_is_called_inside_it():
+    """Pre-dispatch export moves every ``torch.autocast`` block into a higher-order op, whose module-call markers it
+    never collects: the capture keeps a block holding a call as its enter/exit nodes instead, so the MLP is called
+    live (a hook fires on every call) between them, and an outer autocast at run time meets the block as in the
+    original (the MLP stays float32 on a CPU; outside the block it would run in bfloat16)."""
+    m, (args, _), _ = _nanogpt()
+    for blk in m.transformer.h:
+        blk.__class__ = _Fp32MLPBlock
+    ref = copy.deepcopy(m)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        conv = dr.convert(m, "attnres", example_inputs=args, module_calls=True)
+        path = "transformer.h.1.mlp"
+        assert _called(path, _runner(conv).meta["depthrewrite_module_calls"]["called"])
+        seen = []
+        conv.get_submodule(path).register_forward_hook(lambda mod, i, out: seen.append(out.dtype))
+        with torch.no_grad():
+            for _ in range(3):
+                torch.testing.assert_close(_logits(conv(*args)), _logits(ref(*args)))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                got, want = _logits(conv(*args)), _logits(ref(*args))
+    assert seen == [torch.float32] * 4
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=0)
 
 
 # ---- modules the graphs call are opaque: what happens inside them needs no recapture --------------------------------

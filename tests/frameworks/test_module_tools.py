@@ -1,9 +1,9 @@
 """Module tools on every framework model (issue: modules stay modules, item 1): the converted torchtitan, torchtune,
 litgpt and OLMo-core models call their intact modules, so a forward hook on a projection inside a block fires on every
 call with the original's output shapes (no recapture), and FlopCounterMode counts every module inside the blocks as
-it counts them in the original. One module of these models stays inlined: torchtitan DeepSeek-V3's MoE router gate
-(export leaves its call markers inside the higher-order op of the router's ``torch.autocast`` region;
-docs/limitations.md). OLMo-core's LMHead wrapper, whose forward takes a string, is called."""
+it counts them in the original, including torchtitan DeepSeek-V3's MoE router gate, called inside the router's
+``torch.autocast`` block (kept as that block's own enter/exit nodes, not a higher-order op). OLMo-core's LMHead
+wrapper, whose forward takes a string, is called."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import depthrewrite as dr
 from depthrewrite.runtime.handle import state_of
 from tests.frameworks.models import CASES, build
 
-#: modules that stay inlined, by case (the report's module-calls note says why): DeepSeek-V3's router gate
-INLINED = {("torchtitan", "deepseek_v3"): {"layers.1.moe.router.gate"}}
+#: modules that stay inlined, by case (the report's module-calls note says why): none now
+INLINED: dict[tuple[str, str], set[str]] = {}
 
 
 def _observe(model: nn.Module, path: str, args: tuple, kwargs: dict):

@@ -225,6 +225,25 @@ def _tp_type(layout: Any) -> str | None:
     return None
 
 
+def _pending_shard_input(mod: nn.Module, name: str | None = None) -> tuple[Any, int] | None:
+    """``(tp mesh, d)`` when ``mod`` holds a parameter torchtitan leaves partial on the tp axis (:func:`_pending_on_tp`)
+    and its wrapper takes its input ``name`` (its only one when None) as a shard along ``d`` (Qwen3's QK-norm: the
+    heads): called with this rank's slice of a whole input, as in the original, its weight gets the partial gradient
+    of that slice, which torchtitan's reduction then completes. Else None."""
+    if not _pending_on_tp(mod):
+        return None
+    cfg = mod._sharding_config
+    if name is None:
+        names = list(cfg.in_src_shardings or {})
+        if len(names) != 1:
+            return None
+        name = names[0]
+    placed = _titan_input(mod, name)
+    if placed is None or placed[0].ndim != 1 or not placed[1][0].is_shard():
+        return None
+    return placed[0], placed[1][0].dim
+
+
 #: torchtitan wrapper function (one per parallelised module) -> (tp mesh, its state's placements on it)
 _SPMD_STATE: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
 
@@ -522,6 +541,8 @@ def _gathered(t: Any, dims: tuple, module: nn.Module | None) -> Any:
     tensor, differentiably (its backward hands each rank its slice of the gradient, which every rank computed
     whole). None when ``t`` is not such a slice."""
     mesh = _spmd_sharded_below(module) if module is not None else None
+    if mesh is None and module is not None and (pending := _pending_shard_input(module)) is not None:
+        mesh = pending[0]  # its output from this rank's slice of the input (as_input_shard)
     if mesh is not None:
         return _gathered_local(t, dims, mesh)
     w = _sharded_weight(module, 0)
@@ -591,6 +612,50 @@ def as_local_shard(t: Any, module: nn.Module) -> Any:
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     return DTensor.from_local(t, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(t.dim() - 1)]).to_local()
+
+
+@torch.fx.wrap
+def as_input_shard(t: Any, module: nn.Module, name: str | None = None) -> Any:
+    """A whole tensor going into a call of ``module`` whose partial-gradient parameter needs the input as this rank's
+    shard (:func:`_pending_shard_input`): that slice, differentiably (the backward gathers every rank's slice of the
+    input's gradient into the whole one every rank computes). Anything else unchanged."""
+    if not isinstance(t, torch.Tensor) or is_dtensor(t) or not t.is_floating_point():
+        return t
+    placed = _pending_shard_input(module, name)
+    if placed is None:
+        return t
+    mesh, d = placed
+    if t.dim() <= d % max(t.dim(), 1) or t.shape[d] % mesh.size():
+        return t
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    return DTensor.from_local(t, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(d)]).to_local()
+
+
+def _pending_whole(live: nn.Module, path: str) -> bool:
+    """Whether the module at ``path`` holds a partial-gradient parameter (:func:`_pending_on_tp`), takes no input as a
+    shard (:func:`_pending_shard_input`) and sits inside a module whose torchtitan wrapper was skipped (inlined and
+    computed on whole tensors): called live, its gradient would be complete on every rank (DeepSeek-V3's MLA
+    ``wkv_a`` and ``kv_norm`` inside MoDA's attention)."""
+    mod = live.get_submodule(path)
+    if not _pending_on_tp(mod) or _pending_shard_input(mod) is not None:
+        return False
+    parts = path.split(".")
+    return any(redistributes_only(live.get_submodule(".".join(parts[:i]))) for i in range(1, len(parts)))
+
+
+@torch.fx.wrap
+def as_summed_input(t: Any, module: nn.Module) -> Any:
+    """A whole tensor going into a call of ``module`` (:func:`_pending_whole`) whose outputs keep ``1/n`` of their
+    gradient (:func:`as_gradient_share`): the identity forward, the sum over the tp ranks of the input's gradient
+    backward, which makes the ``1/n`` shares whole again (the original sums the partial gradients where the skipped
+    wrapper turned the attention's input into a replicated one)."""
+    state = _spmd_state(module)
+    if state is None or not isinstance(t, torch.Tensor) or is_dtensor(t) or not t.is_floating_point():
+        return t
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    return DTensor.from_local(t, state[0], [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
 
 
 def _dtensor_mesh(module: nn.Module) -> Any:
@@ -699,11 +764,11 @@ def check_live_modules(model: nn.Module, gm: fx.GraphModule, called: list[str], 
                 if isinstance(v, tuple) and v}  # the modules whose code this capture ran
     problems: list[str] = []
     modules: list[tuple[str, str]] = []
-    whole = False  # a torchtitan module computed on whole tensors inlined (its wrapper skipped)
+    wholes: list[str] = []  # torchtitan modules computed on whole tensors inlined (their wrappers skipped)
     for path, n in removed_hooks.items():
         if path in in_graph and not runs_live(path):
             if n == FORWARD_REPLACED and redistributes_only(model.get_submodule(path)):
-                whole = True
+                wholes.append(path)
                 continue  # computed on whole tensors inlined; its state is checked below
             what = ("is sharded with FSDP (fully_shard): its parameters are gathered by hooks around its call"
                     if is_fsdp(model.get_submodule(path)) else f"has {n}")
@@ -719,14 +784,19 @@ def check_live_modules(model: nn.Module, gm: fx.GraphModule, called: list[str], 
                 modules.append((path, why.get(path, "not a call of its own")))
                 problems.append(f"{path}.{own[0]} is sharded (tensor parallelism), but {path}'s call stays inlined "
                                 f"({modules[-1][1]})")
-    pending = [(p, k) for p, m in model.named_modules() for k in _pending_on_tp(m)] if whole else []
+    # a partial-gradient parameter (spmd_types R) inside an inlined whole module: read inline, or by its own live call
+    # (on its input's shard, or whole with its outputs' gradient shared), it gets its share of the gradient; inside
+    # another module's live call it would get a complete one
+    pending = [(p, k) for p, m in model.named_modules() for k in _pending_on_tp(m)
+               if runs_live(p) and p not in live and any(p.startswith(w + ".") for w in wholes)]
     if pending:
         path, k = pending[0]
         modules.append((path, "its plan leaves a gradient reduction to later"))
         problems.append(
             f"{path}.{k} is replicated on the tensor-parallel axis with each rank's gradient a partial sum that "
             "torchtitan reduces later (spmd_types R), but the rewrite computes the sublayer around it on whole "
-            "tensors, whose gradients are already complete: the later reduction would count them once per rank")
+            f"tensors and {path} is called with a whole input, so its gradient is already complete: the later "
+            "reduction would count it once per rank")
     if problems:
         raise ModuleCallError(
             f"the {where} cannot keep these modules as module calls: " + "; ".join(problems[:4])
@@ -773,6 +843,73 @@ def _string_arguments_kept(model: nn.Module, paths: list[str]) -> Iterator[None]
             h.remove()
 
 
+def _held_enter(*vals: Any) -> Any:  # pragma: no cover - a stand-in target while export's pass runs; never called
+    return torch.amp._enter_autocast(*vals)
+
+
+def _held_exit(mode: Any) -> Any:  # pragma: no cover - as above
+    return torch.amp._exit_autocast(mode)
+
+
+def _regions_around_calls(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
+    """The ``(_enter_autocast, _exit_autocast)`` node pairs of ``graph`` (at any nesting) whose body holds an
+    export call marker (a preserved module call made inside a ``torch.autocast`` block)."""
+    marker = torch.ops.higher_order._export_tracepoint
+    open_: list[tuple[fx.Node, bool]] = []  # enter node, a marker seen inside
+    found = []
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.target is torch.amp._enter_autocast:
+            open_.append((n, False))
+        elif n.target is torch.amp._exit_autocast and open_:
+            enter, seen = open_.pop()
+            if seen:
+                found.append((enter, n))
+                if open_:
+                    open_[-1] = (open_[-1][0], True)
+        elif n.target is marker and open_:
+            open_[-1] = (open_[-1][0], True)
+    return found
+
+
+@contextlib.contextmanager
+def _autocast_regions_kept() -> Iterator[None]:
+    """While exporting: keep a ``torch.autocast`` block that holds a preserved module call as its plain
+    ``_enter_autocast`` / ``_exit_autocast`` nodes in the root graph. Pre-dispatch export
+    (``replace_autocast_with_hop_pass``, always run, no flag) moves every autocast block into a higher-order op's
+    subgraph, and export collects the module-call markers of the root graph only, so a module called inside one
+    (torchtitan's MoE router computes its ``gate`` under ``torch.autocast(dtype=float32)``) kept markers with no
+    autograd formula and stayed inlined. The two nodes are ops export's verifier allows and the graph runs them as
+    the block did (the autocast state set and restored around the call), so the lowered call runs in the same
+    region, under any outer autocast as the original does."""
+    from torch._export.passes import replace_autocast_with_hop_pass as hop_pass
+
+    real = hop_pass.replace_autocast_with_hop_pass
+
+    def keep(gm: fx.GraphModule, signature: Any) -> Any:
+        regions = _regions_around_calls(gm.graph)
+        for enter, exit_ in regions:
+            enter.target, exit_.target = _held_enter, _held_exit
+        out = real(gm, signature)
+        if regions:  # the pass may have copied the nodes into new graphs: put the real targets back everywhere
+            for m in (gm, out[0]):
+                for sub in m.modules():
+                    held = [n for n in (sub.graph.nodes if isinstance(sub, fx.GraphModule) else ())
+                            if n.target is _held_enter or n.target is _held_exit]
+                    for n in held:
+                        n.target = torch.amp._enter_autocast if n.target is _held_enter else torch.amp._exit_autocast
+                    if held:
+                        sub.recompile()
+        return out
+
+    hop_pass.replace_autocast_with_hop_pass = keep
+    try:
+        yield
+    finally:
+        hop_pass.replace_autocast_with_hop_pass = real
+
+
 def export_with_signatures(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any,
                            live: tuple[str, ...] = ()):
     """``torch.export.export`` (non-strict) preserving the call signatures of :func:`candidate_paths`. A path export
@@ -791,7 +928,7 @@ def export_with_signatures(model: nn.Module, args: tuple, kwargs: dict, dynamic_
 
     for _ in range(8):
         try:
-            with _string_arguments_kept(model, paths):
+            with _string_arguments_kept(model, paths), _autocast_regions_kept():
                 ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False,
                                          preserve_module_call_signature=tuple(paths))
         except Exception as e:  # noqa: BLE001 - a refusal of one path; the plain export below reports the rest
@@ -1064,7 +1201,9 @@ def lower_module_calls(gm: fx.GraphModule, blocks: tuple[str, ...] = (), live: n
     gets its outputs' sizes checked at run time (:func:`check_local_shape`)."""
     info: ModuleCallInfo = gm.meta[SIGNATURES_META]
     tp = {p for p in info.signatures
-          if live is not None and (_holds_tp(live, p) or _spmd_sharded_below(live.get_submodule(p)) is not None)}
+          if live is not None and (_holds_tp(live, p) or _spmd_sharded_below(live.get_submodule(p)) is not None
+                                   or _pending_shard_input(live.get_submodule(p)) is not None
+                                   or _pending_whole(live, p))}
     graph = gm.graph
     pos = {n: i for i, n in enumerate(graph.nodes)}
     count: dict[str, int] = {}
@@ -1129,6 +1268,11 @@ def lower_module_calls(gm: fx.GraphModule, blocks: tuple[str, ...] = (), live: n
                 names = _input_names(sig.in_spec, live.get_submodule(path))
                 flat = [x if i in values else _wrapped(as_replicated, out, x, mod_node, parent, names[i])
                         for i, x in enumerate(flat)]
+            elif checked and _pending_whole(live, path):  # its outputs keep 1/n of their gradient (below)
+                flat = [_wrapped(as_summed_input, out, x, mod_node, parent) for x in flat]
+            elif checked and _pending_shard_input(live.get_submodule(path)) is not None:  # as its wrapper takes it
+                names = _input_names(sig.in_spec, live.get_submodule(path))
+                flat = [_wrapped(as_input_shard, out, x, mod_node, parent, names[i]) for i, x in enumerate(flat)]
             elif checked and _row_parallel(live.get_submodule(path)):  # its input's shard
                 flat = [_wrapped(as_local_shard, out, x, mod_node, parent) for x in flat]
             elif checked and _takes_whole_into_columns(live.get_submodule(path)):
@@ -1161,6 +1305,12 @@ def lower_module_calls(gm: fx.GraphModule, blocks: tuple[str, ...] = (), live: n
                                         (r, dims, path, parent_path, why, to_output, mod_node), name=src.name)
                     r.meta.update({k: v for k, v in src.meta.items() if k in ("val", "tensor_meta")})
                     r.meta["nn_module_stack"] = parent
+                    if _pending_whole(live, path):
+                        share = out.create_node("call_function", as_gradient_share,
+                                                (r, _spmd_state(live.get_submodule(path))[0].size()),
+                                                name=f"{src.name}_share")
+                        share.meta.update(r.meta)
+                        r = share
                 env[src] = r
             called.append(f"{path}@{key.rpartition('@')[2]}" if "@" in key else path)
         if n in redirect:
@@ -1178,6 +1328,7 @@ def lower_module_calls(gm: fx.GraphModule, blocks: tuple[str, ...] = (), live: n
         out.erase_node(n)
     if live is not None:
         _replicated_reads_local(out, live)
+        _pending_reads_shared(out, live)
     out.lint()
     return out, called, refused
 
@@ -1210,6 +1361,48 @@ def _replicated_reads_local(graph: fx.Graph, live: nn.Module) -> None:
             continue
         with graph.inserting_after(n):
             r = graph.create_node("call_function", whole_local, (n,), name=f"{n.name}_local")
+        r.meta.update(n.meta)
+        n.replace_all_uses_with(r, delete_user_cb=lambda u: u is not r)
+
+
+class _GradientShare(torch.autograd.Function):
+    """The identity forward; the gradient divided by ``n`` backward."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, n: int) -> torch.Tensor:
+        ctx.n = n
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad / ctx.n, None
+
+
+@torch.fx.wrap
+def as_gradient_share(t: Any, n: int) -> Any:
+    """A parameter torchtitan declares ``R`` on the tp axis (``spmd_types``: each rank's gradient a partial sum over
+    its shard, which a later reduction over the ranks completes), read by an inlined module computed on whole
+    tensors, whose gradient is complete on every rank: each rank keeps ``1/n`` of it, so the reduction sums the whole
+    once (n = 2: exactly)."""
+    if isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled():
+        return _GradientShare.apply(t, n)
+    return t
+
+
+def _pending_reads_shared(graph: fx.Graph, live: nn.Module) -> None:
+    """Each ``get_attr`` of a partial-gradient parameter (:func:`_pending_on_tp`) read through
+    :func:`as_gradient_share`."""
+    for n in [n for n in graph.nodes if n.op == "get_attr"]:
+        owner, _, name = n.target.rpartition(".")
+        try:
+            mod = live.get_submodule(owner)
+        except AttributeError:
+            continue
+        if name not in _pending_on_tp(mod):
+            continue
+        with graph.inserting_after(n):
+            r = graph.create_node("call_function", as_gradient_share, (n, _spmd_state(mod)[0].size()),
+                                  name=f"{n.name}_share")
         r.meta.update(n.meta)
         n.replace_all_uses_with(r, delete_user_cb=lambda u: u is not r)
 
