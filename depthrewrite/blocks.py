@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import operator
 import types
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -187,8 +188,61 @@ class ConvertedBlock(nn.Module):
     """Base of converted block classes (``isinstance(m, ConvertedBlock)``)."""
 
     def __reduce_ex__(self, protocol):
-        # the class is made per original class at run time: rebuild it, then nn.Module.__setstate__
-        return _new_block, (original_block_class(type(self)),), dict(self.__dict__)
+        # the class is made per original class at run time: rebuild it, then nn.Module.__setstate__ (its
+        # __getstate__ leaves out a compiled call, as for any module)
+        return _new_block, (original_block_class(type(self)),), self.__getstate__()
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """``nn.Module.compile`` (what torchtitan's ``apply_compile`` and torchtune's ``compile_model`` call on each
+        block), with one compiled entry point per block program: :class:`CompiledPerProgram`."""
+        self._compiled_call_impl = CompiledPerProgram(self, args, kwargs)
+
+
+#: block program function -> a copy of ``nn.Module._call_impl`` with a code object of its own (see CompiledPerProgram)
+_CALL_IMPLS: "weakref.WeakKeyDictionary[Callable, Callable]" = weakref.WeakKeyDictionary()
+
+
+def _call_impl_for(fn: Callable) -> Callable:
+    impl = _CALL_IMPLS.get(fn)
+    if impl is None:
+        # a code object of its own, outside torch/nn (Dynamo skips a frame of torch.nn's files and compiles the first
+        # one below it: the block's forward, or transformers' checkpointing wrapper around it, shared by every block)
+        base = nn.Module._call_impl
+        code = base.__code__.replace(co_qualname=f"Module._call_impl#{len(_CALL_IMPLS)}",
+                                     co_filename=f"<nn.Module._call_impl for depthrewrite program {fn.__qualname__}>")
+        impl = types.FunctionType(code, base.__globals__, "_call_impl", base.__defaults__, base.__closure__)
+        impl.__kwdefaults__ = base.__kwdefaults__
+        _CALL_IMPLS[fn] = impl
+    return impl
+
+
+class CompiledPerProgram:
+    """A converted block's compiled call (``block.compile(...)``): ``torch.compile`` of ``nn.Module._call_impl`` (hooks
+    and all, as ``nn.Module.compile`` does), one copy of it per block program. Dynamo keeps its compiled graphs, and
+    counts recompilations against ``recompile_limit`` (8), per code object; ``nn.Module.compile`` compiles the one
+    ``_call_impl`` every module shares, so blocks whose programs differ (Full AttnRes reads one more source per
+    block, Block AttnRes one more summary per block) each took one of its 8 entries, and a deeper model's later
+    blocks ran uncompiled. Here each program function gets a ``_call_impl`` with a code object of its own, shared by
+    every block that runs that function (blocks of one kind still compile once). The choice is made in Python before
+    the compiled call, from the program the model passes."""
+
+    def __init__(self, block: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._block = weakref.ref(block)
+        self._args, self._kwargs = args, kwargs
+        self._compiled: dict[Callable, Callable] = {}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        block = self._block()
+        program = args[0] if args else None
+        fn = program.fn if isinstance(program, BlockProgram) else nn.Module._call_impl
+        compiled = self._compiled.get(fn)
+        if compiled is None:
+            impl = nn.Module._call_impl if fn is nn.Module._call_impl else _call_impl_for(fn)
+            compiled = self._compiled[fn] = torch.compile(types.MethodType(impl, block), *self._args, **self._kwargs)
+        return compiled(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"CompiledPerProgram({len(self._compiled)} programs compiled)"
 
 
 def _new_block(original: type) -> nn.Module:

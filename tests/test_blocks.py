@@ -4,6 +4,7 @@ block, activation checkpointing and torch.compile per block apply to it as to th
 from __future__ import annotations
 
 import copy
+import warnings
 import os
 from datetime import timedelta
 
@@ -208,6 +209,33 @@ def test_compile_per_block_with_the_depthrewrite_backend():
     for a, b in zip(_grads(conv, got.square().mean()), want_g):
         torch.testing.assert_close(a, b)
     assert conv.__dict__["_depthrewrite"].recaptures == 0
+
+
+def test_compile_per_block_gives_each_program_its_own_compile_cache():
+    """``block.compile()`` on a model deeper than Dynamo's recompile limit (8 per code object): Full AttnRes blocks
+    each read one more source, so each runs a program of its own. ``nn.Module.compile`` compiles the ``_call_impl``
+    every module shares, and blocks past the eighth program ran uncompiled (a recompile-limit warning); each program
+    now gets a copy of it with a code object of its own, so every block compiles once and blocks of one kind (mHC's)
+    still share one compile."""
+    from torch._dynamo.utils import counters
+
+    for scheme, layers, programs in (("attnres", 10, 10), ("mhc", 10, 2)):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        conv = dr.convert(hf_model("llama", layers=layers, hidden=32), scheme)
+        _randomise(conv)
+        conv.train()
+        want = conv(IDS, labels=IDS).loss
+        for blk in conv.model.layers:
+            blk.compile(backend="eager", fullgraph=True)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            got = conv(IDS, labels=IDS).loss
+        assert not [w for w in seen if "recompile_limit" in str(w.message)]
+        torch.testing.assert_close(got, want)
+        assert counters["stats"]["unique_graphs"] == programs, (scheme, dict(counters["stats"]))
+        assert not counters["recompiles"], (scheme, dict(counters["recompiles"]))
 
 
 # ---- FSDP2 per block and DDP, two processes on gloo ---------------------------------------------------------------
