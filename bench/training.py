@@ -3,6 +3,7 @@
     python -m bench.training memory  [--configs zoo issue issue-nocache] [--layers 16 32] [--hidden 256] [--seq 256]
     python -m bench.training memory  --breakdown [--configs issue]       # what each saved tensor is, largest first
     python -m bench.training compile [--layers 4] [--hidden 256] [--seq 256] [--batch 2]
+    python -m bench.training recompile [--layers 16 64] [--hidden 64] [--seq 64]   # per-block compile, default limit
 
 ``memory``: bytes autograd saves for backward in one training step (``loss = model(ids, labels=ids).loss``),
 counted with ``torch.autograd.graph.saved_tensors_hooks`` (deterministic, no timing noise), for the original Llama
@@ -271,11 +272,53 @@ def compile_rows(layers: int, hidden: int, seq: int, batch: int, repeats: int = 
     return rows
 
 
+def recompile_rows(layers: tuple[int, ...], hidden: int, seq: int, batch: int, backend: str = "eager") -> list[list]:
+    """Per-block compile at Dynamo's default ``recompile_limit``: blocks' ``.compile()`` as ``nn.Module.compile`` does it
+    (one shared ``_call_impl``) against a converted block's own (one per program), for schemes whose blocks differ
+    (Full and Block AttnRes) and one whose blocks share a program (mHC): graphs compiled, whether the limit was hit,
+    and the first training step (compile included)."""
+    import logging
+
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    rows = []
+    for n in layers:
+        for label, key in (("Full AttnRes", "attnres"), ("Block AttnRes (4 blocks)", "block-attnres"), ("mHC (n=4)", "mhc")):
+            for how in ("nn.Module.compile", "per program"):
+                torch._dynamo.reset()
+                counters.clear()
+                model = _build(n, hidden, seq, key, {})
+                ids = torch.randint(3, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+                _step(model, ids)  # capture the training graph outside the timing
+                used = max(model.__dict__["_depthrewrite"].entries(), key=lambda e: e.calls)  # the step's graph
+                programs = len({p.fn for p in used.runner.programs.values()})
+                for blk in model.model.layers:
+                    if how == "per program":
+                        blk.compile(backend=backend)
+                    else:
+                        torch.nn.Module.compile(blk, backend=backend)
+                seen: list[str] = []
+                handler = logging.Handler()
+                handler.emit = lambda record: seen.append(record.getMessage())
+                dynamo_log = logging.getLogger("torch._dynamo")
+                dynamo_log.addHandler(handler)
+                try:
+                    first = _step(model, ids)
+                finally:
+                    dynamo_log.removeHandler(handler)
+                hit = any("recompile_limit" in m for m in seen)
+                rows.append([n, label, how, programs, counters["stats"]["unique_graphs"], "yes" if hit else "no",
+                             f"{first:.1f}"])
+                print(*rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     from tabulate import tabulate
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=("memory", "compile"))
+    p.add_argument("what", choices=("memory", "compile", "recompile"))
     p.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=None,
                    help="memory: the model configs (default: zoo issue)")
     p.add_argument("--schemes", nargs="+", default=None, help="memory: only these variants (keys or labels)")
@@ -300,6 +343,12 @@ def main() -> None:
         print(head)
         print(tabulate(rows, headers=["config", "layers", "model", "MiB saved", "ratio", "MiB saved, ckpt",
                                       "ratio, ckpt", "MiB returned, ckpt"], tablefmt="github"))
+    elif a.what == "recompile":
+        hidden, seq = a.hidden or 64, a.seq or 64
+        rows = recompile_rows(tuple(a.layers or [16, 64]), hidden, seq, a.batch)
+        print(head + f", hidden {hidden}, sequence {seq}, batch {a.batch}, backend eager (Dynamo only)")
+        print(tabulate(rows, headers=["layers", "model", "block.compile", "programs in the step", "graphs compiled",
+                                      "recompile limit hit", "first step s"], tablefmt="github"))
     else:
         hidden, seq = a.hidden or 256, a.seq or 256
         rows = compile_rows((a.layers or [4])[0], hidden, seq, a.batch)
