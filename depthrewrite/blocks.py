@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import operator
 import types
 import weakref
@@ -200,16 +201,20 @@ class ConvertedBlock(nn.Module):
 
 #: block program function -> a copy of ``nn.Module._call_impl`` with a code object of its own (see CompiledPerProgram)
 _CALL_IMPLS: "weakref.WeakKeyDictionary[Callable, Callable]" = weakref.WeakKeyDictionary()
+_CALL_IMPL_NUMBERS = itertools.count()
 
 
 def _call_impl_for(fn: Callable) -> Callable:
     impl = _CALL_IMPLS.get(fn)
     if impl is None:
         # a code object of its own, outside torch/nn (Dynamo skips a frame of torch.nn's files and compiles the first
-        # one below it: the block's forward, or transformers' checkpointing wrapper around it, shared by every block)
+        # one below it: the block's forward, or transformers' checkpointing wrapper around it, shared by every
+        # block), with a file name of its own (Dynamo's automatic-dynamic memory is keyed by file, line and name:
+        # shared, every program after the first would compile with dynamic sizes)
         base = nn.Module._call_impl
-        code = base.__code__.replace(co_qualname=f"Module._call_impl#{len(_CALL_IMPLS)}",
-                                     co_filename=f"<nn.Module._call_impl for depthrewrite program {fn.__qualname__}>")
+        n = next(_CALL_IMPL_NUMBERS)
+        code = base.__code__.replace(co_qualname=f"Module._call_impl#{n}",
+                                     co_filename=f"<nn.Module._call_impl for depthrewrite block program #{n}>")
         impl = types.FunctionType(code, base.__globals__, "_call_impl", base.__defaults__, base.__closure__)
         impl.__kwdefaults__ = base.__kwdefaults__
         _CALL_IMPLS[fn] = impl
@@ -318,17 +323,19 @@ def _stack_paths(n: fx.Node) -> set[str]:
     return {v[0] for v in stack.values() if isinstance(v, tuple) and v and isinstance(v[0], str)}
 
 
-def split_blocks(gm: fx.GraphModule, paths: tuple[str, ...], checkpoint: Callable[[nn.Module], bool],
-                 live: Callable[[str], bool] = lambda target: True, graph: fx.Graph | None = None) -> BlockSplit | str:
-    """Split the flat rewritten graph ``gm`` into a runner and one :class:`BlockProgram` per block at ``paths``; or
-    the reason it cannot be (then the flat graph runs). ``live(target)``: whether a ``get_attr`` target is the live
-    model's (a block reads those itself; others, such as export's lifted constants, are passed in). ``graph``: the
-    graph to split in place of ``gm.graph`` (the module-call lowering's copy, whose ``call_module`` nodes of
-    called modules are placed by their module stack like operations; ``gm`` still resolves attributes)."""
-    lowered = graph is not None
-    graph = graph if lowered else gm.graph
-    if _functionalise_fresh_writes(graph) and not lowered:
-        gm.recompile()
+def split_problem(gm: fx.GraphModule, paths: tuple[str, ...], graph: fx.Graph,
+                  live: Callable[[str], bool] = lambda target: True) -> str | None:
+    """Why :func:`split_blocks` would refuse the module-call lowering's ``graph`` of ``gm`` (then the flat graph runs,
+    calling no module), or None. Asked before the lowering is trusted: modules whose hooks were taken out for the
+    capture must then be checked as inlined."""
+    _functionalise_fresh_writes(graph)
+    placed = _placement(gm, graph, paths, live, True)
+    return placed if isinstance(placed, str) else None
+
+
+def _placement(gm: fx.GraphModule, graph: fx.Graph, paths: tuple[str, ...], live: Callable[[str], bool],
+               lowered: bool) -> tuple[list[fx.Node], dict[fx.Node, int], dict[fx.Node, int]] | str:
+    """``(nodes, block of each block node, place of each glue node)`` for :func:`split_blocks`, or why not."""
     index = {p: i for i, p in enumerate(paths)}
     prefixes = [(p + ".", i) for i, p in enumerate(paths)]
     nodes = list(graph.nodes)
@@ -385,6 +392,27 @@ def split_blocks(gm: fx.GraphModule, paths: tuple[str, ...], checkpoint: Callabl
     level = _glue_levels(nodes, block, after)
     if isinstance(level, str):
         return level
+    why = _place_autocast_blocks(nodes, block, level)
+    if why is not None:
+        return why
+    return nodes, block, level
+
+
+def split_blocks(gm: fx.GraphModule, paths: tuple[str, ...], checkpoint: Callable[[nn.Module], bool],
+                 live: Callable[[str], bool] = lambda target: True, graph: fx.Graph | None = None) -> BlockSplit | str:
+    """Split the flat rewritten graph ``gm`` into a runner and one :class:`BlockProgram` per block at ``paths``; or
+    the reason it cannot be (then the flat graph runs). ``live(target)``: whether a ``get_attr`` target is the live
+    model's (a block reads those itself; others, such as export's lifted constants, are passed in). ``graph``: the
+    graph to split in place of ``gm.graph`` (the module-call lowering's copy, whose ``call_module`` nodes of
+    called modules are placed by their module stack like operations; ``gm`` still resolves attributes)."""
+    lowered = graph is not None
+    graph = graph if lowered else gm.graph
+    if _functionalise_fresh_writes(graph) and not lowered:
+        gm.recompile()
+    placed = _placement(gm, graph, paths, live, lowered)
+    if isinstance(placed, str):
+        return placed
+    nodes, block, level = placed
 
     members: list[list[fx.Node]] = [[] for _ in paths]
     for n in nodes:
@@ -475,6 +503,48 @@ def _glue_levels(nodes: list[fx.Node], block: dict[fx.Node, int], after: dict[fx
             return (f"`{n.name}` ({n.target}) writes a tensor in place that other operations read: splitting at the "
                     "blocks reorders operations by their data only, which would move reads across the write")
     return {n: after[n] for n in nodes if n not in block}
+
+
+def _place_autocast_blocks(nodes: list[fx.Node], block: dict[fx.Node, int], level: dict[fx.Node, int]) -> str | None:
+    """A ``torch.autocast`` block kept as its ``_enter_autocast`` / ``_exit_autocast`` nodes (one holding a module call,
+    :func:`~depthrewrite.passes.lower.module_calls._autocast_regions_kept`) must run around the same operations after
+    the split: all inside one block's program, or all glue at one place between block calls (the two nodes, and
+    anything inside that reads nothing, get that place; by their data alone they would run first). One around
+    operations of a block and of the runner (a model running its blocks inside ``torch.autocast``), or around glue at
+    two places, cannot be split: the reason string (the flat graph then runs, in its order)."""
+    from .passes.meta import role_of
+
+    open_: list[tuple[fx.Node, list[fx.Node]]] = []
+    for n in nodes:
+        if n.op == "call_function" and n.target is torch.amp._enter_autocast:
+            open_.append((n, []))
+            continue
+        if not (n.op == "call_function" and n.target is torch.amp._exit_autocast and open_):
+            # an attribute read runs the same anywhere; so does what the rewrite made (the depth mixing, whose inputs
+            # the original computed before the block: the final mix ahead of a head under autocast(enabled=False))
+            if open_ and n.op not in ("placeholder", "output", "get_attr") and role_of(n) is None:
+                open_[-1][1].append(n)
+            continue
+        enter, body = open_.pop()
+        if open_:
+            open_[-1][1] += [enter, *body, n]
+        where = {block.get(x) for x in (enter, *body, n)}
+        if len(where) == 1 and None not in where:
+            continue  # inside one block's program
+        if where != {None}:
+            return (f"the torch.autocast block `{enter.name}` .. `{n.name}` runs around operations of "
+                    f"{'blocks and of the model around them' if None in where else 'more than one block'}: splitting "
+                    "at the blocks would move them out of it")
+        fed = [x for x in body if x.all_input_nodes]
+        at = max((level[x] for x in fed), default=-1)
+        late = [x for x in body if not x.all_input_nodes
+                and any((block[u] if u in block else level.get(u, at + 1)) <= at for u in x.users if u not in body)]
+        if any(level[x] != at for x in fed) or late:
+            return (f"the torch.autocast block `{enter.name}` .. `{n.name}` runs around operations the split would "
+                    "place at two points between the blocks")
+        for x in (enter, *body, n):
+            level[x] = at
+    return None
 
 
 def _functionalise_fresh_writes(graph: fx.Graph) -> int:
@@ -646,7 +716,7 @@ def _shell(v: Any) -> Any:
     return v
 
 
-def _live(model: nn.Module) -> Callable[[str], bool]:
+def live_target(model: nn.Module) -> Callable[[str], bool]:
     """Whether a ``get_attr`` target names an attribute of the live ``model`` (through wrappers)."""
 
     def live(target: str) -> bool:
@@ -667,7 +737,7 @@ def stage_with_blocks(stage: fx.GraphModule, model: nn.Module, paths: tuple[str,
     original names, as the converted model, and runs their programs. The stage itself when it cannot be split."""
     if not paths:
         return stage
-    split = split_blocks(stage, paths, checkpoint, _live(model))
+    split = split_blocks(stage, paths, checkpoint, live_target(model))
     if isinstance(split, str):
         return stage
     root: dict[str, Any] = {}
@@ -783,7 +853,7 @@ def build_runner(gm: fx.GraphModule, model: nn.Module, paths: tuple[str, ...],
     block module of ``model`` at ``paths``; or ``(None, reason)`` when it cannot be split. The runner keeps only what
     the live model lacks (export's lifted constants, the programs); every other attribute it reads is the live
     model's (:meth:`~depthrewrite.converted.ConvertedGraphModule.__getattr__`), read at call time."""
-    live = _live(model)
+    live = live_target(model)
     lowered = gm.meta.pop(_LOWERED, None)  # convert(..., module_calls=True)
     split = split_blocks(gm, paths, checkpoint, live, graph=lowered[0] if lowered is not None else None)
     if isinstance(split, str):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import depthrewrite as dr
 from depthrewrite.demo.zoo import hf_model
-from depthrewrite.testing import Block, nanogpt
+from depthrewrite.testing import GPT, Block, nanogpt
 
 aten = torch.ops.aten
 SCHEMES = ["attnres", "msar", "mhc", "moda"]
@@ -390,6 +390,71 @@ def test_a_module_called_inside_an_autocast_block_is_called_inside_it():
     assert seen == [torch.float32] * 4
     assert got.dtype == want.dtype == torch.bfloat16
     torch.testing.assert_close(got, want, atol=1e-2, rtol=0)
+
+
+class _Fp32HeadGPT(GPT):
+    """nanoGPT computing its head with autocast off, as a model keeping float32 logits does."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(0, idx.shape[1], dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        with torch.autocast("cpu", enabled=False):
+            return self.lm_head(self.transformer.ln_f(x).float())
+
+
+class _AutocastBlocksGPT(GPT):
+    """nanoGPT running its blocks inside ``torch.autocast(dtype=bfloat16)``."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(0, idx.shape[1], dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            for block in self.transformer.h:
+                x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+def test_an_autocast_block_in_the_models_own_forward_keeps_its_place():
+    """An autocast block of the model's forward, outside the blocks, runs where it ran: the head under
+    ``autocast(enabled=False)`` after the last block (float32 logits under an outer bfloat16 autocast, as the
+    original; by their data alone its enter/exit nodes would run before the first block, around nothing). Blocks run
+    inside one (``_AutocastBlocksGPT``) cannot be split out of it: the flat graph runs in its order, the report says
+    why, and a hook on a module inside it is a ModuleCallError (the flat graph calls no module), not dropped."""
+    from depthrewrite.errors import ModuleCallError
+
+    m, (args, _), _ = _nanogpt()
+    m.__class__ = _Fp32HeadGPT
+    ref = copy.deepcopy(m)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        conv = dr.convert(m, "attnres", example_inputs=args, module_calls=True)
+        st = conv.__dict__["_depthrewrite"]
+        assert st.blocks and _called("lm_head", _runner(conv).meta["depthrewrite_module_calls"]["called"])
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            got, want = conv(*args), ref(*args)
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=5e-2, rtol=0)
+
+    m, (args, _), _ = _nanogpt()
+    m.__class__ = _AutocastBlocksGPT
+    ref = copy.deepcopy(m)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        conv = dr.convert(m, "mhc", example_inputs=args, module_calls=True, alpha_init=0.0)
+        st = conv.__dict__["_depthrewrite"]
+        assert st.blocks is None and "torch.autocast block" in st.blocks_note
+        with torch.no_grad():
+            got, want = conv(*args), ref(*args)
+            plain = copy.deepcopy(ref)
+            plain.__class__ = GPT
+            without = plain(*args)
+        # inside the autocast block, as the original (rounding in bfloat16), not outside it
+        assert (got - want).abs().max() < 0.2 * (without - want).abs().max()
+        conv.transformer.h[0].mlp.c_fc.register_forward_hook(lambda *a: None)
+        with pytest.raises(ModuleCallError, match="c_fc has 1 hook"):
+            conv(*args)
 
 
 # ---- modules the graphs call are opaque: what happens inside them needs no recapture --------------------------------

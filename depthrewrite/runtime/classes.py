@@ -149,12 +149,13 @@ class ConvertedModel(ConvertedBase):
 
     def __reduce_ex__(self, protocol):
         # the converted class is made per original class at run time: rebuild it, then nn.Module.__setstate__
-        return _new_converted, (state_of(self).original,), dict(self.__dict__)
+        # (nn.Module.__getstate__: without a compiled call, which would run the original's modules)
+        return _new_converted, (state_of(self).original,), self.__getstate__()
 
     def __deepcopy__(self, memo):
         out = _new_converted(state_of(self).original)
         memo[id(self)] = out
-        out.__dict__.update(copy.deepcopy(dict(self.__dict__), memo))
+        out.__dict__.update(copy.deepcopy(self.__getstate__(), memo))
         return out
 
     def __repr__(self) -> str:

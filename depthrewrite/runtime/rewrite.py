@@ -12,7 +12,8 @@ from typing import Any, Callable, TypeVar
 import torch.fx as fx
 import torch.nn as nn
 
-from ..blocks import block_paths, blocks_for_capture, hf_checkpointing_drops_cache, unwrapped_path
+from ..blocks import (block_paths, blocks_for_capture, hf_checkpointing_drops_cache, live_target, split_problem,
+                      unwrapped_path)
 from ..capture import CONTINUATION_META, capture, is_cache, state_writes
 from ..converted import as_converted, drop_dead_code, drop_empty_concats
 from ..errors import CaptureError, ConfigError, DepthRewriteError, ModuleCallError
@@ -152,14 +153,20 @@ def capture_and_rewrite(model: nn.Module, st: Any, args: tuple, kwargs: dict) ->
         result = run_pass(f"rewrite[{config.name}]", where, handler, gm, chain, config)
         run_pass("drop_empty_concats", where, drop_empty_concats, gm)
         run_pass("drop_dead_code", where, drop_dead_code, gm)
+        lowered = None
         if module_calls and isinstance(found, tuple):
             # the graph the block runner splits: the flat one with a call of each intact module
             lowered = run_pass("module_calls", where, lower_module_calls, gm, found[0], model)
+            unsplit = split_problem(gm, found[0], lowered[0], live_target(model))
+            if unsplit is not None:  # the flat graph runs, calling no module: checked as such below
+                log.info("module calls: the lowered graph cannot be split at the blocks (%s)", unsplit)
+                lowered = None
+        if lowered is not None:
             check_live_modules(model, gm, lowered[1], lowered[2], removed_hooks, where)
             gm.meta[LOWERED_META] = lowered
             log.info("module calls: %d called, %d inlined%s", len(lowered[1]), len(lowered[2]),
                      "".join(f"; {p}: {w}" for p, w in lowered[2][:4]))
-        elif module_calls:  # a flat graph (no block modules) runs every module inlined
+        elif module_calls:  # a flat graph (no block modules, or no split) runs every module inlined
             check_live_modules(model, gm, [], [], removed_hooks, where)
         return gm, chain, result, keep_cache, box
 

@@ -621,12 +621,19 @@ def as_input_shard(t: Any, module: nn.Module, name: str | None = None) -> Any:
     input's gradient into the whole one every rank computes). Anything else unchanged."""
     if not isinstance(t, torch.Tensor) or is_dtensor(t) or not t.is_floating_point():
         return t
-    placed = _pending_shard_input(module, name)
-    if placed is None:
-        return t
+    placed = _pending_shard_input(module, name) or _pending_shard_input(module)
+    if placed is None or t.dim() <= placed[1] % max(t.dim(), 1) or t.shape[placed[1]] % placed[0].size():
+        from ...errors import ConfigError
+
+        # passed whole, its partial-gradient weight would get a complete gradient, counted once per rank later
+        raise ConfigError(
+            f"{type(module).__name__} (called live with a partial-gradient parameter, torchtitan spmd_types R on "
+            f"tp) got an input of shape {tuple(t.shape)} that its plan's shard layout "
+            f"{'(none found)' if placed is None else f'Shard({placed[1]}) over {placed[0].size()} ranks'} does not "
+            "split: its gradient would be counted once per rank. Convert before parallelising with a plan whose "
+            "sharded inputs divide evenly, or use spmd_backend='partial_dtensor' (docs/training.md)."
+        )
     mesh, d = placed
-    if t.dim() <= d % max(t.dim(), 1) or t.shape[d] % mesh.size():
-        return t
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     return DTensor.from_local(t, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(d)]).to_local()
