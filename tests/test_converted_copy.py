@@ -225,3 +225,22 @@ def test_copy_captures_a_graph_for_another_length(how):
         assert torch.equal(dup(input_ids=ids).logits, conv(input_ids=ids).logits)
         assert torch.equal(dup(input_ids=ids[:, :12]).logits, conv(input_ids=ids[:, :12]).logits)
     assert len(dup.report().graphs) == 2
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copy_of_a_compiled_model_runs_its_own_modules(how):
+    """``model.compile()`` keeps the compiled call in the module's ``__dict__``; a copy leaves it out (as
+    ``nn.Module.__getstate__`` does) instead of running the original's compiled call on the copy's inputs (the
+    copy's own weights would be ignored)."""
+    conv = dr.convert(_model("nanogpt"), "attnres")
+    conv.compile(backend="eager")
+    ids = _ids()
+    with torch.no_grad():
+        want = _out(conv, ids)
+    dup = COPIES[how](conv)
+    assert dup.__dict__.get("_compiled_call_impl") is None
+    with torch.no_grad():
+        for p in dup.parameters():
+            p.zero_()
+        assert not torch.equal(_out(dup, ids), want)
+        assert torch.equal(_out(conv, ids), want)
