@@ -618,7 +618,8 @@ def as_local_shard(t: Any, module: nn.Module) -> Any:
 def as_input_shard(t: Any, module: nn.Module, name: str | None = None) -> Any:
     """A whole tensor going into a call of ``module`` whose partial-gradient parameter needs the input as this rank's
     shard (:func:`_pending_shard_input`): that slice, differentiably (the backward gathers every rank's slice of the
-    input's gradient into the whole one every rank computes). Anything else unchanged."""
+    input's gradient into the whole one every rank computes). A non-floating input unchanged; a floating one the
+    layout does not split is a ConfigError (passed whole, the gradient would be counted once per rank)."""
     if not isinstance(t, torch.Tensor) or is_dtensor(t) or not t.is_floating_point():
         return t
     placed = _pending_shard_input(module, name) or _pending_shard_input(module)
