@@ -40,7 +40,7 @@ import torch.nn as nn
 from .converted import resolve_target
 from .errors import DepthRewriteError
 from .kernels.direct import plain_eager
-from .passes.lower.module_calls import is_dtensor, take_hooks_out
+from .passes.lower.module_calls import autocast_blocks, is_dtensor, take_hooks_out
 
 __all__ = [
     "BlockProgram",
@@ -514,20 +514,10 @@ def _place_autocast_blocks(nodes: list[fx.Node], block: dict[fx.Node, int], leve
     two places, cannot be split: the reason string (the flat graph then runs, in its order)."""
     from .passes.meta import role_of
 
-    open_: list[tuple[fx.Node, list[fx.Node]]] = []
-    for n in nodes:
-        if n.op == "call_function" and n.target is torch.amp._enter_autocast:
-            open_.append((n, []))
-            continue
-        if not (n.op == "call_function" and n.target is torch.amp._exit_autocast and open_):
-            # an attribute read runs the same anywhere; so does what the rewrite made (the depth mixing, whose inputs
-            # the original computed before the block: the final mix ahead of a head under autocast(enabled=False))
-            if open_ and n.op not in ("placeholder", "output", "get_attr") and role_of(n) is None:
-                open_[-1][1].append(n)
-            continue
-        enter, body = open_.pop()
-        if open_:
-            open_[-1][1] += [enter, *body, n]
+    for enter, inside, n in autocast_blocks(nodes):
+        # an attribute read runs the same anywhere; so does what the rewrite made (the depth mixing, whose inputs the
+        # original computed before the block: the final mix ahead of a head under autocast(enabled=False))
+        body = [x for x in inside if x.op not in ("placeholder", "output", "get_attr") and role_of(x) is None]
         where = {block.get(x) for x in (enter, *body, n)}
         if len(where) == 1 and None not in where:
             continue  # inside one block's program

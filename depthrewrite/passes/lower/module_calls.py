@@ -28,7 +28,7 @@ import re
 import sys
 import weakref
 from collections import OrderedDict
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.fx as fx
@@ -41,8 +41,8 @@ from ..analyse.ops import alias_of
 from ..meta import role_of
 
 __all__ = ["CALL_META", "HOOK_ATTRS", "LOWERED_META", "SIGNATURES_META", "STAMP_META", "ModuleCallInfo",
-           "as_local_shard", "candidate_paths", "check_live_modules", "check_local_shape", "export_with_signatures",
-           "hooks_out_for_capture", "hook_owner", "is_dtensor", "lower_module_calls", "redistributes_only",
+           "as_local_shard", "autocast_blocks", "candidate_paths", "check_live_modules", "check_local_shape",
+           "export_with_signatures", "hooks_out_for_capture", "hook_owner", "is_dtensor", "lower_module_calls", "redistributes_only",
            "sequence_parallel", "stamp", "take_hooks_out", "tensor_parallel", "traced_hook"]
 
 log = logging.getLogger(__name__)
@@ -211,10 +211,15 @@ def _spmd_state_of(mod: nn.Module, dims: Any) -> tuple[Any, dict[str, Any]] | No
 def _pending_on_tp(mod: nn.Module) -> list[str]:
     """The parameters of ``mod`` whose ``spmd_types`` layout on the tp axis is ``R`` (replicated, each rank's gradient
     a partial sum that torchtitan leaves to a later reduction), not ``I`` (invariant: complete on every rank)."""
+    return [k for k in _replicated_on_tp(mod) if mod._parameters[k].requires_grad]
+
+
+def _replicated_on_tp(mod: nn.Module) -> list[str]:
+    """The parameters of ``mod`` whose ``spmd_types`` layout on the tp axis is ``R``, by layout alone."""
     if _spmd_state(mod) is None:  # not spmd_types, or no tp axis
         return []
     return [k for k, v in (mod._sharding_config.state_shardings or {}).items()
-            if mod._parameters.get(k) is not None and mod._parameters[k].requires_grad and _tp_type(v) == "R"]
+            if mod._parameters.get(k) is not None and _tp_type(v) == "R"]
 
 
 def _tp_type(layout: Any) -> str | None:
@@ -226,11 +231,23 @@ def _tp_type(layout: Any) -> str | None:
 
 
 def _pending_shard_input(mod: nn.Module, name: str | None = None) -> tuple[Any, int] | None:
-    """``(tp mesh, d)`` when ``mod`` holds a parameter torchtitan leaves partial on the tp axis (:func:`_pending_on_tp`)
-    and its wrapper takes its input ``name`` (its only one when None) as a shard along ``d`` (Qwen3's QK-norm: the
-    heads): called with this rank's slice of a whole input, as in the original, its weight gets the partial gradient
-    of that slice, which torchtitan's reduction then completes. Else None."""
-    if not _pending_on_tp(mod):
+    """``(tp mesh, d)`` when ``mod`` holds a parameter its layout declares ``R`` on the tp axis (a partial gradient
+    torchtitan completes later, :func:`_pending_on_tp`) and its wrapper takes its input ``name`` (its only one when
+    None) as a shard along ``d`` (Qwen3's QK-norm: the heads): called with this rank's slice of a whole input, as in
+    the original, its weight gets the partial gradient of that slice, which torchtitan's reduction then completes.
+    Else None. Read once per wrapper and name (it runs at every call of such a module)."""
+    fn = mod.__dict__.get("forward")
+    if fn is None or _spmd_state(mod) is None:
+        return None
+    known = _PENDING_INPUT.setdefault(fn, {})
+    if name not in known:
+        known[name] = _pending_shard_input_of(mod, name)
+    return known[name]
+
+
+def _pending_shard_input_of(mod: nn.Module, name: str | None) -> tuple[Any, int] | None:
+    # by layout, not by requires_grad: a call lowered to take its shard keeps taking it if the weight is frozen later
+    if not _replicated_on_tp(mod):
         return None
     cfg = mod._sharding_config
     if name is None:
@@ -244,6 +261,8 @@ def _pending_shard_input(mod: nn.Module, name: str | None = None) -> tuple[Any, 
     return placed[0], placed[1][0].dim
 
 
+#: torchtitan wrapper function -> {input name or None: _pending_shard_input's answer}
+_PENDING_INPUT: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 #: torchtitan wrapper function (one per parallelised module) -> (tp mesh, its state's placements on it)
 _SPMD_STATE: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
 
@@ -584,7 +603,12 @@ def as_tp_input(t: Any, module: nn.Module) -> Any:
     (torchtitan's ``spmd_types``) and whose own wrapper does not take it in: the identity forward, the sum of every
     rank's gradient backward (each rank's projection saw only its slice of the weight), which the wrapper of the
     inlined module around it (MoDA's attention) did in the original."""
-    mesh = _spmd_sharded_below(module)
+    return _summed_backward(t, _spmd_sharded_below(module))
+
+
+def _summed_backward(t: Any, mesh: Any) -> Any:
+    """``t`` itself forward, the sum over ``mesh``'s ranks of its gradient backward; unchanged without a mesh or when
+    ``t`` is no plain floating tensor."""
     if mesh is None or not isinstance(t, torch.Tensor) or is_dtensor(t) or not t.is_floating_point():
         return t
     from torch.distributed.tensor import DTensor, Partial, Replicate
@@ -659,11 +683,7 @@ def as_summed_input(t: Any, module: nn.Module) -> Any:
     backward, which makes the ``1/n`` shares whole again (the original sums the partial gradients where the skipped
     wrapper turned the attention's input into a replicated one)."""
     state = _spmd_state(module)
-    if state is None or not isinstance(t, torch.Tensor) or is_dtensor(t) or not t.is_floating_point():
-        return t
-    from torch.distributed.tensor import DTensor, Partial, Replicate
-
-    return DTensor.from_local(t, state[0], [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+    return _summed_backward(t, state[0] if state is not None else None)
 
 
 def _dtensor_mesh(module: nn.Module) -> Any:
@@ -859,26 +879,28 @@ def _held_exit(mode: Any) -> Any:  # pragma: no cover - as above
     return torch.amp._exit_autocast(mode)
 
 
+def autocast_blocks(nodes: Iterable[fx.Node]) -> Iterator[tuple[fx.Node, list[fx.Node], fx.Node]]:
+    """Each ``torch.autocast`` block kept as nodes, innermost first: ``(_enter_autocast node, the nodes between, in
+    order and nested blocks' included, _exit_autocast node)``."""
+    open_: list[tuple[fx.Node, list[fx.Node]]] = []
+    for n in nodes:
+        if n.op == "call_function" and n.target is torch.amp._enter_autocast:
+            open_.append((n, []))
+        elif n.op == "call_function" and n.target is torch.amp._exit_autocast and open_:
+            enter, body = open_.pop()
+            if open_:
+                open_[-1][1].extend((enter, *body, n))
+            yield enter, body, n
+        elif open_:
+            open_[-1][1].append(n)
+
+
 def _regions_around_calls(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
     """The ``(_enter_autocast, _exit_autocast)`` node pairs of ``graph`` (at any nesting) whose body holds an
     export call marker (a preserved module call made inside a ``torch.autocast`` block)."""
     marker = torch.ops.higher_order._export_tracepoint
-    open_: list[tuple[fx.Node, bool]] = []  # enter node, a marker seen inside
-    found = []
-    for n in graph.nodes:
-        if n.op != "call_function":
-            continue
-        if n.target is torch.amp._enter_autocast:
-            open_.append((n, False))
-        elif n.target is torch.amp._exit_autocast and open_:
-            enter, seen = open_.pop()
-            if seen:
-                found.append((enter, n))
-                if open_:
-                    open_[-1] = (open_[-1][0], True)
-        elif n.target is marker and open_:
-            open_[-1] = (open_[-1][0], True)
-    return found
+    return [(enter, exit_) for enter, body, exit_ in autocast_blocks(graph.nodes)
+            if any(x.op == "call_function" and x.target is marker for x in body)]
 
 
 @contextlib.contextmanager
@@ -1276,7 +1298,8 @@ def lower_module_calls(gm: fx.GraphModule, blocks: tuple[str, ...] = (), live: n
                 names = _input_names(sig.in_spec, live.get_submodule(path))
                 flat = [x if i in values else _wrapped(as_replicated, out, x, mod_node, parent, names[i])
                         for i, x in enumerate(flat)]
-            elif checked and _pending_whole(live, path):  # its outputs keep 1/n of their gradient (below)
+            share = _spmd_state(live.get_submodule(path))[0].size() if checked and _pending_whole(live, path) else None
+            if share is not None:  # its outputs keep 1/n of their gradient (below)
                 flat = [_wrapped(as_summed_input, out, x, mod_node, parent) for x in flat]
             elif checked and _pending_shard_input(live.get_submodule(path)) is not None:  # as its wrapper takes it
                 names = _input_names(sig.in_spec, live.get_submodule(path))
@@ -1313,12 +1336,10 @@ def lower_module_calls(gm: fx.GraphModule, blocks: tuple[str, ...] = (), live: n
                                         (r, dims, path, parent_path, why, to_output, mod_node), name=src.name)
                     r.meta.update({k: v for k, v in src.meta.items() if k in ("val", "tensor_meta")})
                     r.meta["nn_module_stack"] = parent
-                    if _pending_whole(live, path):
-                        share = out.create_node("call_function", as_gradient_share,
-                                                (r, _spmd_state(live.get_submodule(path))[0].size()),
-                                                name=f"{src.name}_share")
-                        share.meta.update(r.meta)
-                        r = share
+                    if share is not None:
+                        kept = out.create_node("call_function", as_gradient_share, (r, share), name=f"{src.name}_share")
+                        kept.meta.update(r.meta)
+                        r = kept
                 env[src] = r
             called.append(f"{path}@{key.rpartition('@')[2]}" if "@" in key else path)
         if n in redirect:
