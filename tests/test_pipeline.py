@@ -126,6 +126,31 @@ def test_stage_modules_compose_to_the_model(key):
     conv.train(True)
 
 
+def test_a_cut_inside_an_autocast_block_closes_it_and_opens_it_again():
+    """A model running its blocks inside ``torch.autocast`` (kept as enter/exit nodes in the flat graph): a stage
+    boundary between two blocks used to leave stage 0 returning with autocast still on and send the autocast context
+    to stage 1, which exited a block it never entered (on another rank: the block's ops ran in float32). Each stage
+    now enters and exits its part of the block: stage 0 leaves autocast off, stage 1 alone computes the model's
+    output in bfloat16 as the original."""
+    from depthrewrite.passes.lower.module_calls import autocast_blocks
+    from tests.test_module_calls import _AutocastBlocksGPT, _nanogpt
+
+    m, (args, _), _ = _nanogpt()
+    m.__class__ = _AutocastBlocksGPT
+    conv = dr.convert(m, "attnres", example_inputs=args)
+    with torch.no_grad():
+        want = conv(*args)
+        mods = pp.stages(conv, 2, args)
+        h = mods[0](*args)
+        assert not torch.is_autocast_enabled("cpu")
+        assert all(isinstance(t, torch.Tensor) for t in h)  # no autocast context crosses
+        got = mods[1](*h)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for mod in mods:
+        enters = [n for n in mod.graph.nodes if n.target is torch.amp._enter_autocast]
+        assert len(enters) == len(list(autocast_blocks(mod.graph.nodes))) == 1
+
+
 def test_depth_state_matches_formula():
     d = 32
     conv = _converted("attnres", (("blocks", 2),))

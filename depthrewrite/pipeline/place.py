@@ -13,6 +13,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from ..passes.lower.module_calls import reopen_autocast_at
 from ..passes.result import Change, PassResult
 from .measure import example_batch, measure
 from .nodes import CLONE_KEY, PIPE_SPLIT, is_depth_op, is_split, is_sym, nondeterministic, op_name
@@ -117,11 +118,14 @@ def place_boundaries(converted, graph: fx.Graph, report, cuts: Sequence[int]) ->
             with graph.inserting_before(out):
                 splits.append(graph.call_function(PIPE_SPLIT, ()))
         out.prepend(n)
+    reopened = reopen_autocast_at(graph, splits)
     graph.lint()
     return PassResult(converted, changes=_changes(graph, report, cuts, splits, clones),
                       notes=tuple(note for count, note in (
                           (len(old), f"replaced {len(old)} earlier stage boundaries"),
                           (folded, f"folded {folded} casts of a buffer to its own dtype and device"),
+                          (reopened, f"closed {reopened} torch.autocast blocks at a boundary and opened them again "
+                                     "after it"),
                       ) if count))
 
 

@@ -895,6 +895,36 @@ def autocast_blocks(nodes: Iterable[fx.Node]) -> Iterator[tuple[fx.Node, list[fx
             open_[-1][1].append(n)
 
 
+def reopen_autocast_at(graph: fx.Graph, points: Iterable[fx.Node]) -> int:
+    """Close every ``torch.autocast`` block (kept as nodes) open at each node of ``points`` just before it and open it
+    again just after, so the graph cut there (a pipeline stage boundary) leaves each part with whole blocks: the part
+    before exits what it entered, the part after enters it anew, as the original ran those operations. Leaving and
+    re-entering autocast between two operations changes no result. Returns the number of blocks reopened."""
+    at, open_, reopened, seen = set(points), [], 0, set()
+    for n in list(graph.nodes):
+        seen.add(n)
+        if n.op == "call_function" and n.target is torch.amp._enter_autocast:
+            open_.append(n)
+        elif n.op == "call_function" and n.target is torch.amp._exit_autocast and open_:
+            open_.pop()
+        elif n in at and open_:
+            with graph.inserting_before(n):
+                for e in reversed(open_):
+                    seen.add(graph.call_function(torch.amp._exit_autocast, (e,)))
+            after = n
+            for k, e in enumerate(open_):
+                with graph.inserting_after(after):
+                    after = graph.call_function(torch.amp._enter_autocast, e.args, e.kwargs)
+                after.meta = dict(e.meta)
+                seen.add(after)
+                for u in list(e.users):
+                    if u not in seen:
+                        u.replace_input_with(e, after)
+                open_[k] = after
+                reopened += 1
+    return reopened
+
+
 def _regions_around_calls(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
     """The ``(_enter_autocast, _exit_autocast)`` node pairs of ``graph`` (at any nesting) whose body holds an
     export call marker (a preserved module call made inside a ``torch.autocast`` block)."""
