@@ -73,3 +73,42 @@ def test_a_capture_does_not_block_its_own_nested_call():
         with _LOCK.shared():
             with _LOCK.exclusive():
                 pass
+
+
+def test_two_threads_exporting_at_once_leave_exports_unpatched():
+    """The capture patches export's autocast pass while it exports (module calls inside ``torch.autocast`` blocks).
+    Two threads exporting at once, the first finishing first, used to restore each other's patch and leave it
+    installed for good; it also acted on another thread's own export. It is installed once while any thread
+    exports, acts only in those threads, and is gone when the last one finishes."""
+    from torch._export.passes import replace_autocast_with_hop_pass as hop_pass
+
+    from depthrewrite.passes.lower.module_calls import _KEEP_HERE, _autocast_regions_kept
+
+    real = hop_pass.replace_autocast_with_hop_pass
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, bool] = {}
+
+    def a():
+        with _autocast_regions_kept():
+            a_in.set()
+            b_in.wait(30)
+        a_out.set()
+
+    def b():
+        a_in.wait(30)
+        with _autocast_regions_kept():
+            b_in.set()
+            a_out.wait(30)
+            seen["patched while b exports"] = hop_pass.replace_autocast_with_hop_pass is not real
+            seen["acts in b"] = _KEEP_HERE.on
+
+    threads = [threading.Thread(target=f) for f in (a, b)]
+    for t in threads:
+        t.start()
+    with _autocast_regions_kept():
+        pass
+    seen["acts here outside"] = getattr(_KEEP_HERE, "on", False)
+    for t in threads:
+        t.join(timeout=60)
+    assert seen == {"acts here outside": False, "patched while b exports": True, "acts in b": True}
+    assert hop_pass.replace_autocast_with_hop_pass is real

@@ -26,6 +26,7 @@ import logging
 import operator
 import re
 import sys
+import threading
 import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Iterable, Iterator
@@ -943,31 +944,50 @@ def _autocast_regions_kept() -> Iterator[None]:
     autograd formula and stayed inlined. The two nodes are ops export's verifier allows and the graph runs them as
     the block did (the autocast state set and restored around the call), so the lowered call runs in the same
     region, under any outer autocast as the original does."""
-    from torch._export.passes import replace_autocast_with_hop_pass as hop_pass
+    with _KEEP_LOCK:
+        if _KEEP["depth"] == 0:
+            from torch._export.passes import replace_autocast_with_hop_pass as hop_pass
 
-    real = hop_pass.replace_autocast_with_hop_pass
-
-    def keep(gm: fx.GraphModule, signature: Any) -> Any:
-        regions = _regions_around_calls(gm.graph)
-        for enter, exit_ in regions:
-            enter.target, exit_.target = _held_enter, _held_exit
-        out = real(gm, signature)
-        if regions:  # the pass may have copied the nodes into new graphs: put the real targets back everywhere
-            for m in (gm, out[0]):
-                for sub in m.modules():
-                    held = [n for n in (sub.graph.nodes if isinstance(sub, fx.GraphModule) else ())
-                            if n.target is _held_enter or n.target is _held_exit]
-                    for n in held:
-                        n.target = torch.amp._enter_autocast if n.target is _held_enter else torch.amp._exit_autocast
-                    if held:
-                        sub.recompile()
-        return out
-
-    hop_pass.replace_autocast_with_hop_pass = keep
+            _KEEP["real"] = hop_pass.replace_autocast_with_hop_pass
+            hop_pass.replace_autocast_with_hop_pass = _keep_regions
+        _KEEP["depth"] += 1
+    outer, _KEEP_HERE.on = getattr(_KEEP_HERE, "on", False), True
     try:
         yield
     finally:
-        hop_pass.replace_autocast_with_hop_pass = real
+        _KEEP_HERE.on = outer
+        with _KEEP_LOCK:
+            _KEEP["depth"] -= 1
+            if _KEEP["depth"] == 0:
+                from torch._export.passes import replace_autocast_with_hop_pass as hop_pass
+
+                hop_pass.replace_autocast_with_hop_pass = _KEEP.pop("real")
+
+
+#: the export pass is patched once for all threads exporting at a time (a count under a lock: two conversions in two
+#: threads would otherwise restore each other's patch and leave it installed) and acts only in a thread inside
+#: :func:`_autocast_regions_kept` (another thread's own export meets the real pass)
+_KEEP_LOCK = threading.Lock()
+_KEEP: dict[str, Any] = {"depth": 0}
+_KEEP_HERE = threading.local()
+
+
+def _keep_regions(gm: fx.GraphModule, signature: Any) -> Any:
+    real = _KEEP["real"]
+    regions = _regions_around_calls(gm.graph) if getattr(_KEEP_HERE, "on", False) else []
+    for enter, exit_ in regions:
+        enter.target, exit_.target = _held_enter, _held_exit
+    out = real(gm, signature)
+    if regions:  # the pass may have copied the nodes into new graphs: put the real targets back everywhere
+        for m in (gm, out[0]):
+            for sub in m.modules():
+                held = [n for n in (sub.graph.nodes if isinstance(sub, fx.GraphModule) else ())
+                        if n.target is _held_enter or n.target is _held_exit]
+                for n in held:
+                    n.target = torch.amp._enter_autocast if n.target is _held_enter else torch.amp._exit_autocast
+                if held:
+                    sub.recompile()
+    return out
 
 
 def export_with_signatures(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any,
