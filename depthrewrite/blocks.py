@@ -40,7 +40,7 @@ import torch.nn as nn
 from .converted import resolve_target
 from .errors import DepthRewriteError
 from .kernels.direct import plain_eager
-from .passes.lower.module_calls import autocast_blocks, is_dtensor, take_hooks_out
+from .passes.lower.module_calls import autocast_blocks, is_dtensor, known_before_tracing, take_hooks_out
 
 __all__ = [
     "BlockProgram",
@@ -242,6 +242,7 @@ class CompiledPerProgram:
         fn = program.fn if isinstance(program, BlockProgram) else nn.Module._call_impl
         compiled = self._compiled.get(fn)
         if compiled is None:
+            known_before_tracing(block)
             impl = nn.Module._call_impl if fn is nn.Module._call_impl else _call_impl_for(fn)
             compiled = self._compiled[fn] = torch.compile(types.MethodType(impl, block), *self._args, **self._kwargs)
         return compiled(*args, **kwargs)

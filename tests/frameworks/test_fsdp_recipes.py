@@ -66,6 +66,9 @@ TP_CASES = [
     ("torchtitan-tp-first-moda", "torchtitan", "llama3", "parallelize:first", "moda"),
     ("torchtitan-tp-qwen3-moda", "torchtitan", "qwen3-untied", "parallelize", "moda"),
     ("torchtitan-tp-sp-attnres", "torchtitan", "llama3", "parallelize:sp", "attnres"),
+    # its compile-per-block helper after its TP plan (apply_compile: block.compile(fullgraph=True), aot_eager here):
+    # the glue between module calls traced by Dynamo (Full AttnRes: a program per block; MoDA: the most glue)
+    *[(f"torchtitan-tp-compile-{s}", "torchtitan", "llama3", "parallelize:compile", s) for s in ("attnres", "moda")],
     # FlexAttention under its TP plan: the parallelised attention is called live with the BlockMask rebuilt from the
     # graph's tensors; its FlexAttention refuses a CPU backward (as the original does): forward only
     *[(f"torchtitan-tp-flex-{s}", "torchtitan", "llama3-flex", "parallelize", s) for s in ("mhc", "msar")],
@@ -168,6 +171,17 @@ def _titan_tp_case(name: str, recipe: str, scheme: str) -> dict:
         randomise(conv)
         ref = copy.deepcopy(conv)
         conv.parallelize(dims)
+    if order == "compile":
+        from torchtitan.config import CompileConfig
+        from torchtitan.distributed.compile import apply_compile
+
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch():  # apply_compile sets two dynamo flags process-wide: undone on exit
+            apply_compile(conv, compile_config=CompileConfig(enable=True, components=["model"], backend="aot_eager"),
+                          parallel_dims=dims)
+            got = _titan_tp_step(conv, ref, ids, kwargs)
+        got["compiled"] = [len(getattr(b._compiled_call_impl, "_compiled", ())) for b in conv.layers.values()]
+        return got
     if variant == "flex":
         # the parallelised attention runs live (its plan's forward), so torchtitan's FlexAttention runs and refuses
         # a backward on a CPU as the original does: the forward only here, its backward in bench/gpu.sh territory
@@ -178,6 +192,10 @@ def _titan_tp_case(name: str, recipe: str, scheme: str) -> dict:
         return dict(loss=loss.item(), ref=want.item(), grad=0.0, grad_rel=0.0,
                     sharded=sum(type(p).__name__ == "DTensor" for p in conv.parameters()),
                     module_calls=conv.__dict__["_depthrewrite"].module_calls)
+    return _titan_tp_step(conv, ref, ids, kwargs)
+
+
+def _titan_tp_step(conv, ref, ids, kwargs) -> dict:
     out = conv(ids, **kwargs)
     out = out.full_tensor() if hasattr(out, "full_tensor") else out  # its output plan shards the vocabulary
     loss = out.float().pow(2).mean()
@@ -348,6 +366,16 @@ def test_framework_recipe_trains_as_one_process(recipe_results, case):
     assert got["grad_rel"] <= 1e-2, got
     assert got["module_calls"] is True  # a sharded module that is not a block turns module calls on
     assert got["sharded"] > 0
+
+
+@pytest.mark.parametrize("case", [c[0] for c in CASES if c[3] == "parallelize:compile"])
+def test_torchtitan_compile_per_block_under_its_tensor_parallel_plan(recipe_results, case):
+    """``apply_compile`` (``block.compile(fullgraph=True)``) after torchtitan's TP plan: each block's program compiled
+    as one graph with the glue around its module calls (it read a function's name and a weak dictionary Dynamo cannot
+    trace, and handed a compiled block a waiting collective's tensor whose gradient the collective's backward
+    refused); the loss and gradients above equal one process."""
+    got = recipe_results[case]
+    assert got["compiled"] and all(n == 1 for n in got["compiled"]), got
 
 
 @pytest.mark.parametrize("case", SP_REFUSED)

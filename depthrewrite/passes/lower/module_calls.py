@@ -162,23 +162,35 @@ def redistributes_only(mod: nn.Module) -> bool:
 def _titan_dims(mod: nn.Module) -> Any:
     """The ``ParallelDims`` of torchtitan's ``Module.parallelize`` wrapper set as ``mod``'s forward, or None."""
     fn = mod.__dict__.get("forward")
-    if fn is None or not getattr(fn, "__module__", "").startswith("torchtitan.") or \
-            not getattr(fn, "__qualname__", "").endswith("parallelize.<locals>.forward_with_redistribution"):
+    if fn is None:
         return None
-    found = _WRAPPER_DIMS.get(fn, _WRAPPER_DIMS)
-    if found is _WRAPPER_DIMS:
+    hit = mod.__dict__.get(_DIMS_KEY)
+    if hit is not None and hit[0] is fn:  # what a compiled block reads (the wrapper's name cannot be read in a trace)
+        return hit[1]
+    found = None
+    if getattr(fn, "__module__", "").startswith("torchtitan.") and \
+            getattr(fn, "__qualname__", "").endswith("parallelize.<locals>.forward_with_redistribution"):
         try:
             import inspect
 
             found = inspect.getclosurevars(fn).nonlocals.get("parallel_dims")
         except (TypeError, ValueError):  # pragma: no cover - another torchtitan layout
             found = None
-        _WRAPPER_DIMS[fn] = found
+    mod.__dict__[_DIMS_KEY] = (fn, found)
     return found
 
 
-#: torchtitan wrapper function -> its ParallelDims (read once: it runs at every call of a tensor-parallel model)
-_WRAPPER_DIMS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+#: instance attribute of a module with a forward of its own: ``(that forward, its ParallelDims or None)``, read once
+#: (it runs at every call of a tensor-parallel model) and kept with the forward it describes
+_DIMS_KEY = "_depthrewrite_titan_dims"
+
+
+def known_before_tracing(module: nn.Module) -> None:
+    """Read now, outside any trace, what the calls in a block's graph ask of the modules below ``module`` at every call
+    (torchtitan's wrapper and its mesh): ``torch.compile`` of the block then reads the answers (Dynamo cannot read a
+    function's name)."""
+    for m in module.modules():
+        _titan_dims(m)
 
 
 def _spmd_state(mod: nn.Module) -> tuple[Any, dict[str, Any]] | None:
@@ -403,6 +415,13 @@ def _sharded_before_fsdp(owner: nn.Module, param: torch.Tensor) -> bool:
 _RUNS_ON: Any = WeakIdKeyDictionary()
 
 
+def _runs_on(param: Any) -> Any:
+    """The DTensor spec an FSDP2-sharded tensor-parallel ``param`` runs as in forward (:data:`_RUNS_ON`), or None. None
+    in a compiled block's trace (Dynamo does not trace a weak dictionary): inside the forward FSDP2 has registered the
+    unsharded parameter, which already is the DTensor on the TP mesh."""
+    return None if torch.compiler.is_compiling() else _RUNS_ON.get(param)
+
+
 def tensor_parallel(model: nn.Module) -> bool:
     """Whether ``model`` holds a tensor-parallel parameter (a DTensor FSDP2 does not manage)."""
     return _holds_tp(model, "")
@@ -477,6 +496,16 @@ def _titan_sequence_sharded(mod: nn.Module) -> bool:
     return any(_tp_type(v) == "S(1)" for v in layouts)
 
 
+def _waited(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a plain tensor: the local tensor of a DTensor a collective just made is an ``AsyncCollectiveTensor``
+    (waited for at its first use), and a compiled block given one as its input returned its gradient in a form the
+    collective's backward could not take (torchtitan's ``partial_dtensor`` embedding under ``apply_compile``). A
+    copy made at once (its backward the identity); anything else unchanged."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return t.clone() if isinstance(t, AsyncCollectiveTensor) else t
+
+
 @torch.fx.wrap
 def check_local_shape(t: Any, dims: tuple | None, path: str, parent: str, why: str, to_output: bool = False,
                       module: nn.Module | None = None) -> Any:
@@ -491,7 +520,7 @@ def check_local_shape(t: Any, dims: tuple | None, path: str, parent: str, why: s
     logits, as the original returns them)."""
     if is_dtensor(t):
         if all(p.is_replicate() for p in t.placements):
-            t = t.to_local()
+            t = _waited(t.to_local())
         elif to_output:
             return t
         elif _features_sharded(t, dims):  # a column-parallel output the graph expects whole (MoDA's attention)
@@ -548,7 +577,7 @@ def _sharded_weight(module: nn.Module | None, dim: int) -> Any:
     w = getattr(module, "weight", None) if module is not None else None
     if not is_dtensor(w) or w.dim() != 2:
         return None
-    spec = _RUNS_ON.get(w)  # FSDP2 x TP between steps: as it runs inside the forward
+    spec = _runs_on(w)  # FSDP2 x TP between steps: as it runs inside the forward
     mesh, placements = (w.device_mesh, w.placements) if spec is None else (spec.mesh, spec.placements)
     if mesh.ndim != 1 or not placements[0].is_shard() or placements[0].dim != dim:
         return None
@@ -691,7 +720,7 @@ def _dtensor_mesh(module: nn.Module) -> Any:
     """The device mesh of the first DTensor parameter or buffer of ``module`` itself (not its submodules), or None."""
     for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
         if is_dtensor(t):
-            spec = _RUNS_ON.get(t)  # FSDP2 x TP: the TP mesh, not the sharded parameter's 2-D one
+            spec = _runs_on(t)  # FSDP2 x TP: the TP mesh, not the sharded parameter's 2-D one
             return t.device_mesh if spec is None else spec.mesh
     return None
 
