@@ -273,44 +273,52 @@ def compile_rows(layers: int, hidden: int, seq: int, batch: int, repeats: int = 
 
 
 def recompile_rows(layers: tuple[int, ...], hidden: int, seq: int, batch: int, backend: str = "eager") -> list[list]:
-    """Per-block compile at Dynamo's default ``recompile_limit``: blocks' ``.compile()`` as ``nn.Module.compile`` does it
-    (one shared ``_call_impl``) against a converted block's own (one per program), for schemes whose blocks differ
-    (Full and Block AttnRes) and one whose blocks share a program (mHC): graphs compiled, whether the limit was hit,
-    and the first training step (compile included)."""
+    """Per-block compile (each block's ``.compile()``) at Dynamo's default ``recompile_limit``: the original, Full and
+    Block AttnRes with their blocks' earlier depth sources as separate inputs (``blocks.STACK_SOURCES = False``: each
+    block reads one more, so each is a program of its own) and as one stacked tensor (the default: one program for
+    blocks that differ only in that count), and mHC (blocks of one kind already): distinct programs, graphs compiled,
+    whether the limit was hit, and the first training step (compile included) against the original's."""
     import logging
+    from unittest import mock
 
     import torch._dynamo
     from torch._dynamo.utils import counters
 
+    from depthrewrite import blocks
+
+    variants = [("original", None, "-"), ("Full AttnRes", "attnres", "apart"), ("Full AttnRes", "attnres", "stacked"),
+                ("Block AttnRes (4 blocks)", "block-attnres", "apart"),
+                ("Block AttnRes (4 blocks)", "block-attnres", "stacked"), ("mHC (n=4)", "mhc", "-")]
     rows = []
     for n in layers:
-        for label, key in (("Full AttnRes", "attnres"), ("Block AttnRes (4 blocks)", "block-attnres"), ("mHC (n=4)", "mhc")):
-            for how in ("nn.Module.compile", "per program"):
-                torch._dynamo.reset()
-                counters.clear()
+        base = None
+        for label, key, sources in variants:
+            torch._dynamo.reset()
+            counters.clear()
+            with mock.patch.object(blocks, "STACK_SOURCES", sources != "apart"):
                 model = _build(n, hidden, seq, key, {})
                 ids = torch.randint(3, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
                 _step(model, ids)  # capture the training graph outside the timing
+            programs = 1
+            if key is not None:
                 used = max(model.__dict__["_depthrewrite"].entries(), key=lambda e: e.calls)  # the step's graph
                 programs = len({p.fn for p in used.runner.programs.values()})
-                for blk in model.model.layers:
-                    if how == "per program":
-                        blk.compile(backend=backend)
-                    else:
-                        torch.nn.Module.compile(blk, backend=backend)
-                seen: list[str] = []
-                handler = logging.Handler()
-                handler.emit = lambda record: seen.append(record.getMessage())
-                dynamo_log = logging.getLogger("torch._dynamo")
-                dynamo_log.addHandler(handler)
-                try:
-                    first = _step(model, ids)
-                finally:
-                    dynamo_log.removeHandler(handler)
-                hit = any("recompile_limit" in m for m in seen)
-                rows.append([n, label, how, programs, counters["stats"]["unique_graphs"], "yes" if hit else "no",
-                             f"{first:.1f}"])
-                print(*rows[-1], flush=True)
+            for blk in model.model.layers:
+                blk.compile(backend=backend)
+            seen: list[str] = []
+            handler = logging.Handler()
+            handler.emit = lambda record: seen.append(record.getMessage())
+            dynamo_log = logging.getLogger("torch._dynamo")
+            dynamo_log.addHandler(handler)
+            try:
+                first = _step(model, ids)
+            finally:
+                dynamo_log.removeHandler(handler)
+            base = first if key is None else base
+            hit = any("recompile_limit" in m for m in seen)
+            rows.append([n, label, sources, programs, counters["stats"]["unique_graphs"], "yes" if hit else "no",
+                         f"{first:.1f}", f"{first / base:.2f}"])
+            print(*rows[-1], flush=True)
     return rows
 
 
@@ -347,8 +355,8 @@ def main() -> None:
         hidden, seq = a.hidden or 64, a.seq or 64
         rows = recompile_rows(tuple(a.layers or [16, 64]), hidden, seq, a.batch)
         print(head + f", hidden {hidden}, sequence {seq}, batch {a.batch}, backend eager (Dynamo only)")
-        print(tabulate(rows, headers=["layers", "model", "block.compile", "programs in the step", "graphs compiled",
-                                      "recompile limit hit", "first step s"], tablefmt="github"))
+        print(tabulate(rows, headers=["layers", "model", "earlier sources", "programs in the step", "graphs compiled",
+                                      "recompile limit hit", "first step s", "ratio to original"], tablefmt="github"))
     else:
         hidden, seq = a.hidden or 256, a.seq or 256
         rows = compile_rows((a.layers or [4])[0], hidden, seq, a.batch)

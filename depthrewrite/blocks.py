@@ -130,7 +130,7 @@ class BlockProgram:
     """What one converted block runs for one captured graph: the block's part of it, with the block as ``self``
     (parameters read from the block by their original names). Passed to the block as its first argument."""
 
-    __slots__ = ("path", "fn", "module", "inputs", "outputs", "checkpoint", "_direct")
+    __slots__ = ("path", "fn", "module", "inputs", "outputs", "checkpoint", "listed", "_direct")
 
     def __init__(self, path: str, module: fx.GraphModule, inputs: tuple[str, ...], outputs: tuple[str, ...],
                  checkpoint: Callable[[nn.Module], bool]):
@@ -140,6 +140,7 @@ class BlockProgram:
         self.inputs = inputs
         self.outputs = outputs
         self.checkpoint = checkpoint  # checkpoint(block): whether depthrewrite itself checkpoints it in this call
+        self.listed: _Listed | None = None  # stacked: its first input is the stack of earlier depth sources
         self._direct: Any = _UNSET
 
     @property
@@ -171,10 +172,16 @@ def _block_forward(self, program: BlockProgram, *inputs: Any) -> tuple:
             "model's forward (which passes the depth state between blocks) and cannot be called on its own. Call the "
             "converted model, or keep an unconverted copy (convert(..., inplace=False)) to run blocks directly."
         )
+    if program.listed is not None and isinstance(inputs[0], list):  # the runner traced by Dynamo: sources apart
+        fn: Callable = program.listed.call
+    else:
+        fn = program.fn
     if self.training and torch.is_grad_enabled() and program.checkpoint(self):
         from torch.utils.checkpoint import checkpoint
 
-        return checkpoint(program.fn, self, *inputs, use_reentrant=False)
+        return checkpoint(fn, self, *inputs, use_reentrant=False)
+    if fn is not program.fn:
+        return fn(self, *inputs)
     if plain_eager():
         direct = program.direct
         if direct is not None:
@@ -245,6 +252,8 @@ class CompiledPerProgram:
             known_before_tracing(block)
             impl = nn.Module._call_impl if fn is nn.Module._call_impl else _call_impl_for(fn)
             compiled = self._compiled[fn] = torch.compile(types.MethodType(impl, block), *self._args, **self._kwargs)
+        if isinstance(program, BlockProgram) and program.listed is not None and len(args) > 1:
+            torch._dynamo.maybe_mark_dynamic(args[1], 0)  # one graph for every number of stacked sources
         return compiled(*args, **kwargs)
 
     def __repr__(self) -> str:
@@ -425,6 +434,7 @@ def split_blocks(gm: fx.GraphModule, paths: tuple[str, ...], checkpoint: Callabl
     programs: dict[str, BlockProgram] = {}
     attrs: dict[str, Any] = {}
     code: dict[str, Callable] = {}
+    stacks = _SourceStacks(members) if STACK_SOURCES else None
 
     def glue(at: int) -> None:
         for n in nodes:
@@ -442,14 +452,20 @@ def split_blocks(gm: fx.GraphModule, paths: tuple[str, ...], checkpoint: Callabl
                     seen.add(x)
                     ins.append(x)
         outs = [n for n in members[b] if any(u not in mine for u in n.users)]
-        prog_gm = _program(gm, path, members[b], ins, outs)
+        rows = stacks.rows[b] if stacks is not None else 0
+        stacked = stacks.slots[:rows] if rows else []
+        rest = [x for x in ins if x not in stacked]
+        prog_gm = _program(gm, path, members[b], rest, outs, stacked)
         name = f"_dr_block_{b}"
         prog = BlockProgram(path, prog_gm, tuple(x.name for x in ins), tuple(o.name for o in outs), checkpoint)
+        if rows:
+            prog.listed = _Listed(gm, path, members[b], ins, outs, stacked, rest, code)
         prog.fn = code.setdefault(prog_gm.code, prog.fn)  # one function per distinct code: compiled once per block kind
         programs[name] = prog
         attrs[name] = prog
         p_node = out.get_attr(name)
-        call = out.call_module(path, (p_node, *(env[x] for x in ins)))
+        head = (stacks.runner_stack(out, env, rows),) if rows else ()
+        call = out.call_module(path, (p_node, *head, *(env[x] for x in rest)))
         call.meta["depthrewrite_block"] = path
         for j, o in enumerate(outs):
             g = out.call_function(operator.getitem, (call, j))
@@ -633,14 +649,173 @@ def _own_output(g: fx.Graph, node: fx.Node) -> fx.Node:
     return node if tensor_val(node) is None else unsafe_view_of(g, node)
 
 
+# ---- the earlier depth sources of a block as one stacked tensor ------------------------------------------------------
+#
+# A block's depth ops read the sources of every earlier block (Full AttnRes: all sublayer outputs so far; Block
+# AttnRes: the completed block summaries), one more per block: as separate inputs, every block is a program of its
+# own (its own compile, Dynamo's recompile limit). Instead, the runner writes each such source once into a buffer
+# made per forward (`new_source_storage`) and passes each block the rows filled so far as one tensor
+# (`source_stack`: a tensor over the buffer's first n rows; its backward hands each source its row of the gradient);
+# the block's depth ops read it (`depthrewrite::depth_attn_stack`). Blocks that differ only in n then share one
+# program, compiled once with n a dynamic size. A source gets a row if blocks read it at one position of their
+# depth ops' source lists (the same position in every block; per position the source read by the most blocks):
+# Block AttnRes's open partial sum, a different tensor per block, stays a separate input. Rows are written once and
+# never again in a forward, so what an earlier block saved for its backward stays valid.
+
+#: stack the earlier depth sources of each block (False: every source a separate input; the tests compare both)
+STACK_SOURCES = True
+
+
+def _depth_attn_sources(n: fx.Node) -> list | None:
+    if n.op == "call_function" and n.target is torch.ops.depthrewrite.depth_attn.default:
+        return list(n.args[0])
+    return None
+
+
+def _stack_rows(n: fx.Node, rows: dict[fx.Node, int]) -> int:
+    """How many leading sources of the depth op ``n`` are rows 0, 1, ... of the stack (``rows``: node -> row)."""
+    sources = _depth_attn_sources(n)
+    k = 0
+    for x in sources or ():
+        if rows.get(x) != k:
+            break
+        k += 1
+    return k
+
+
+def _stacked_site(g: fx.Graph, n: fx.Node, stack: fx.Node, k: int, arg: Callable[[fx.Node], Any]) -> fx.Node:
+    """``n`` (a ``depth_attn`` whose first ``k`` sources are the stack's rows) as ``depth_attn_stack`` in ``g``."""
+    sources, query, gain, eps, scale = n.args
+    per_source = float(scale) == float(len(sources))  # mix_scale="count": the scale is the source count
+    new = g.call_function(torch.ops.depthrewrite.depth_attn_stack.default,
+                          (stack, [arg(x) for x in sources[k:]], arg(query), arg(gain), eps,
+                           1.0 if per_source else scale, per_source))
+    new.meta = dict(n.meta)
+    return new
+
+
+class _SourceStacks:
+    """Which sources get a row (:data:`slots`, in row order) and the runner's stack nodes, made as the runner is."""
+
+    def __init__(self, members: list[list[fx.Node]]) -> None:
+        from collections import Counter
+
+        prefixes = [self._prefix([n for n in m if _depth_attn_sources(n) is not None], set(m)) for m in members]
+        self.slots: list[fx.Node] = []
+        for i in range(max(map(len, prefixes), default=0)):
+            votes = Counter(p[i] for p in prefixes if len(p) > i and p[:i] == self.slots[:i])
+            pick = max(votes, key=votes.__getitem__, default=None)
+            if pick is None or pick in self.slots:
+                break
+            self.slots.append(pick)
+        self.rows = [self._fit(p) for p in prefixes]
+        filled = 0
+        for b, k in enumerate(self.rows):  # rows are appended in block order: a block reading fewer stacks none
+            self.rows[b] = k if k >= max(filled, 1) else 0
+            filled = max(filled, self.rows[b])
+        self.cap = max(self.rows, default=0)
+        self.storage: fx.Node | None = None
+        self.last: fx.Node | None = None
+        self.filled = 0
+
+    @staticmethod
+    def _prefix(sites: list[fx.Node], mine: set[fx.Node]) -> list[fx.Node]:
+        """The earlier sources all ``sites`` read first, in order (each read from outside the block)."""
+        common: list[fx.Node] | None = None
+        for n in sites:
+            lead = list(itertools.takewhile(lambda x: isinstance(x, fx.Node) and x not in mine, _depth_attn_sources(n)))
+            common = lead if common is None else common[: _shared(common, lead)]
+        return common or []
+
+    def _fit(self, prefix: list[fx.Node]) -> int:
+        return _shared(prefix, self.slots)
+
+    def runner_stack(self, out: fx.Graph, env: dict[fx.Node, fx.Node], k: int) -> fx.Node:
+        """The runner's stack of the first ``k`` rows (writing the rows not written yet)."""
+        if k == self.filled and self.last is not None:
+            return self.last
+        if self.storage is None:
+            self.storage = out.call_function(new_source_storage, (env[self.slots[0]], max(self.cap, k)))
+        self.last = out.call_function(source_stack, (self.last, self.storage,
+                                                     *(env[x] for x in self.slots[self.filled:k])))
+        self.filled = k
+        return self.last
+
+
+def _shared(a: list, b: list) -> int:
+    """The length of the common prefix of ``a`` and ``b`` (by identity)."""
+    return sum(1 for _ in itertools.takewhile(lambda xy: xy[0] is xy[1], zip(a, b)))
+
+
+def new_source_storage(like: torch.Tensor, rows: int) -> torch.Tensor:
+    """The buffer of one forward's stacked sources: ``rows`` rows shaped like ``like`` (uninitialised: a row is read
+    only after it is written)."""
+    return like.new_empty((rows, *like.shape))
+
+
+class _SourceStack(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, prev: torch.Tensor | None, storage: torch.Tensor, *new: torch.Tensor) -> torch.Tensor:
+        start = 0 if prev is None else prev.shape[0]
+        with torch.no_grad():
+            for j, x in enumerate(new):
+                storage[start + j].copy_(x)
+        ctx.start, ctx.chained = start, prev is not None
+        # a tensor of its own over the buffer's first rows, not a view of it: rows written later do not change
+        # its version, so an op that saved it for backward still finds it valid (its rows never change)
+        out = torch.empty(0, dtype=storage.dtype, device=storage.device)
+        return out.set_(storage.untyped_storage(), storage.storage_offset(), (start + len(new), *storage.shape[1:]),
+                        storage.stride())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:
+        return (grad[: ctx.start] if ctx.chained else None), None, *grad[ctx.start:].unbind(0)
+
+
+def source_stack(prev: Any, storage: torch.Tensor, *new: torch.Tensor) -> Any:
+    """``prev`` (the stack the previous block read, or None) with the sources ``new`` as its next rows, written into
+    ``storage``. While Dynamo traces the runner (the whole model under ``torch.compile``): the sources themselves, a
+    list, and each block runs its program with separate sources (:class:`_Listed`), whose depth ops the compile
+    backend's passes know; under another tracer or tensor subclass: the same values concatenated."""
+    if torch.compiler.is_compiling():
+        return [*(prev or ()), *new]
+    if type(storage) is not torch.Tensor:
+        rows = torch.stack(new) if new else storage[:0]
+        return rows if prev is None else torch.cat([prev, rows])
+    return _SourceStack.apply(prev, storage, *new)
+
+
+class _Listed:
+    """A stacked block program's form with every source a separate input, for the whole model traced by Dynamo.
+    ``call(block, stack_list, *rest)`` puts the stack's sources back in their places."""
+
+    def __init__(self, gm, path, members, ins, outs, stacked, rest, code) -> None:
+        self.module = _program(gm, path, members, ins, outs)  # now: the flat graph changes after the split
+        self._fn = code.setdefault(self.module.code, type(self.module).forward)
+        where = {x: j for j, x in enumerate(stacked)}
+        rank = {x: i for i, x in enumerate(rest)}
+        self.order = tuple(("row", where[x]) if x in where else ("rest", rank[x]) for x in ins)
+
+    def call(self, block: nn.Module, rows: list, *rest: Any) -> tuple:
+        return self._fn(block, *((rows if k == "row" else rest)[i] for k, i in self.order))
+
+
 def _program(gm: fx.GraphModule, path: str, members: list[fx.Node], ins: list[fx.Node],
-             outs: list[fx.Node]) -> fx.GraphModule:
+             outs: list[fx.Node], stacked: list[fx.Node] = ()) -> fx.GraphModule:
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    for i, x in enumerate(ins):
+    rows: dict[fx.Node, int] = {x: j for j, x in enumerate(stacked)}
+    stack = g.placeholder("in_0") if stacked else None
+    for i, x in enumerate(ins, start=1 if stacked else 0):
         p = g.placeholder(f"in_{i}")
         p.meta.update({k: v for k, v in x.meta.items() if k in ("val", "tensor_meta")})
         env[x] = p
+
+    def arg(x: fx.Node) -> fx.Node:
+        if x not in env:  # a stacked source read by something else than a depth op: its row of the stack
+            env[x] = g.call_function(torch.ops.aten.select.int, (stack, 0, rows[x]))
+        return env[x]
+
     cut = len(path) + 1
     root: dict[str, Any] = {}
     for n in members:
@@ -654,11 +829,13 @@ def _program(gm: fx.GraphModule, path: str, members: list[fx.Node], ins: list[fx
                 raise DepthRewriteError(f"depthrewrite: block {path!r} calls {n.target!r}, which it does not hold "
                                         "(a bug in the module-call lowering: please report it)")
             rel = n.target[cut:]
-            new = g.node_copy(n, env.__getitem__)
+            new = g.node_copy(n, arg)
             new.target = rel
             root[rel] = nn.Module()  # a stand-in: the program's code reads self.<rel> from the live block
+        elif stacked and _stack_rows(n, rows) == len(stacked):
+            new = _stacked_site(g, n, stack, len(stacked), arg)
         else:
-            new = g.node_copy(n, env.__getitem__)
+            new = g.node_copy(n, arg)
         env[n] = new
     g.output(tuple(_own_output(g, env[o]) for o in outs))
     # names by position, so blocks of the same structure get the same code (torch.compile per block reuses it)
@@ -696,6 +873,8 @@ def traced_with_meta(runner: fx.GraphModule) -> None:
     _traced_with_meta(runner)
     for prog in runner.programs.values():
         _traced_with_meta(prog.module)
+        if prog.listed is not None:
+            _traced_with_meta(prog.listed.module)
 
 
 def _shell(v: Any) -> Any:

@@ -30,6 +30,8 @@ def _cases() -> dict[str, tuple]:
     X = _g(2, 5, 4, 8)
     return {
         "depth_attn": (OPS.depth_attn.default, (srcs, _g(8), 1 + 0.1 * _g(8), 1e-6, 3.0)),
+        "depth_attn_stack": (OPS.depth_attn_stack.default, (_g(2, 2, 5, 8), [srcs[0]], _g(8), 1 + 0.1 * _g(8), 1e-6, 1.0, True)),
+        "depth_attn_stack_fixed_scale": (OPS.depth_attn_stack.default, (_g(3, 2, 5, 8), [], _g(8), 1 + 0.1 * _g(8), 1e-6, 0.5, False)),
         "depth_attn_partial": (OPS.depth_attn_partial.default, (srcs, _g(2, 8), 1 + 0.1 * _g(2, 8), 1e-6)),
         "depth_attn_merge": (OPS.depth_attn_merge.default, (_g(2, 5, 8), _g(2, 5), _g(2, 5, 8), _g(8), 1 + 0.1 * _g(8), 1e-6, 2.0)),
         "msar_mix": (

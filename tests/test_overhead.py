@@ -38,6 +38,8 @@ def _depth_args(b: int) -> dict[str, Callable[[], tuple]]:
     return {
         "depth_attn": lambda: (src, q, gain, 1e-6, 3.0),
         "depth_attn_backward": lambda: (r(b, T, D), src, q, gain, 1e-6, 3.0),
+        "depth_attn_stack": lambda: (torch.stack(src[:2]), src[2:], q, gain, 1e-6, 1.0, True),
+        "depth_attn_stack_backward": lambda: (r(b, T, D), torch.stack(src[:2]), src[2:], q, gain, 1e-6, 1.0, True),
         "depth_attn_partial": lambda: (src, qs, gs, 1e-6),
         "depth_attn_partial_backward": lambda: (r(2, b, T, D), r(2, b, T), src, qs, gs, 1e-6),
         "depth_attn_merge": lambda: (o, lse, src[0], q, gain, 1e-6, 3.0),
@@ -87,6 +89,15 @@ def test_depth_attn_flops_by_hand():
     hand = D + K * N * (2 * D + 3) + K * N * (2 * D + 1) + 5 * K * N + 2 * K * N * D + N * D
     assert hand == 8 + 456 + 408 + 120 + 384 + 64
     assert _flops("depth_attn", 2) == hand
+
+
+def test_the_stacked_mix_counts_as_the_mix_of_its_rows():
+    args = _depth_args(2)
+    assert _flops("depth_attn_stack", 2) == _flops("depth_attn", 2)
+    src, q, gain = args["depth_attn"]()[:3]
+    with FlopCounterMode(display=False) as fc:
+        ops.depth_attn_stack_backward(torch.randn(2, T, D), torch.stack(src[:2]), src[2:], q, gain, 1e-6, 1.0, True)
+    assert fc.get_total_flops() == _flops("depth_attn_backward", 2)
 
 
 def test_traffic_mode_sees_a_depth_op_as_one_op():

@@ -138,6 +138,22 @@ def depth_attn_backward_flop(grad: Shape, sources: list[Shape], query: Shape, ga
     return N * D + _partial_backward_flop(1, K, N, D, with_lse=False)
 
 
+def _stack_sources(stack: Shape, extra: list[Shape]) -> list[Shape]:
+    return [tuple(stack[1:])] * stack[0] + list(extra)
+
+
+def depth_attn_stack_flop(stack: Shape, extra: list[Shape], query: Shape, gain: Shape, *args: Any,
+                          out_shape: Any = None, **kwargs: Any) -> int:
+    """:func:`depth_attn_flop` of the sources ``[*stack, *extra]``."""
+    return depth_attn_flop(_stack_sources(stack, extra), query, gain)
+
+
+def depth_attn_stack_backward_flop(grad: Shape, stack: Shape, extra: list[Shape], query: Shape, gain: Shape,
+                                   *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    """:func:`depth_attn_backward_flop` of the sources ``[*stack, *extra]``."""
+    return depth_attn_backward_flop(grad, _stack_sources(stack, extra), query, gain)
+
+
 def depth_attn_partial_flop(sources: list[Shape], queries: Shape, gains: Shape, eps: float = 0.0,
                             *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
     """S queries against K sources: ``o = Σ_i softmax_i(s) v_i`` and ``lse`` per query and row."""
@@ -384,6 +400,8 @@ def moda_attn_slots_flop(q: Shape, k: Shape, v: Shape, attn_mask: Shape | None, 
 FORMULAS: dict[str, Callable[..., int]] = {
     "depth_attn": depth_attn_flop,
     "depth_attn_backward": depth_attn_backward_flop,
+    "depth_attn_stack": depth_attn_stack_flop,
+    "depth_attn_stack_backward": depth_attn_stack_backward_flop,
     "depth_attn_partial": depth_attn_partial_flop,
     "depth_attn_partial_backward": depth_attn_partial_backward_flop,
     "depth_attn_merge": depth_attn_merge_flop,

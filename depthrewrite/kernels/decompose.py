@@ -53,6 +53,8 @@ def _depth_attn_entries() -> dict[str, tuple[Callable, Callable]]:
         "depth_attn_partial_backward": (m.depth_attn_partial_backward, m._partial_backward_ref),
         "depth_attn_merge": (m.depth_attn_merge, depth_attn_merge_ref),
         "depth_attn_merge_backward": (m.depth_attn_merge_backward, m._merge_backward_ref),
+        "depth_attn_stack": (m.depth_attn_stack, m.depth_attn_stack_ref),
+        "depth_attn_stack_backward": (m.depth_attn_stack_backward, m._stack_backward_ref),
     }
 
 

@@ -21,7 +21,7 @@ from depthrewrite.kernels.depth_attn import (
     depth_attn_merge,
     depth_attn_partial,
 )
-from depthrewrite.kernels.depth_attn.op import MAX_SOURCES
+from depthrewrite.kernels.depth_attn.op import MAX_SOURCES, depth_attn_stack, depth_attn_stack_ref
 from depthrewrite.kernels.dispatch import kernel_backend
 from depthrewrite.testing import assert_matches
 
@@ -100,6 +100,49 @@ def test_depth_attn_matches_reference(K, lead, D):
     q, gain = _rand(D, gen=g), _rand(D, gen=g)
     go = _rand(*lead, D, gen=g, requires_grad=False)
     _compare(lambda *a: depth_attn(list(a[:K]), a[K], a[K + 1], 1e-6, float(K)), [*src, q, gain], go, torch.float32)
+
+
+# ---- depth_attn_stack: the earlier sources one stacked tensor -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "n, extra, per_source",
+    [
+        pytest.param(1, 1, True, id="one-row-count-scale"),
+        pytest.param(3, 2, False, id="three-rows-fixed-scale"),
+        pytest.param(MAX_SOURCES + 2, 1, True, id="chunked"),
+        pytest.param(2, 0, True, id="rows-only"),
+    ],
+)
+def test_depth_attn_stack_matches_reference(n, extra, per_source):
+    g = torch.Generator().manual_seed(n)
+    lead, D = (2, 3), 21
+    stack = _rand(n, *lead, D, gen=g)
+    ext = [_rand(*lead, D, gen=g) for _ in range(extra)]
+    q, gain = _rand(D, gen=g), _rand(D, gen=g)
+    go = _rand(*lead, D, gen=g, requires_grad=False)
+    fn = lambda s, *a: depth_attn_stack(s, list(a[:extra]), a[extra], a[extra + 1], 1e-6, 0.5, per_source)  # noqa: E731
+    _compare(fn, [stack, *ext, q, gain], go, torch.float32)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_depth_attn_stack_is_depth_attn_of_its_rows(backend):
+    """The stacked op, its vectorised reference (what the compile backend traces) and depth_attn on the unbound rows
+    give the same output and gradients (the converted model's numbers do not depend on whether it stacks)."""
+    g = torch.Generator().manual_seed(7)
+    n, lead, D = 4, (3, 5), 16
+    inputs = [_rand(n, *lead, D, gen=g), _rand(*lead, D, gen=g), _rand(D, gen=g), _rand(D, gen=g)]
+    go = _rand(*lead, D, gen=g, requires_grad=False)
+    scale = float(n + 1)
+    stacked = lambda s, e, q, w: depth_attn_stack(s, [e], q, w, 1e-6, 1.0, True)  # noqa: E731
+    vectorised = lambda s, e, q, w: depth_attn_stack_ref(s, [e], q, w, 1e-6, 1.0, True)  # noqa: E731
+    apart = lambda s, e, q, w: depth_attn([*s.unbind(0), e], q, w, 1e-6, scale)  # noqa: E731
+    (want,), g_want = _run(backend, apart, inputs, go)
+    for fn in (stacked, vectorised):
+        (out,), grads = _run(backend, fn, inputs, go)
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+        for a, b in zip(grads, g_want):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -227,6 +270,7 @@ def test_opcheck_with_the_triton_backend():
     with kernel_backend("triton"):
         torch.library.opcheck(ops.depth_attn, (src, q, gain, 1e-6, 3.0))
         torch.library.opcheck(ops.depth_attn_partial, (src, qs, gs, 1e-6))
+        torch.library.opcheck(ops.depth_attn_stack, (torch.stack(src), [src[0]], q, gain, 1e-6, 1.0, True))
         torch.library.opcheck(ops.depth_attn_merge, (o, lse, src[0], q, gain, 1e-6, 3.0))
         srcd = [nog(s) for s in src]
         torch.library.opcheck(ops.depth_attn_backward, (nog(src[1]), srcd, nog(q), nog(gain), 1e-6, 3.0))

@@ -19,7 +19,8 @@ from ..dispatch import KernelInfo, register_kernel_info, route
 from .limits import MAX_ROW, MAX_SOURCES, covers, covers_merge
 from .reference import depth_attn_merge_ref, depth_attn_partial_ref, depth_attn_ref
 
-__all__ = ["depth_attn", "depth_attn_partial", "depth_attn_merge", "MAX_SOURCES", "MAX_ROW", "covers", "covers_merge"]
+__all__ = ["depth_attn", "depth_attn_stack", "depth_attn_partial", "depth_attn_merge", "MAX_SOURCES", "MAX_ROW", "covers",
+           "covers_merge"]
 
 # ---- reference backward formulas (attnres spec §9), used when the Triton kernel does not run ------------------------
 
@@ -114,6 +115,10 @@ def _merge_backward_ref(grad, o, lse, last, query, gain, eps, scale) -> list[tor
 
 @torch.library.custom_op("depthrewrite::depth_attn", mutates_args=())
 def depth_attn(sources: list[torch.Tensor], query: torch.Tensor, gain: torch.Tensor, eps: float, scale: float) -> torch.Tensor:
+    return _depth_attn(sources, query, gain, eps, scale)
+
+
+def _depth_attn(sources, query, gain, eps, scale):
     if route(
         "depthrewrite::depth_attn", (*sources, query, gain), lambda: covers(sources, query, gain, whole_row=True)
     ):
@@ -133,6 +138,10 @@ def depth_attn_backward(
     grad: torch.Tensor, sources: list[torch.Tensor], query: torch.Tensor, gain: torch.Tensor, eps: float, scale: float
 ) -> list[torch.Tensor]:
     """``[grad_query, grad_gain, *grad_sources]`` of ``depth_attn`` (recomputes the forward's scores and weights)."""
+    return _depth_attn_backward(grad, sources, query, gain, eps, scale)
+
+
+def _depth_attn_backward(grad, sources, query, gain, eps, scale):
     if route(
         "depthrewrite::depth_attn_backward", (grad, *sources, query, gain), lambda: covers(sources, query, gain, grad)
     ):
@@ -160,6 +169,126 @@ def _backward(ctx, grad):
 
 
 depth_attn.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---- depthrewrite::depth_attn_stack: the same mix, its earlier sources one stacked tensor ------------------------------
+#
+# A block program reads its block's earlier sources as one tensor ``stack`` ``[n, ...]`` (rows of a buffer the
+# converted model fills once per forward, :func:`depthrewrite.blocks.source_stack`) and the sources it makes itself
+# as ``extra``: blocks that differ only in how many earlier sources they read then run one program, whose compiled
+# graph takes ``n`` as a dynamic size. ``depth_attn_stack(stack, extra, w, γ, eps, scale, per_source)`` equals
+# ``depth_attn([*stack, *extra], w, γ, eps, scale · K if per_source else scale)`` with ``K = n + len(extra)``.
+
+
+def _stack_scale(stack: torch.Tensor, extra: list[torch.Tensor], scale: float, per_source: bool) -> float:
+    return scale * (stack.shape[0] + len(extra)) if per_source else scale
+
+
+@torch.library.custom_op("depthrewrite::depth_attn_stack", mutates_args=())
+def depth_attn_stack(stack: torch.Tensor, extra: list[torch.Tensor], query: torch.Tensor, gain: torch.Tensor,
+                     eps: float, scale: float, per_source: bool) -> torch.Tensor:
+    if route("depthrewrite::depth_attn_stack", (stack, *extra, query, gain),
+             lambda: covers([stack, *extra], query, gain, whole_row=True)):
+        from . import fused
+
+        return fused.depth_attn_fwd([*stack.unbind(0), *extra], query, gain, eps,
+                                    _stack_scale(stack, extra, scale, per_source))
+    # depth_attn's own reference on the rows (the same bits as before the stack); the compile backend traces
+    # depth_attn_stack_ref instead (no Python loop over a dynamic size)
+    return depth_attn_ref([*stack.unbind(0), *extra], query, gain, eps, _stack_scale(stack, extra, scale, per_source))
+
+
+@depth_attn_stack.register_fake
+def _(stack, extra, query, gain, eps, scale, per_source):
+    return stack.new_empty(stack.shape[1:])
+
+
+@torch.library.custom_op("depthrewrite::depth_attn_stack_backward", mutates_args=())
+def depth_attn_stack_backward(grad: torch.Tensor, stack: torch.Tensor, extra: list[torch.Tensor], query: torch.Tensor,
+                              gain: torch.Tensor, eps: float, scale: float, per_source: bool) -> list[torch.Tensor]:
+    """``[grad_stack, grad_query, grad_gain, *grad_extra]`` of ``depth_attn_stack``."""
+    fused = route("depthrewrite::depth_attn_stack_backward", (grad, stack, *extra, query, gain),
+                  lambda: covers([stack, *extra], query, gain, grad))
+    sources, n = [*stack.unbind(0), *extra], stack.shape[0]
+    if fused:
+        from .fused import depth_attn_bwd
+
+        gq, gg, *gs = depth_attn_bwd(grad, sources, query, gain, eps, _stack_scale(stack, extra, scale, per_source))
+    else:
+        gq, gg, *gs = _backward_ref(grad, sources, query, gain, eps, _stack_scale(stack, extra, scale, per_source))
+    return [torch.stack(gs[:n]) if n else torch.zeros_like(stack), gq, gg, *gs[n:]]
+
+
+@depth_attn_stack_backward.register_fake
+def _(grad, stack, extra, query, gain, eps, scale, per_source):
+    return [torch.empty_like(stack), torch.empty_like(query), torch.empty_like(gain), *[torch.empty_like(e) for e in extra]]
+
+
+def _stack_setup_context(ctx, inputs, output):
+    stack, extra, query, gain, eps, scale, per_source = inputs
+    ctx.save_for_backward(stack, query, gain, *extra)
+    ctx.args = (eps, scale, per_source)
+
+
+def _stack_backward(ctx, grad):
+    stack, query, gain, *extra = ctx.saved_tensors
+    gstack, gq, gg, *ge = depth_attn_stack_backward(grad, stack, extra, query, gain, *ctx.args)
+    return gstack, list(ge), gq, gg, None, None, None
+
+
+depth_attn_stack.register_autograd(_stack_backward, setup_context=_stack_setup_context)
+
+
+def depth_attn_stack_ref(stack: torch.Tensor, extra: list[torch.Tensor], query: torch.Tensor, gain: torch.Tensor,
+                         eps: float, scale: float, per_source: bool) -> torch.Tensor:
+    """``depth_attn_ref`` of the sources ``[*stack, *extra]`` as tensor operations on the stack (no Python loop over a
+    size that may be dynamic): what the compile backend traces for inductor."""
+    from .reference import _rsqrt_rms
+
+    acc = torch.promote_types(stack.dtype, torch.float32)
+    v, shape = _stacked_rows(stack, extra, acc)  # [M, K, D]
+    M, K, D = v.shape
+    u = gain.to(acc) * query.to(acc)
+    s = (v @ u) * _rsqrt_rms(v, eps)  # [M, K]
+    a = torch.softmax(s, dim=-1)
+    h = (a.unsqueeze(-2) @ v).reshape(shape) * (scale * K if per_source else scale)
+    return h.to(stack.dtype)
+
+
+def _stacked_rows(stack: torch.Tensor, extra: list[torch.Tensor], acc: torch.dtype) -> tuple[torch.Tensor, tuple]:
+    shape = stack.shape[1:]
+    D = shape[-1]
+    parts = [stack.to(acc).reshape(stack.shape[0], -1, D)]
+    parts += [e.to(acc).reshape(1, -1, D) for e in extra]
+    return torch.cat(parts).transpose(0, 1), shape  # [M, K, D]
+
+
+def _stack_backward_ref(grad, stack, extra, query, gain, eps, scale, per_source) -> list[torch.Tensor]:
+    """Gradients of :func:`depth_attn_stack_ref`, ``[grad_stack, grad_query, grad_gain, *grad_extra]``: the one-query
+    case of :func:`_partial_backward_ref` with every source's gradient computed at once."""
+    from .reference import _rsqrt_rms
+
+    acc = torch.promote_types(stack.dtype, torch.float32)
+    v, shape = _stacked_rows(stack, extra, acc)
+    M, K, D = v.shape
+    u = gain.to(acc) * query.to(acc)
+    r = _rsqrt_rms(v, eps)  # [M, K]
+    s = (v @ u) * r
+    p = torch.softmax(s, dim=-1)
+    go = grad.to(acc).reshape(M, D) * (scale * K if per_source else scale)
+    gv = (v @ go.unsqueeze(-1)).squeeze(-1)  # [M, K]: go·v_i
+    ds = p * (gv - (p * gv).sum(-1, keepdim=True))
+    cu = ds * r
+    cv = r * r / D * ds * s
+    du = cu.reshape(1, M * K) @ v.reshape(M * K, D)  # [1, D]
+    n = stack.shape[0]
+
+    def dv(i: slice | int) -> torch.Tensor:  # dv_i = cu_i u − cv_i v_i + p_i go, each output a tensor of its own
+        return cu[:, i, None] * u - cv[:, i, None] * v[:, i] + p[:, i, None] * (go[:, None] if isinstance(i, slice) else go)
+
+    gstack = dv(slice(0, n)).transpose(0, 1).contiguous().reshape(stack.shape).to(stack.dtype)
+    ge = [dv(n + i).reshape(shape).to(e.dtype) for i, e in enumerate(extra)]
+    return [gstack, (gain.to(acc) * du.reshape(D)).to(query.dtype), (query.to(acc) * du.reshape(D)).to(gain.dtype), *ge]
 
 
 # ---- depthrewrite::depth_attn_partial (two-phase, phase 1) -----------------------------------------------------------
@@ -319,6 +448,17 @@ register_kernel_info(
         f"{MAX_SOURCES} sources is still fused: the forward runs chunks of {MAX_SOURCES} that carry the "
         "online-softmax state through fp32 scratch; the backward computes per-token scores into [K, T] fp32 scratch, "
         "then gradients per chunk.)",
+    )
+)
+register_kernel_info(
+    KernelInfo(
+        op="depthrewrite::depth_attn_stack",
+        forward="fused.depth_attn_fwd_kernel on the stack's rows and the extra sources (as depth_attn)",
+        backward="depthrewrite::depth_attn_stack_backward -> fused.depth_attn_bwd_kernel_multi (as depth_attn); the "
+        "rows' gradients stacked",
+        fuses="as depth_attn: a block program reading its earlier sources as rows of one buffer, so blocks that "
+        "differ only in their count share one compiled program",
+        falls_back="as depth_attn",
     )
 )
 register_kernel_info(
