@@ -390,6 +390,7 @@ def _placement(gm: fx.GraphModule, graph: fx.Graph, paths: tuple[str, ...], live
         if not moved:
             break
     _move_to_readers(nodes, block)
+    _final_mix_to_runner(nodes, block, len(paths) - 1)
     for n, b in block.items() if lowered else ():  # a module call runs with its block as self: its own module
         if n.op == "call_module" and not n.target.startswith(paths[b] + "."):
             return f"`{n.name}` calls {n.target!r} inside block {paths[b]!r}, which does not hold it"
@@ -505,6 +506,20 @@ def _move_to_readers(nodes: list[fx.Node], block: dict[fx.Node, int]) -> None:
                 moved = True
         if not moved:
             return
+
+
+def _final_mix_to_runner(nodes: list[fx.Node], block: dict[fx.Node, int], last: int) -> None:
+    """The depth ops of the last block that only operations after it read (the mix for the final norm, mHC's
+    collapse of its streams) run in the runner after that block: its program is then the same as the blocks' before
+    it (one compile for all of them). Not where the graph keeps a ``torch.autocast`` block (the op could be inside
+    it: :func:`_place_autocast_blocks` keeps such a region whole)."""
+    if any(n.op == "call_function" and n.target is torch.amp._enter_autocast for n in nodes):
+        return
+    final = [n for n in nodes if block.get(n) == last and n.op == "call_function" and n.users
+             and isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "depthrewrite"
+             and all(u not in block for u in n.users)]
+    for n in final:  # only those: what they read stays in the block (as in the blocks before it)
+        del block[n]
 
 
 def _glue_levels(nodes: list[fx.Node], block: dict[fx.Node, int], after: dict[fx.Node, int]) -> dict | str:
@@ -666,8 +681,21 @@ def _own_output(g: fx.Graph, node: fx.Node) -> fx.Node:
 STACK_SOURCES = True
 
 
+def _bound(n: fx.Node) -> dict[str, Any]:
+    """The arguments of the op call ``n`` by name (defaults not filled in)."""
+    out = dict(zip((a.name for a in n.target._schema.arguments), n.args))
+    out.update(n.kwargs)
+    return out
+
+
 def _depth_attn_sources(n: fx.Node) -> list | None:
-    if n.op == "call_function" and n.target is torch.ops.depthrewrite.depth_attn.default:
+    """The sources of a depth op that has a stacked form (``depth_attn``; ``msar_mix`` without left context), else
+    None."""
+    if n.op != "call_function":
+        return None
+    if n.target is torch.ops.depthrewrite.depth_attn.default:
+        return list(n.args[0])
+    if n.target is torch.ops.depthrewrite.msar_mix.default and _bound(n).get("left") is None:
         return list(n.args[0])
     return None
 
@@ -684,12 +712,23 @@ def _stack_rows(n: fx.Node, rows: dict[fx.Node, int]) -> int:
 
 
 def _stacked_site(g: fx.Graph, n: fx.Node, stack: fx.Node, k: int, arg: Callable[[fx.Node], Any]) -> fx.Node:
-    """``n`` (a ``depth_attn`` whose first ``k`` sources are the stack's rows) as ``depth_attn_stack`` in ``g``."""
-    sources, query, gain, eps, scale = n.args
-    per_source = float(scale) == float(len(sources))  # mix_scale="count": the scale is the source count
-    new = g.call_function(torch.ops.depthrewrite.depth_attn_stack.default,
-                          (stack, [arg(x) for x in sources[k:]], arg(query), arg(gain), eps,
-                           1.0 if per_source else scale, per_source))
+    """``n`` (a depth op whose first ``k`` sources are the stack's rows) as its stacked form in ``g``
+    (``depth_attn_stack`` / ``msar_mix_stack``)."""
+    ops = torch.ops.depthrewrite
+    a = _bound(n)
+    sources = a["sources"]
+    per_source = float(a["scale"]) == float(len(sources))  # mix_scale="count": the scale is the source count
+    scale = 1.0 if per_source else a["scale"]
+    extra = [arg(x) for x in sources[k:]]
+    opt = lambda x: None if x is None else arg(x)  # noqa: E731
+    if n.target is ops.depth_attn.default:
+        new = g.call_function(ops.depth_attn_stack.default,
+                              (stack, extra, arg(a["query"]), arg(a["gain"]), a["eps"], scale, per_source))
+    else:
+        new = g.call_function(ops.msar_mix_stack.default, (
+            stack, extra, arg(a["query"]), arg(a["gain"]), [arg(w) for w in a["conv"]], opt(a["phi"]),
+            opt(a["bias"]), opt(a["alpha"]), a["eps"], scale, per_source, a["conv_values"], a["sigmoid_mixer"],
+            a.get("eps_mix", 1e-6)))
     new.meta = dict(n.meta)
     return new
 

@@ -39,6 +39,16 @@ def _cases() -> dict[str, tuple]:
             ([_g(2, 6, 8) for _ in range(3)], _g(3, 8), 1 + 0.1 * _g(3, 8), [_g(8, 4), _g(8, 2)], 0.3 * _g(24, 3),
              _g(3), torch.tensor([0.7]), 1e-6, 3.0, True, True, 1e-5),
         ),  # fmt: skip (eps_mix positional, as the rewrite passes it)
+        "msar_mix_stack": (
+            OPS.msar_mix_stack.default,
+            (_g(2, 2, 6, 8), [_g(2, 6, 8)], _g(3, 8), 1 + 0.1 * _g(3, 8), [_g(8, 4), _g(8, 2)], 0.3 * _g(24, 3),
+             _g(3), torch.tensor([0.7]), 1e-6, 1.0, True, True, True, 1e-5),
+        ),  # fmt: skip
+        "msar_mix_stack_rows_only_mean": (
+            OPS.msar_mix_stack.default,
+            (_g(3, 2, 6, 8), [], _g(2, 8), 1 + 0.1 * _g(2, 8), [_g(8, 3)], None, None, None, 1e-6, 0.5, False, False,
+             False),
+        ),  # fmt: skip
         "msar_mix_mean_raw_values": (
             OPS.msar_mix.default, ([_g(2, 6, 8) for _ in range(2)], _g(2, 8), 1 + 0.1 * _g(2, 8), [_g(8, 3)], None, None, None,
                            1e-6, 2.0, False, False),

@@ -46,6 +46,9 @@ def _depth_args(b: int) -> dict[str, Callable[[], tuple]]:
         "depth_attn_merge_backward": lambda: (r(b, T, D), o, lse, src[0], q, gain, 1e-6, 3.0),
         "msar_mix": lambda: msar,
         "msar_mix_backward": lambda: (r(b, T, D), *msar),
+        "msar_mix_stack": lambda: (torch.stack(src[:2]), src[2:], *msar[1:7], 1e-6, 1.0, True, True, True),
+        "msar_mix_stack_backward": lambda: (r(b, T, D), torch.stack(src[:2]), src[2:], *msar[1:7], 1e-6, 1.0, True,
+                                            True, True),
         "mhc_coeffs": lambda: (X, phi, bias, alpha, 3, 1e-6),
         "mhc_pre": lambda: (X, pre),
         "mhc_post": lambda: (X, res, post, y),
@@ -98,6 +101,7 @@ def test_the_stacked_mix_counts_as_the_mix_of_its_rows():
     with FlopCounterMode(display=False) as fc:
         ops.depth_attn_stack_backward(torch.randn(2, T, D), torch.stack(src[:2]), src[2:], q, gain, 1e-6, 1.0, True)
     assert fc.get_total_flops() == _flops("depth_attn_backward", 2)
+    assert _flops("msar_mix_stack", 2) == _flops("msar_mix", 2)
 
 
 def test_traffic_mode_sees_a_depth_op_as_one_op():

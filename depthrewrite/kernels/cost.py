@@ -257,6 +257,25 @@ def msar_mix_backward_flop(grad: Shape, sources: list[Shape], query: Shape, gain
     return total + 2 * m * D  # grad w, grad γ
 
 
+def msar_mix_stack_flop(stack: Shape, extra: list[Shape], query: Shape, gain: Shape, conv: list[Shape],
+                        phi: Shape | None, bias: Shape | None, alpha: Shape | None, eps: float = 0.0,
+                        scale: float = 1.0, per_source: bool = False, conv_values: bool = True,
+                        sigmoid_mixer: bool = True, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    """:func:`msar_mix_flop` of the sources ``[*stack, *extra]``."""
+    return msar_mix_flop(_stack_sources(stack, extra), query, gain, conv, phi, bias, alpha, eps, scale, conv_values,
+                         sigmoid_mixer)
+
+
+def msar_mix_stack_backward_flop(grad: Shape, stack: Shape, extra: list[Shape], query: Shape, gain: Shape,
+                                 conv: list[Shape], phi: Shape | None, bias: Shape | None, alpha: Shape | None,
+                                 eps: float = 0.0, scale: float = 1.0, per_source: bool = False,
+                                 conv_values: bool = True, sigmoid_mixer: bool = True, *args: Any,
+                                 out_shape: Any = None, **kwargs: Any) -> int:
+    """:func:`msar_mix_backward_flop` of the sources ``[*stack, *extra]``."""
+    return msar_mix_backward_flop(grad, _stack_sources(stack, extra), query, gain, conv, phi, bias, alpha, eps, scale,
+                                  conv_values, sigmoid_mixer)
+
+
 # ---- mHC -----------------------------------------------------------------------------------------------------------
 
 
@@ -402,6 +421,8 @@ FORMULAS: dict[str, Callable[..., int]] = {
     "depth_attn_backward": depth_attn_backward_flop,
     "depth_attn_stack": depth_attn_stack_flop,
     "depth_attn_stack_backward": depth_attn_stack_backward_flop,
+    "msar_mix_stack": msar_mix_stack_flop,
+    "msar_mix_stack_backward": msar_mix_stack_backward_flop,
     "depth_attn_partial": depth_attn_partial_flop,
     "depth_attn_partial_backward": depth_attn_partial_backward_flop,
     "depth_attn_merge": depth_attn_merge_flop,

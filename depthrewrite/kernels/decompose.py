@@ -71,6 +71,8 @@ def _msar_entries() -> dict[str, tuple[Callable, Callable]]:
     return {
         "msar_mix": (m.msar_mix, mix),
         "msar_mix_backward": (m.msar_mix_backward, m._backward_ref),
+        "msar_mix_stack": (m.msar_mix_stack, m.msar_mix_stack_ref),
+        "msar_mix_stack_backward": (m.msar_mix_stack_backward, m._stack_backward_ref),
     }
 
 

@@ -15,7 +15,7 @@ from ..dispatch import KernelInfo, register_kernel_info, route
 from .limits import MAX_KERNEL, MAX_SOURCES, MAX_STREAMS, covers
 from .reference import msar_mix_ref
 
-__all__ = ["msar_mix", "msar_mix_backward", "covers"]
+__all__ = ["msar_mix", "msar_mix_backward", "msar_mix_stack", "covers"]
 
 def _fused(sources, query, gain, conv, phi, bias, alpha, grad=None, op: str = "depthrewrite::msar_mix") -> bool:
     """Whether to run the Triton kernels: the backend decision first (so a forced ``triton`` backend on CPU without
@@ -85,9 +85,11 @@ def _backward_ref(grad, sources, query, gain, conv, phi, bias, alpha, eps, scale
     # helpers shared with the forward reference (the stack, the padded stack, the views, the scores)
     from .reference import _conv_padded_backward, _scores, _stream_views, _weighted
 
+    from .reference import _count
+
     acc = torch.promote_types(sources[0].dtype, torch.float32)
     lead, (T, D) = sources[0].shape[:-2], sources[0].shape[-2:]
-    K, m = len(sources), query.shape[0]
+    K, m = _count(sources), query.shape[0]
     u = gain.to(acc) * query.to(acc)  # [m, D]
     X, Xp, V = _stream_views(sources, conv, acc)  # [K·B, T, D] each
     Y = V if conv_values else [X] * m
@@ -139,7 +141,10 @@ def _backward_ref(grad, sources, query, gain, conv, phi, bias, alpha, eps, scale
         dX = dX + gx.reshape(dX.shape)
         gconv.append(gw.to(w.dtype))
     dX = dX.reshape(K, *lead, T, D)
-    gs = [dX[i].to(s.dtype, copy=True) for i, s in enumerate(sources)]  # outputs of a custom op may not alias
+    if isinstance(sources, torch.Tensor):  # stacked (msar_mix_stack's decomposition): one gradient
+        gs = [dX.to(sources.dtype, copy=True)]
+    else:
+        gs = [dX[i].to(s.dtype, copy=True) for i, s in enumerate(sources)]  # outputs of a custom op may not alias
     du = torch.cat(du, dim=0)  # [m, D]
     gq = (du * gain.to(acc)).to(query.dtype)
     gg = (du * query.to(acc)).to(gain.dtype)
@@ -223,6 +228,115 @@ def _backward(ctx, grad):
 
 msar_mix.register_autograd(_backward, setup_context=_setup_context)
 
+
+# ---- depthrewrite::msar_mix_stack: the same mix, its earlier sources one stacked tensor -----------------------------
+#
+# As depthrewrite::depth_attn_stack (depth_attn/op.py): a block program reads its block's earlier sources as the
+# rows of one tensor ``stack`` ``[n, ..., T, D]`` and its own as ``extra``, so blocks that differ only in ``n`` share
+# one program. ``msar_mix_stack(stack, extra, ..., scale, per_source, ...)`` equals ``msar_mix([*stack, *extra], ...,
+# scale · K if per_source else scale, ...)``, K = n + len(extra). Eager, it runs msar_mix's kernel or reference on
+# the rows (the same bits); its decomposition is the reference on the stacked tensor (no loop over n).
+
+_STACK_SCHEMA = (
+    "(Tensor stack, Tensor[] extra, Tensor query, Tensor gain, Tensor[] conv, Tensor? phi, Tensor? bias, "
+    "Tensor? alpha, float eps, float scale, bool per_source, bool conv_values, bool sigmoid_mixer, "
+    "float eps_mix=1e-06) -> Tensor"
+)
+
+
+def _stack_scale(stack: torch.Tensor, extra: list, scale: float, per_source: bool) -> float:
+    return scale * (stack.shape[0] + len(extra)) if per_source else scale
+
+
+@torch.library.custom_op("depthrewrite::msar_mix_stack", mutates_args=(), schema=_STACK_SCHEMA)
+def msar_mix_stack(stack, extra, query, gain, conv, phi, bias, alpha, eps, scale, per_source, conv_values,
+                   sigmoid_mixer, eps_mix=1e-6):
+    sources = [*stack.unbind(0), *extra]
+    c = _stack_scale(stack, extra, scale, per_source)
+    if _fused(sources, query, gain, conv, phi, bias, alpha, op="depthrewrite::msar_mix_stack"):
+        from .fused import msar_fwd
+
+        return msar_fwd(sources, query, gain, conv, phi, bias, alpha, eps, c, conv_values, sigmoid_mixer,
+                        eps_mix=eps_mix)
+    return msar_mix_ref(sources, query, gain, conv, phi, bias, alpha, eps, c, conv_values, sigmoid_mixer,
+                        eps_mix=eps_mix)
+
+
+@msar_mix_stack.register_fake
+def _(stack, extra, query, gain, conv, phi, bias, alpha, eps, scale, per_source, conv_values, sigmoid_mixer,
+      eps_mix=1e-6):
+    return stack.new_empty(stack.shape[1:])
+
+
+@torch.library.custom_op("depthrewrite::msar_mix_stack_backward", mutates_args=())
+def msar_mix_stack_backward(grad: torch.Tensor, stack: torch.Tensor, extra: list[torch.Tensor], query: torch.Tensor,
+                            gain: torch.Tensor, conv: list[torch.Tensor], phi: torch.Tensor | None,
+                            bias: torch.Tensor | None, alpha: torch.Tensor | None, eps: float, scale: float,
+                            per_source: bool, conv_values: bool, sigmoid_mixer: bool,
+                            eps_mix: float = 1e-6) -> list[torch.Tensor]:
+    """``[d_stack, d_query, d_gain, *d_conv, (d_phi, d_bias, d_alpha), *d_extra]`` of ``msar_mix_stack``."""
+    n = stack.shape[0]
+    grads = msar_mix_backward(grad, [*stack.unbind(0), *extra], query, gain, conv, phi, bias, alpha, eps,
+                              _stack_scale(stack, extra, scale, per_source), conv_values, sigmoid_mixer, eps_mix)
+    k = n + len(extra)
+    return [torch.stack(grads[:n]) if n else torch.zeros_like(stack), *grads[k:], *grads[n:k]]
+
+
+@msar_mix_stack_backward.register_fake
+def _(grad, stack, extra, query, gain, conv, phi, bias, alpha, eps, scale, per_source, conv_values, sigmoid_mixer,
+      eps_mix=1e-6):
+    out = [torch.empty_like(stack), torch.empty_like(query), torch.empty_like(gain), *[torch.empty_like(w) for w in conv]]
+    if phi is not None:
+        out += [torch.empty_like(phi), torch.empty_like(bias), torch.empty_like(alpha)]
+    return out + [torch.empty_like(e) for e in extra]
+
+
+def _stack_setup_context(ctx, inputs, output):
+    stack, extra, query, gain, conv, phi, bias, alpha, *args = inputs
+    ctx.n_extra, ctx.n_conv, ctx.mixer = len(extra), len(conv), phi is not None
+    mixer = (phi, bias, alpha) if ctx.mixer else ()
+    ctx.save_for_backward(stack, query, gain, *mixer, *conv, *extra)
+    ctx.args = tuple(args) + ((1e-6,) if len(args) == 5 else ())
+
+
+def _stack_backward(ctx, grad):
+    saved = list(ctx.saved_tensors)
+    stack, query, gain = saved[:3]
+    n_mix = 3 if ctx.mixer else 0
+    phi, bias, alpha = saved[3:6] if ctx.mixer else (None, None, None)
+    conv = saved[3 + n_mix : 3 + n_mix + ctx.n_conv]
+    extra = saved[3 + n_mix + ctx.n_conv :]
+    grads = torch.ops.depthrewrite.msar_mix_stack_backward(grad, stack, extra, query, gain, conv, phi, bias, alpha,
+                                                           *ctx.args)
+    gstack, gq, gg = grads[:3]
+    gc = list(grads[3 : 3 + ctx.n_conv])
+    gp, gb, ga = grads[3 + ctx.n_conv : 6 + ctx.n_conv] if ctx.mixer else (None, None, None)
+    ge = list(grads[3 + ctx.n_conv + n_mix :])
+    return gstack, ge, gq, gg, gc, gp, gb, ga, None, None, None, None, None, None
+
+
+msar_mix_stack.register_autograd(_stack_backward, setup_context=_stack_setup_context)
+
+
+def msar_mix_stack_ref(stack, extra, query, gain, conv, phi, bias, alpha, eps, scale, per_source, conv_values,
+                       sigmoid_mixer, eps_mix=1e-6):
+    """:func:`msar_mix_ref` on ``stack`` with ``extra`` as its next rows (tensor operations only: what the compile
+    backend traces for inductor)."""
+    X = torch.cat([stack, torch.stack(extra)]) if extra else stack
+    return msar_mix_ref(X, query, gain, conv, phi, bias, alpha, eps, _stack_scale(stack, extra, scale, per_source),
+                        conv_values, sigmoid_mixer, eps_mix=eps_mix)
+
+
+def _stack_backward_ref(grad, stack, extra, query, gain, conv, phi, bias, alpha, eps, scale, per_source,
+                        conv_values, sigmoid_mixer, eps_mix=1e-6) -> list[torch.Tensor]:
+    """Gradients of :func:`msar_mix_stack_ref`, in :func:`msar_mix_stack_backward`'s layout."""
+    n = stack.shape[0]
+    X = torch.cat([stack, torch.stack(extra)]) if extra else stack
+    gX, *rest = _backward_ref(grad, X, query, gain, conv, phi, bias, alpha, eps,
+                              _stack_scale(stack, extra, scale, per_source), conv_values, sigmoid_mixer, eps_mix)
+    return [gX[:n].clone() if extra else gX, *rest, *(gX[n + i].clone() for i in range(len(extra)))]
+
+
 register_kernel_info(
     KernelInfo(
         op="depthrewrite::msar_mix",
@@ -234,6 +348,16 @@ register_kernel_info(
         falls_back=f"more than {MAX_SOURCES} sources, more than {MAX_STREAMS} streams, a conv filter longer than "
         f"{MAX_KERNEL} taps or len(conv) != m-1, float64 or mixed-dtype/shape sources, empty inputs, bf16 CPU "
         "tensors (the interpreter has no bf16)",
+    )
+)
+register_kernel_info(
+    KernelInfo(
+        op="depthrewrite::msar_mix_stack",
+        forward="msar_fwd_kernel on the stack's rows and the extra sources (as msar_mix)",
+        backward="depthrewrite::msar_mix_stack_backward -> msar_mix_backward's kernels; the rows' gradients stacked",
+        fuses="as msar_mix: a block program reading its earlier sources as rows of one buffer, so blocks that differ "
+        "only in their count share one compiled program",
+        falls_back="as msar_mix",
     )
 )
 register_kernel_info(

@@ -120,10 +120,17 @@ def causal_depthwise_conv(x: torch.Tensor, w: torch.Tensor, left: torch.Tensor |
 # ---- the mix -----------------------------------------------------------------------------------------------------
 
 
-def _stack(sources: list[torch.Tensor], acc: torch.dtype) -> torch.Tensor:
-    """``[K·B, T, D]`` in ``acc``: the sources stacked along a new leading axis (one copy; the cast is free for fp32)."""
+def _stack(sources: list[torch.Tensor] | torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """``[K·B, T, D]`` in ``acc``: the sources stacked along a new leading axis (one copy; the cast is free for fp32).
+    ``sources`` may be stacked already (a tensor ``[K, ..., T, D]``: ``msar_mix_stack``'s decomposition)."""
     T, D = sources[0].shape[-2:]
-    return torch.stack(sources, dim=0).to(acc).reshape(-1, T, D)
+    stacked = sources if isinstance(sources, torch.Tensor) else torch.stack(sources, dim=0)
+    return stacked.to(acc).reshape(-1, T, D)
+
+
+def _count(sources: list[torch.Tensor] | torch.Tensor) -> int:
+    """K: how many sources (a stacked tensor's first size, which may be a dynamic one)."""
+    return sources.shape[0] if isinstance(sources, torch.Tensor) else len(sources)
 
 
 def _stream_views(sources, conv, acc, left=None):
@@ -171,7 +178,8 @@ def msar_mix_ref(
     """Mix K depth sources through m stream views (identity + causal depthwise convs) and a sigmoid mixer.
 
     Args:
-        sources (list[Tensor]): K tensors ``[..., T, D]`` (T: sequence), one shape and dtype.
+        sources (list[Tensor]): K tensors ``[..., T, D]`` (T: sequence), one shape and dtype (or them stacked,
+            ``[K, ..., T, D]``).
         query (Tensor): pseudo-queries ``[m, D]``, one per stream.
         gain (Tensor): key-norm gains ``[m, D]``.
         conv (list[Tensor]): m-1 depthwise filters ``[D, k_r]`` (stream r = 1..m-1).
@@ -190,11 +198,12 @@ def msar_mix_ref(
     """
     acc = torch.promote_types(sources[0].dtype, torch.float32)
     lead, (T, D) = sources[0].shape[:-2], sources[0].shape[-2:]
-    K, m = len(sources), query.shape[0]
+    K, m = _count(sources), query.shape[0]
     u = gain.to(acc) * query.to(acc)  # [m, D]
     # a no-grad call (decoding, evaluation): not the forward of a training step, which runs the registered op with
     # grad mode off inside it but sources that require grad (its backward recomputes the loop below)
-    if (not torch.is_grad_enabled() and not any(s.requires_grad for s in sources) and not _pointwise()
+    stacked = isinstance(sources, torch.Tensor)
+    if (not stacked and not torch.is_grad_enabled() and not any(s.requires_grad for s in sources) and not _pointwise()
             and m * K * sources[0].numel() <= _SMALL_MIX):
         Zs = _streams_at_once(sources, u, conv, acc, eps, conv_values, left)
     else:
