@@ -440,7 +440,11 @@ def split_blocks(gm: fx.GraphModule, paths: tuple[str, ...], checkpoint: Callabl
     def glue(at: int) -> None:
         for n in nodes:
             if n not in block and n.op != "output" and level[n] == at and not _is_pipe_split(n):
-                env[n] = out.node_copy(n, env.__getitem__)
+                if stacks is not None and stacks.filled and _stack_rows(n, stacks.index) == stacks.filled:
+                    # the final mix after the last block: the stack's rows, not every source again (kept twice)
+                    env[n] = _stacked_site(out, n, stacks.last, stacks.filled, env.__getitem__, runner=True)
+                else:
+                    env[n] = out.node_copy(n, env.__getitem__)
 
     glue(-1)
     for b, path in enumerate(paths):
@@ -711,9 +715,10 @@ def _stack_rows(n: fx.Node, rows: dict[fx.Node, int]) -> int:
     return k
 
 
-def _stacked_site(g: fx.Graph, n: fx.Node, stack: fx.Node, k: int, arg: Callable[[fx.Node], Any]) -> fx.Node:
+def _stacked_site(g: fx.Graph, n: fx.Node, stack: fx.Node, k: int, arg: Callable[[fx.Node], Any],
+                  runner: bool = False) -> fx.Node:
     """``n`` (a depth op whose first ``k`` sources are the stack's rows) as its stacked form in ``g``
-    (``depth_attn_stack`` / ``msar_mix_stack``)."""
+    (``depth_attn_stack`` / ``msar_mix_stack``; in the runner through :func:`runner_depth_op`)."""
     ops = torch.ops.depthrewrite
     a = _bound(n)
     sources = a["sources"]
@@ -722,15 +727,32 @@ def _stacked_site(g: fx.Graph, n: fx.Node, stack: fx.Node, k: int, arg: Callable
     extra = [arg(x) for x in sources[k:]]
     opt = lambda x: None if x is None else arg(x)  # noqa: E731
     if n.target is ops.depth_attn.default:
-        new = g.call_function(ops.depth_attn_stack.default,
-                              (stack, extra, arg(a["query"]), arg(a["gain"]), a["eps"], scale, per_source))
+        op = ops.depth_attn_stack.default
+        args = (stack, extra, arg(a["query"]), arg(a["gain"]), a["eps"], scale, per_source)
     else:
-        new = g.call_function(ops.msar_mix_stack.default, (
-            stack, extra, arg(a["query"]), arg(a["gain"]), [arg(w) for w in a["conv"]], opt(a["phi"]),
-            opt(a["bias"]), opt(a["alpha"]), a["eps"], scale, per_source, a["conv_values"], a["sigmoid_mixer"],
-            a.get("eps_mix", 1e-6)))
+        op = ops.msar_mix_stack.default
+        args = (stack, extra, arg(a["query"]), arg(a["gain"]), [arg(w) for w in a["conv"]], opt(a["phi"]),
+                opt(a["bias"]), opt(a["alpha"]), a["eps"], scale, per_source, a["conv_values"], a["sigmoid_mixer"],
+                a.get("eps_mix", 1e-6))
+    new = g.call_function(runner_depth_op, (op, *args)) if runner else g.call_function(op, args)
     new.meta = dict(n.meta)
     return new
+
+
+def runner_depth_op(op: Callable, stack: Any, extra: list, *args: Any) -> torch.Tensor:
+    """A stacked depth op the runner runs (the final mix after the last block) on the runner's stack. While Dynamo
+    traces the whole model that stack is a list of the sources (:func:`source_stack`): the op on the sources apart,
+    as the blocks then run theirs (the compile backend's passes batch those)."""
+    if not isinstance(stack, list):
+        return op(stack, extra, *args)
+    ops = torch.ops.depthrewrite
+    sources = [*stack, *extra]
+    if op is ops.depth_attn_stack.default:
+        query, gain, eps, scale, per_source = args
+        return ops.depth_attn.default(sources, query, gain, eps, scale * len(sources) if per_source else scale)
+    query, gain, conv, phi, bias, alpha, eps, scale, per_source, conv_values, sigmoid_mixer, eps_mix = args
+    return ops.msar_mix.default(sources, query, gain, conv, phi, bias, alpha, eps,
+                                scale * len(sources) if per_source else scale, conv_values, sigmoid_mixer, eps_mix)
 
 
 class _SourceStacks:
@@ -747,6 +769,7 @@ class _SourceStacks:
             if pick is None or pick in self.slots:
                 break
             self.slots.append(pick)
+        self.index = {x: i for i, x in enumerate(self.slots)}
         self.rows = [self._fit(p) for p in prefixes]
         filled = 0
         for b, k in enumerate(self.rows):  # rows are appended in block order: a block reading fewer stacks none
