@@ -440,7 +440,8 @@ def split_blocks(gm: fx.GraphModule, paths: tuple[str, ...], checkpoint: Callabl
     def glue(at: int) -> None:
         for n in nodes:
             if n not in block and n.op != "output" and level[n] == at and not _is_pipe_split(n):
-                if stacks is not None and stacks.filled and _stack_rows(n, stacks.index) == stacks.filled:
+                if stacks is not None and stacks.filled and _stack_rows(n, stacks.index) == stacks.filled \
+                        and n.target is not torch.ops.depthrewrite.moda_attn_slots.default:
                     # the final mix after the last block: the stack's rows, not every source again (kept twice)
                     env[n] = _stacked_site(out, n, stacks.last, stacks.filled, env.__getitem__, runner=True)
                 else:
@@ -459,7 +460,7 @@ def split_blocks(gm: fx.GraphModule, paths: tuple[str, ...], checkpoint: Callabl
         outs = [n for n in members[b] if any(u not in mine for u in n.users)]
         rows = stacks.rows[b] if stacks is not None else 0
         stacked = stacks.slots[:rows] if rows else []
-        rest = [x for x in ins if x not in stacked]
+        rest = [x for x in ins if x not in {c for s in stacked for c in _parts(s)}]
         prog_gm = _program(gm, path, members[b], rest, outs, stacked)
         name = f"_dr_block_{b}"
         prog = BlockProgram(path, prog_gm, tuple(x.name for x in ins), tuple(o.name for o in outs), checkpoint)
@@ -675,7 +676,9 @@ def _own_output(g: fx.Graph, node: fx.Node) -> fx.Node:
 # own (its own compile, Dynamo's recompile limit). Instead, the runner writes each such source once into a buffer
 # made per forward (`new_source_storage`) and passes each block the rows filled so far as one tensor
 # (`source_stack`: a tensor over the buffer's first n rows; its backward hands each source its row of the gradient);
-# the block's depth ops read it (`depthrewrite::depth_attn_stack`). Blocks that differ only in n then share one
+# the block's depth ops read it (`depthrewrite::depth_attn_stack`, `msar_mix_stack`; MoDA's attention reads its
+# earlier key and value slots as rows of one buffer, a key and a value per row: `moda_attn_slots_stack`). Blocks that
+# differ only in n then share one
 # program, compiled once with n a dynamic size. A source gets a row if blocks read it at one position of their
 # depth ops' source lists (the same position in every block; per position the source read by the most blocks):
 # Block AttnRes's open partial sum, a different tensor per block, stays a separate input. Rows are written once and
@@ -692,11 +695,15 @@ def _bound(n: fx.Node) -> dict[str, Any]:
     return out
 
 
-def _depth_attn_sources(n: fx.Node) -> list | None:
-    """The sources of a depth op that has a stacked form (``depth_attn``; ``msar_mix`` without left context), else
-    None."""
+def _stackable_sources(n: fx.Node) -> list | None:
+    """The sources of a depth op that has a stacked form (``depth_attn``; ``msar_mix`` without left context;
+    ``moda_attn_slots`` whose key and value slots have one shape and dtype: its (key, value) pairs), else None."""
     if n.op != "call_function":
         return None
+    if n.target is torch.ops.depthrewrite.moda_attn_slots.default:
+        a = _bound(n)
+        pairs = list(zip(a["slots_k"], a["slots_v"]))
+        return pairs if pairs and _one_layout(pairs) else None
     if n.target is torch.ops.depthrewrite.depth_attn.default:
         return list(n.args[0])
     if n.target is torch.ops.depthrewrite.msar_mix.default and _bound(n).get("left") is None:
@@ -704,9 +711,28 @@ def _depth_attn_sources(n: fx.Node) -> list | None:
     return None
 
 
-def _stack_rows(n: fx.Node, rows: dict[fx.Node, int]) -> int:
-    """How many leading sources of the depth op ``n`` are rows 0, 1, ... of the stack (``rows``: node -> row)."""
-    sources = _depth_attn_sources(n)
+def _one_layout(pairs: list[tuple]) -> bool:
+    """Whether MoDA's key and value slots have one shape and dtype (they can share a row of the stack). MoDA's rewrite
+    gives every key slot one shape and every value slot one (``ConfigError`` otherwise), so the pairs whose traced
+    values are known (an attention's own slots; an FFN's ``kv_proj`` slots have none) decide for all."""
+    from .passes.analyse.ops import tensor_val
+
+    known = []
+    for k, v in pairs:
+        vk, vv = (tensor_val(x) if isinstance(x, fx.Node) else None for x in (k, v))
+        if vk is not None and vv is not None:
+            known.append(vk.shape == vv.shape and vk.dtype == vv.dtype)
+    return bool(known) and all(known)
+
+
+def _parts(x: Any) -> tuple:
+    """The nodes of one row of the stack: a source, or MoDA's (key, value) pair."""
+    return x if isinstance(x, tuple) else (x,)
+
+
+def _stack_rows(n: fx.Node, rows: dict[Any, int]) -> int:
+    """How many leading sources of the depth op ``n`` are rows 0, 1, ... of the stack (``rows``: source -> row)."""
+    sources = _stackable_sources(n)
     k = 0
     for x in sources or ():
         if rows.get(x) != k:
@@ -721,11 +747,19 @@ def _stacked_site(g: fx.Graph, n: fx.Node, stack: fx.Node, k: int, arg: Callable
     (``depth_attn_stack`` / ``msar_mix_stack``; in the runner through :func:`runner_depth_op`)."""
     ops = torch.ops.depthrewrite
     a = _bound(n)
+    opt = lambda x: None if x is None else arg(x)  # noqa: E731
+    if n.target is ops.moda_attn_slots.default:  # the keys and values: parts 0 and 1 of each row
+        keys, values = (g.call_function(torch.ops.aten.select.int, (stack, 1, i)) for i in (0, 1))
+        new = g.call_function(ops.moda_attn_slots_stack.default, (
+            arg(a["q"]), arg(a["k"]), arg(a["v"]), opt(a["attn_mask"]), keys, values,
+            [arg(x) for x in a["slots_k"][k:]], [arg(x) for x in a["slots_v"][k:]], opt(a["depth_weight"]),
+            a["scale"], a["is_causal"], a["dropout_p"], opt(a["seed"]), a["softcap"]))
+        new.meta = dict(n.meta)
+        return new
     sources = a["sources"]
     per_source = float(a["scale"]) == float(len(sources))  # mix_scale="count": the scale is the source count
     scale = 1.0 if per_source else a["scale"]
     extra = [arg(x) for x in sources[k:]]
-    opt = lambda x: None if x is None else arg(x)  # noqa: E731
     if n.target is ops.depth_attn.default:
         op = ops.depth_attn_stack.default
         args = (stack, extra, arg(a["query"]), arg(a["gain"]), a["eps"], scale, per_source)
@@ -761,7 +795,7 @@ class _SourceStacks:
     def __init__(self, members: list[list[fx.Node]]) -> None:
         from collections import Counter
 
-        prefixes = [self._prefix([n for n in m if _depth_attn_sources(n) is not None], set(m)) for m in members]
+        prefixes = [self._prefix([n for n in m if _stackable_sources(n) is not None], set(m)) for m in members]
         self.slots: list[fx.Node] = []
         for i in range(max(map(len, prefixes), default=0)):
             votes = Counter(p[i] for p in prefixes if len(p) > i and p[:i] == self.slots[:i])
@@ -785,7 +819,8 @@ class _SourceStacks:
         """The earlier sources all ``sites`` read first, in order (each read from outside the block)."""
         common: list[fx.Node] | None = None
         for n in sites:
-            lead = list(itertools.takewhile(lambda x: isinstance(x, fx.Node) and x not in mine, _depth_attn_sources(n)))
+            lead = list(itertools.takewhile(
+                lambda x: all(isinstance(c, fx.Node) and c not in mine for c in _parts(x)), _stackable_sources(n)))
             common = lead if common is None else common[: _shared(common, lead)]
         return common or []
 
@@ -797,41 +832,56 @@ class _SourceStacks:
         if k == self.filled and self.last is not None:
             return self.last
         if self.storage is None:
-            self.storage = out.call_function(new_source_storage, (env[self.slots[0]], max(self.cap, k)))
-        self.last = out.call_function(source_stack, (self.last, self.storage,
-                                                     *(env[x] for x in self.slots[self.filled:k])))
+            first = _parts(self.slots[0])
+            self.storage = out.call_function(new_source_storage, (env[first[0]], max(self.cap, k), len(first)))
+        self.last = out.call_function(source_stack, (self.last, self.storage, *(
+            env[c] for x in self.slots[self.filled:k] for c in _parts(x))))
         self.filled = k
         return self.last
 
 
 def _shared(a: list, b: list) -> int:
-    """The length of the common prefix of ``a`` and ``b`` (by identity)."""
-    return sum(1 for _ in itertools.takewhile(lambda xy: xy[0] is xy[1], zip(a, b)))
+    """The length of the common prefix of ``a`` and ``b`` (by identity; a pair by the identity of its nodes)."""
+    return sum(1 for _ in itertools.takewhile(lambda xy: _parts(xy[0]) == _parts(xy[1]), zip(a, b)))
 
 
-def new_source_storage(like: torch.Tensor, rows: int) -> torch.Tensor:
-    """The buffer of one forward's stacked sources: ``rows`` rows shaped like ``like`` (uninitialised: a row is read
-    only after it is written)."""
-    return like.new_empty((rows, *like.shape))
+def new_source_storage(like: torch.Tensor, rows: int, width: int = 1) -> torch.Tensor:
+    """The buffer of one forward's stacked sources: ``rows`` rows shaped like ``like``, or with ``width`` > 1 rows of
+    ``width`` such parts (MoDA: a key and a value slot) (uninitialised: a row is read only after it is written)."""
+    return like.new_empty((rows, *like.shape) if width == 1 else (rows, width, *like.shape))
+
+
+def _write_rows(prev: torch.Tensor | None, storage: torch.Tensor, new: tuple) -> tuple[torch.Tensor, int, tuple]:
+    """Write ``new`` as the rows after ``prev``'s into ``storage``: ``(stack, start, part shape)``; the stack is a
+    tensor of its own over the buffer's first rows, not a view of it: rows written later do not change its version,
+    so an op that saved it for backward still finds it valid (its rows never change)."""
+    start = 0 if prev is None else prev.shape[0]
+    width = storage.shape[1] if new and storage.dim() == new[0].dim() + 2 else 1  # parts per row
+    part, added = tuple(storage.shape[1 + (width > 1):]), len(new) // width
+    with torch.no_grad():
+        flat = storage[start : start + added].view(-1, *part)  # a row's parts in order (MoDA: key, value)
+        for j, x in enumerate(new):
+            if x.shape != part:  # copy_ would broadcast
+                raise DepthRewriteError(
+                    f"depthrewrite: a stacked depth source has shape {tuple(x.shape)} where its row holds {part} (a "
+                    "bug in the block split: please report it; depthrewrite.blocks.STACK_SOURCES = False before "
+                    "converting passes the sources apart)")
+            flat[j].copy_(x)
+    out = torch.empty(0, dtype=storage.dtype, device=storage.device)
+    out.set_(storage.untyped_storage(), storage.storage_offset(), (start + added, *storage.shape[1:]), storage.stride())
+    return out, start, part
 
 
 class _SourceStack(torch.autograd.Function):
     @staticmethod
     def forward(ctx, prev: torch.Tensor | None, storage: torch.Tensor, *new: torch.Tensor) -> torch.Tensor:
-        start = 0 if prev is None else prev.shape[0]
-        with torch.no_grad():
-            for j, x in enumerate(new):
-                storage[start + j].copy_(x)
-        ctx.start, ctx.chained = start, prev is not None
-        # a tensor of its own over the buffer's first rows, not a view of it: rows written later do not change
-        # its version, so an op that saved it for backward still finds it valid (its rows never change)
-        out = torch.empty(0, dtype=storage.dtype, device=storage.device)
-        return out.set_(storage.untyped_storage(), storage.storage_offset(), (start + len(new), *storage.shape[1:]),
-                        storage.stride())
+        out, ctx.start, ctx.part = _write_rows(prev, storage, new)
+        ctx.chained = prev is not None
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple:
-        return (grad[: ctx.start] if ctx.chained else None), None, *grad[ctx.start:].unbind(0)
+        return (grad[: ctx.start] if ctx.chained else None), None, *grad[ctx.start:].reshape(-1, *ctx.part).unbind(0)
 
 
 def source_stack(prev: Any, storage: torch.Tensor, *new: torch.Tensor) -> Any:
@@ -842,8 +892,10 @@ def source_stack(prev: Any, storage: torch.Tensor, *new: torch.Tensor) -> Any:
     if torch.compiler.is_compiling():
         return [*(prev or ()), *new]
     if type(storage) is not torch.Tensor:
-        rows = torch.stack(new) if new else storage[:0]
+        rows = torch.stack(new).reshape(-1, *storage.shape[1:]) if new else storage[:0]
         return rows if prev is None else torch.cat([prev, rows])
+    if not torch.is_grad_enabled():  # a decoding step: no autograd node to record
+        return _write_rows(prev, storage, new)[0]
     return _SourceStack.apply(prev, storage, *new)
 
 
@@ -854,7 +906,7 @@ class _Listed:
     def __init__(self, gm, path, members, ins, outs, stacked, rest, code) -> None:
         self.module = _program(gm, path, members, ins, outs)  # now: the flat graph changes after the split
         self._fn = code.setdefault(self.module.code, type(self.module).forward)
-        where = {x: j for j, x in enumerate(stacked)}
+        where = {c: j for j, c in enumerate(c for x in stacked for c in _parts(x))}  # the list form: parts in order
         rank = {x: i for i, x in enumerate(rest)}
         self.order = tuple(("row", where[x]) if x in where else ("rest", rank[x]) for x in ins)
 
@@ -866,7 +918,9 @@ def _program(gm: fx.GraphModule, path: str, members: list[fx.Node], ins: list[fx
              outs: list[fx.Node], stacked: list[fx.Node] = ()) -> fx.GraphModule:
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    rows: dict[fx.Node, int] = {x: j for j, x in enumerate(stacked)}
+    rows: dict[Any, int] = {x: j for j, x in enumerate(stacked)}
+    part: dict[fx.Node, tuple] = {c: (j, i if isinstance(x, tuple) else None)
+                                  for j, x in enumerate(stacked) for i, c in enumerate(_parts(x))}
     stack = g.placeholder("in_0") if stacked else None
     for i, x in enumerate(ins, start=1 if stacked else 0):
         p = g.placeholder(f"in_{i}")
@@ -874,8 +928,11 @@ def _program(gm: fx.GraphModule, path: str, members: list[fx.Node], ins: list[fx
         env[x] = p
 
     def arg(x: fx.Node) -> fx.Node:
-        if x not in env:  # a stacked source read by something else than a depth op: its row of the stack
-            env[x] = g.call_function(torch.ops.aten.select.int, (stack, 0, rows[x]))
+        if x not in env:  # a stacked source read by something else than a depth op: its row (part) of the stack
+            j, i = part[x]
+            env[x] = g.call_function(torch.ops.aten.select.int, (stack, 0, j))
+            if i is not None:
+                env[x] = g.call_function(torch.ops.aten.select.int, (env[x], 0, i))
         return env[x]
 
     cut = len(path) + 1

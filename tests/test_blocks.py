@@ -220,13 +220,14 @@ def test_compile_per_block_gives_each_program_its_own_compile_cache():
     """``block.compile()`` on a model deeper than Dynamo's recompile limit (8 per code object). ``nn.Module.compile``
     compiles the ``_call_impl`` every module shares, and blocks past the eighth program ran uncompiled (a
     recompile-limit warning); each program gets a copy of it with a code object of its own. Full AttnRes blocks each
-    read one more source: read as one stack (``blocks.STACK_SOURCES``) they run 3 programs (the first block, the
-    blocks between, the last, which also mixes for the final norm), each compiled once with the stack's length a
-    dynamic size; as separate inputs, 10 programs, each compiled once; mHC's blocks share 2."""
+    read one more source: read as one stack (``blocks.STACK_SOURCES``) they run 2 programs (the first block, whose
+    first sublayer reads the embedding alone, and every other), each compiled once with the stack's length a dynamic
+    size; as separate inputs, 10 programs, each compiled once; mHC's blocks share 2; MoDA's blocks read two more
+    depth slots each (stacked: 3 programs, the first block reads none and the last writes none)."""
     from torch._dynamo.utils import counters
 
     for scheme, layers, programs, stacked in (("attnres", 10, 2, True), ("attnres", 10, 10, False),
-                                              ("mhc", 10, 2, True)):
+                                              ("mhc", 10, 2, True), ("moda", 10, 3, True)):
         torch._dynamo.reset()
         counters.clear()
         torch.manual_seed(0)

@@ -72,6 +72,11 @@ def _cases() -> dict[str, tuple]:
             (_g(1, 4, 6, 8), _g(1, 2, 6, 8), _g(1, 2, 6, 8), None, [_g(1, 2, 6, 8), _g(1, 6, 2, 8).transpose(1, 2)],
              [_g(1, 2, 6, 8), _g(1, 2, 6, 8)], torch.rand(4), 0.3, True, 0.0, None, 0.0),
         ),  # fmt: skip
+        "moda_attn_slots_stack": (  # two rows of a [n, 2, ...] buffer, then one slot of the block's own
+            OPS.moda_attn_slots_stack.default,
+            (_g(1, 4, 6, 8), _g(1, 2, 6, 8), _g(1, 2, 6, 8), None, *_g(2, 2, 1, 2, 6, 8).unbind(1),
+             [_g(1, 6, 2, 8).transpose(1, 2)], [_g(1, 2, 6, 8)], torch.rand(4), 0.3, True, 0.0, None, 0.0),
+        ),  # fmt: skip
     }
 
 

@@ -59,6 +59,7 @@ def _depth_args(b: int) -> dict[str, Callable[[], tuple]]:
         "moda_attn": lambda: moda,
         "moda_attn_backward": lambda: (r(b, 2, T, D), *moda[:7], r(b, 2, T, D), *moda[7:], False),
         "moda_attn_slots": lambda: (*moda[:4], [mk, mv], [mv, mk], *moda[6:]),  # two slots [B, Hk, T, d]
+        "moda_attn_slots_stack": lambda: (*moda[:4], mk[None], mv[None], [mv], [mk], *moda[6:]),  # as above, stacked
     }
 
 

@@ -415,6 +415,14 @@ def moda_attn_slots_flop(q: Shape, k: Shape, v: Shape, attn_mask: Shape | None, 
     return moda_attn_flop(q, k, v, attn_mask, stacked(slots_k), stacked(slots_v), *args, **kwargs)
 
 
+def moda_attn_slots_stack_flop(q: Shape, k: Shape, v: Shape, attn_mask: Shape | None, stack_k: Shape, stack_v: Shape,
+                               extra_k: list[Shape], extra_v: list[Shape], *args: Any, out_shape: Any = None,
+                               **kwargs: Any) -> int:
+    """:func:`moda_attn_slots_flop` of the slots ``[*stack, *extra]``."""
+    return moda_attn_slots_flop(q, k, v, attn_mask, _stack_sources(stack_k, extra_k), _stack_sources(stack_v, extra_v),
+                                *args, **kwargs)
+
+
 #: op name (``torch.ops.depthrewrite.<name>``) -> FLOP formula over argument shapes
 FORMULAS: dict[str, Callable[..., int]] = {
     "depth_attn": depth_attn_flop,
@@ -439,6 +447,7 @@ FORMULAS: dict[str, Callable[..., int]] = {
     "moda_attn": moda_attn_flop,
     "moda_attn_backward": moda_attn_backward_flop,
     "moda_attn_slots": moda_attn_slots_flop,
+    "moda_attn_slots_stack": moda_attn_slots_stack_flop,
 }
 
 
@@ -535,6 +544,8 @@ def op_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
             written *= 2
     if str(packet) == "depthrewrite.moda_attn_slots":  # its slots are stacked before the kernel: written, read again
         written += 2 * sum(tensor_bytes(t) for t in _tensors((args[4], args[5])))
+    if str(packet) == "depthrewrite.moda_attn_slots_stack":  # the same, of its stacks and extra slots
+        written += 2 * sum(tensor_bytes(t) for t in _tensors(args[4:8]))
     return written + sum(tensor_bytes(t) for t in inputs)
 
 

@@ -116,9 +116,15 @@ def _moda_entries() -> dict[str, tuple[Callable, Callable]]:
         return attn(q, k, v, attn_mask, moda_slots_ref(slots_k), moda_slots_ref(slots_v), depth_weight, scale,
                     is_causal, dropout_p, seed, softcap)
 
+    def attn_slots_stack(q, k, v, attn_mask, stack_k, stack_v, extra_k, extra_v, depth_weight, scale, is_causal,
+                         dropout_p, seed, softcap):
+        return attn(q, k, v, attn_mask, m.moda_stack_slots(stack_k, extra_k), m.moda_stack_slots(stack_v, extra_v),
+                    depth_weight, scale, is_causal, dropout_p, seed, softcap)
+
     return {
         "moda_attn": (m.moda_attn, attn),
         "moda_attn_slots": (m.moda_attn_slots, attn_slots),
+        "moda_attn_slots_stack": (m.moda_attn_slots_stack, attn_slots_stack),
         "moda_attn_backward": (m.moda_attn_backward, attn_bwd),
     }
 

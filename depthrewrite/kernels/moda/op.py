@@ -23,7 +23,8 @@ from .reference import (
     moda_slots_ref,
 )
 
-__all__ = ["moda_attn", "moda_attn_backward", "moda_attn_slots", "covers", "kernel_covers"]
+__all__ = ["moda_attn", "moda_attn_backward", "moda_attn_slots", "moda_attn_slots_stack", "moda_stack_slots", "covers",
+           "kernel_covers"]
 
 def kernel_covers(q, k, v, attn_mask, depth_k, depth_v, depth_weight, dropout_p) -> bool:
     """Whether the fused kernel handles this call (``covers(...) is None``; :func:`.limits.covers` says why not)."""
@@ -364,6 +365,96 @@ register_kernel_info(
         backward="the slots stacked again (a layout copy), then depthrewrite::moda_attn_backward; the depth "
         "gradients go back to the slots as views",
         fuses="as moda_attn; autograd keeps each slot tensor once however many sites read it",
+        falls_back=_FALLS_BACK,
+    )
+)
+
+
+# ---- depthrewrite::moda_attn_slots_stack: the same attention, its earlier slots rows of one stacked tensor ----------
+#
+# As depthrewrite::depth_attn_stack (depth_attn/op.py): a block program reads the depth slots of the blocks before it
+# as rows of one buffer the converted model fills once per forward (:func:`depthrewrite.blocks.source_stack`), keys
+# ``stack_k`` ``[n, B, Hk, T, d]`` and values ``stack_v`` ``[n, B, Hk, T, dv]`` (any strides), and the slots it makes
+# itself as ``extra_k`` / ``extra_v``. Blocks that differ only in ``n`` then share one program, compiled once with
+# ``n`` a dynamic size. ``moda_attn_slots_stack(q, k, v, m, Sk, Sv, ek, ev, ...)`` equals
+# ``moda_attn_slots(q, k, v, m, [*Sk, *ek], [*Sv, *ev], ...)``: the same token-major stack, the same kernel.
+
+
+def moda_stack_slots(stack: torch.Tensor, extra: list[torch.Tensor]) -> torch.Tensor:
+    """Token-major depth slots of the rows of ``stack`` ``[n, B, Hk, T, d]`` then the tensors ``extra``
+    (``[B, Hk, T, d]`` each): ``[B, T, n + len(extra), Hk, d]``, contiguous, :func:`.reference.moda_slots_ref` of
+    ``[*stack, *extra]`` (tensor operations only: no Python loop over a size that may be dynamic)."""
+    rows = stack.permute(1, 3, 0, 2, 4)
+    if extra:
+        rows = torch.cat([rows, torch.stack([e.transpose(1, 2) for e in extra], dim=2)], dim=2)
+    return rows.contiguous()
+
+
+@torch.library.custom_op("depthrewrite::moda_attn_slots_stack", mutates_args=())
+def moda_attn_slots_stack(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    stack_k: torch.Tensor,
+    stack_v: torch.Tensor,
+    extra_k: list[torch.Tensor],
+    extra_v: list[torch.Tensor],
+    depth_weight: torch.Tensor | None,
+    scale: float,
+    is_causal: bool,
+    dropout_p: float,
+    seed: torch.Tensor | None,
+    softcap: float,
+) -> torch.Tensor:
+    """:func:`moda_attn_slots` over the slots ``[*stack_k, *extra_k]`` / ``[*stack_v, *extra_v]``; the stacks are kept
+    for backward as they are (rows of the converted model's buffer, one copy of each slot)."""
+    return _forward(q, k, v, attn_mask, moda_stack_slots(stack_k, extra_k), moda_stack_slots(stack_v, extra_v),
+                    depth_weight, scale, is_causal, dropout_p, seed, softcap, "depthrewrite::moda_attn_slots_stack")
+
+
+@moda_attn_slots_stack.register_fake
+def _(q, k, v, attn_mask, stack_k, stack_v, extra_k, extra_v, depth_weight, scale, is_causal, dropout_p, seed,
+      softcap):
+    return _fake_out(q, v)
+
+
+def _slots_stack_setup(ctx, inputs, output):
+    q, k, v, attn_mask, stack_k, stack_v, extra_k, extra_v, depth_weight, scale, is_causal, dropout_p, seed, \
+        softcap = inputs
+    ctx.n = len(extra_k)
+    ctx.save_for_backward(q, k, v, attn_mask, depth_weight, seed, output, stack_k, stack_v, *extra_k, *extra_v)
+    ctx.scale, ctx.is_causal, ctx.dropout_p, ctx.softcap = scale, is_causal, dropout_p, softcap
+
+
+def _slots_stack_backward(ctx, grad):
+    q, k, v, attn_mask, depth_weight, seed, out, stack_k, stack_v, *extra = ctx.saved_tensors
+    extra_k, extra_v = extra[: ctx.n], extra[ctx.n :]
+    mask_grad = bool(attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[3])
+    dq, dk, dv, dmask, dkd, dvd, dlam = moda_attn_backward(
+        grad, q, k, v, attn_mask, moda_stack_slots(stack_k, extra_k), moda_stack_slots(stack_v, extra_v),
+        depth_weight, out, ctx.scale, ctx.is_causal, ctx.dropout_p, seed, ctx.softcap, mask_grad,
+    )
+    n = stack_k.shape[0]
+    # [B, T, n + e, Hk, d] -> the stack's [n, B, Hk, T, d] and e x [B, Hk, T, d]: views of the stacked gradient
+    return (
+        dq, dk, dv, dmask if mask_grad else None,
+        dkd[:, :, :n].permute(2, 0, 3, 1, 4), dvd[:, :, :n].permute(2, 0, 3, 1, 4),
+        [g.transpose(1, 2) for g in dkd[:, :, n:].unbind(2)], [g.transpose(1, 2) for g in dvd[:, :, n:].unbind(2)],
+        dlam if depth_weight is not None else None, None, None, None, None, None,
+    )
+
+
+moda_attn_slots_stack.register_autograd(_slots_stack_backward, setup_context=_slots_stack_setup)
+
+register_kernel_info(
+    KernelInfo(
+        op="depthrewrite::moda_attn_slots_stack",
+        forward="moda_attn's kernel (or reference) on the stacked rows and the extra slots, laid out token-major in "
+        "one copy, freed after the call",
+        backward="the slots laid out again (a copy), then depthrewrite::moda_attn_backward; the depth gradients go "
+        "back to the stacks and the extra slots as views",
+        fuses="as moda_attn; the blocks before it keep each slot once, in the converted model's buffer",
         falls_back=_FALLS_BACK,
     )
 )

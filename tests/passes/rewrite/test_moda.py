@@ -10,7 +10,7 @@ import torch
 
 import depthrewrite as dr
 from depthrewrite import AttentionPatternError, ConfigError
-from depthrewrite.kernels.moda import moda_attn, moda_attn_slots, moda_slots_ref
+from depthrewrite.kernels.moda import moda_attn, moda_attn_slots, moda_attn_slots_stack, moda_slots_ref
 
 from ...conftest import build_zoo_model
 from .helpers import INIT_RTOL, assert_matches_reference, inputs_for, logits, rel_err
@@ -111,6 +111,33 @@ def test_attn_over_slot_tensors_equals_attn_over_their_stack(lam):
     for a, b in zip(g1, g2):
         torch.testing.assert_close(a, b)
     torch.library.opcheck(moda_attn_slots, (q, k, v, None, slots_k, vs, lam_t, 0.6, True, 0.0, None, 0.0))
+
+
+@pytest.mark.parametrize("extra", [0, 2])
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_attn_over_stacked_slots_is_attn_over_its_rows(extra, backend):
+    """moda_attn_slots_stack (what a block program reads: the earlier slots as rows of the converted model's buffer,
+    keys and values rows of one [n, 2, ...] tensor, then the block's own slots) is moda_attn_slots of the rows and
+    extra slots: the same output bits, the same gradients (each row's gradient the gradient of that slot)."""
+    from depthrewrite.kernels.dispatch import kernel_backend
+
+    g = torch.Generator().manual_seed(5)
+    B, Hq, Hk, T, d, n = 1, 4, 2, 5, 8, 3
+    r = lambda *s: torch.randn(*s, generator=g, requires_grad=True)  # noqa: E731
+    q, k, v = r(B, Hq, T, d), r(B, Hk, T, d), r(B, Hk, T, d)
+    buf = r(n, 2, B, Hk, T, d)  # the buffer's layout: per row a key slot and a value slot
+    ek, ev = [r(B, Hk, T, d) for _ in range(extra)], [r(B, T, Hk, d).transpose(1, 2) for _ in range(extra)]
+    lam = (torch.rand(Hq, generator=g) + 0.5).requires_grad_()
+    args = (0.6, True, 0.0, None, 0.0)
+    with kernel_backend(backend):
+        out = moda_attn_slots_stack(q, k, v, None, buf[:, 0], buf[:, 1], ek, ev, lam, *args)
+        ref = moda_attn_slots(q, k, v, None, [*buf[:, 0].unbind(0), *ek], [*buf[:, 1].unbind(0), *ev], lam, *args)
+        assert torch.equal(out, ref)
+        leaves = [q, k, v, buf, *ek, *ev, lam]
+        go = torch.randn(out.shape, generator=g)
+        for a, b in zip(torch.autograd.grad(out, leaves, go), torch.autograd.grad(ref, leaves, go)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.library.opcheck(moda_attn_slots_stack, (q, k, v, None, buf[:, 0], buf[:, 1], ek, ev, lam, *args))
 
 
 def test_rope_cancels_for_same_position_slots():
