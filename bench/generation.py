@@ -62,36 +62,53 @@ def _set_before_fast_paths(on: bool) -> None:
     msar_reference._SMALL_MIX = 0 if on else msar_reference.SMALL_MIX
 
 
+def _set_sources_apart(on: bool) -> None:
+    """Blocks read their earlier depth sources as separate inputs (on=True), as before 2026-12-07, or stacked. Read
+    when a graph is captured: the A/B converts a second model for it (:data:`NEEDS_OWN_MODEL`)."""
+    from depthrewrite import blocks
+
+    blocks.STACK_SOURCES = not on
+
+
 # --ab WHAT: (row label, toggle(True) turns the older behaviour on, toggle(False) restores today's)
 AB = {
     "check": ("export's check", _set_check),  # export's input check on every call (as before 2026-12-05)
     "fast-paths": ("before 12-07", _set_before_fast_paths),  # depth ops via the dispatcher, MSAR's streams one by one
+    "sources": ("sources apart", _set_sources_apart),  # each block's earlier depth sources as separate inputs
 }
+#: A/Bs whose setting is read when a graph is captured: the older setting gets a converted model of its own
+NEEDS_OWN_MODEL = {"sources"}
 
 
-def _per_token_ab(model, prefix: int, tokens: int, cache: bool, repeats: int, toggle) -> tuple[float, float]:
-    """``(today's, the older setting's)``: samples of the two settings taken in turn, best of ``repeats`` each."""
+def _per_token_ab(model, prefix: int, tokens: int, cache: bool, repeats: int, toggle,
+                  older=None) -> tuple[float, float]:
+    """``(today's, the older setting's)``: samples of the two settings taken in turn, best of ``repeats`` each.
+    ``older``: the model the older setting runs (default ``model``: the toggle acts at run time)."""
+    models = (model, model if older is None else older)
     ids = prefix_ids(model, prefix)
-    token_sample(model, ids, 1, cache)
     best = [float("inf"), float("inf")]
     try:
+        for which in (0, 1):  # capture each setting's graphs under it, warm up
+            toggle(which == 1)
+            token_sample(models[which], ids, 1, cache)
         for r in range(repeats):
             for which in ((0, 1) if r % 2 == 0 else (1, 0)):
                 toggle(which == 1)
-                best[which] = min(best[which], token_sample(model, ids, tokens, cache))
+                best[which] = min(best[which], token_sample(models[which], ids, tokens, cache))
     finally:
         toggle(False)
     return best[0], best[1]
 
 
 def rows(layers: int, hidden: int, prefixes: tuple[int, int], tokens: int, repeats: int,
-         ab: str | None = None) -> list[list]:
+         ab: str | None = None, schemes: list[str] | None = None) -> list[list]:
     torch.manual_seed(0)
     base = hf_model("llama", layers=layers, hidden=hidden, max_position_embeddings=max(prefixes) + tokens + 8).eval()
     variants = [("vanilla", None, {})]
     for name, rec in dr.schemes().items():
         for v in rec.variants:
-            variants.append((v.label, name, dict(v.options)))
+            if not schemes or name in schemes or v.label in schemes:
+                variants.append((v.label, name, dict(v.options)))
     out = []
     for label, key, options in variants:
         model = base if key is None else dr.convert(base, key, inplace=False, **options)
@@ -99,7 +116,8 @@ def rows(layers: int, hidden: int, prefixes: tuple[int, int], tokens: int, repea
         cache = rec is None or rec.no_cached_decoding is None
         if ab and key is not None:
             what, toggle = AB[ab]
-            (short, short_b), (long, long_b) = (_per_token_ab(model, p, tokens, cache, repeats, toggle)
+            older = dr.convert(base, key, inplace=False, **options) if ab in NEEDS_OWN_MODEL else None
+            (short, short_b), (long, long_b) = (_per_token_ab(model, p, tokens, cache, repeats, toggle, older)
                                                 for p in prefixes)
             out.append([f"{label}, {what}", "yes" if cache else "no (use_cache=False)", f"{1e3 * short_b:.2f}",
                         f"{1e3 * long_b:.2f}", f"{long_b / short_b:.2f}"])
@@ -118,15 +136,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--schemes", nargs="+", default=None, help="only these schemes (keys or variant labels) and vanilla")
     p.add_argument("--ab", choices=sorted(AB),
                    help="also time each converted model with an older setting, samples taken in turn with today's: "
                         "'check' runs export's input check on every call (as before 2026-12-05), 'fast-paths' calls "
                         "the depth ops through the dispatcher and MSAR's streams one at a time at a no-grad call (as "
-                        "before 2026-12-07)")
+                        "before 2026-12-07), 'sources' passes each block its earlier depth sources as separate "
+                        "inputs, not stacked (as before 2026-12-07; a second converted model)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     s, l_ = a.prefixes
-    table = rows(a.layers, a.hidden, (s, l_), a.tokens, a.repeats, a.ab)
+    table = rows(a.layers, a.hidden, (s, l_), a.tokens, a.repeats, a.ab, a.schemes)
     from tabulate import tabulate
 
     print(f"Generation, tiny Llama ({a.layers} layers, hidden {a.hidden}), batch 1, greedy, {a.tokens} tokens; "

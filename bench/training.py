@@ -2,7 +2,8 @@
 
     python -m bench.training memory  [--configs zoo issue issue-nocache] [--layers 16 32] [--hidden 256] [--seq 256]
     python -m bench.training memory  --breakdown [--configs issue]       # what each saved tensor is, largest first
-    python -m bench.training compile [--layers 4] [--hidden 256] [--seq 256] [--batch 2]
+    python -m bench.training memory  --sources apart stacked              # blocks' earlier sources apart vs stacked
+    python -m bench.training compile [--layers 4] [--hidden 256] [--seq 256] [--batch 2] [--sources stacked apart]
     python -m bench.training recompile [--layers 16 64] [--hidden 64] [--seq 64]   # per-block compile, default limit
 
 ``memory``: bytes autograd saves for backward in one training step (``loss = model(ids, labels=ids).loss``),
@@ -180,22 +181,31 @@ def _configs(names: list[str] | None, layers: tuple[int, ...] | None, hidden: in
 
 
 def memory_rows(layers: tuple[int, ...] | None = None, hidden: int | None = None, seq: int | None = None,
-                configs: list[str] | None = None, schemes: list[str] | None = None) -> list[list]:
+                configs: list[str] | None = None, schemes: list[str] | None = None,
+                sources: tuple[str, ...] = ("stacked",)) -> list[list]:
+    """One row per config, model and way of passing the blocks' earlier depth sources (``sources``: "stacked", the
+    default, one buffer; "apart", ``blocks.STACK_SOURCES = False``); the original's row once per config."""
+    from unittest import mock
+
+    from depthrewrite import blocks
+
     rows = []
     for name, L, d, T, overrides in _configs(configs, layers, hidden, seq):
         base = {}
-        for label, key, options in _variants():
+        for (label, key, options), how in [(v, s) for v in _variants() for s in (sources if v[1] else ("-",))]:
             if schemes and key is not None and key not in schemes and label not in schemes:
                 continue
-            model = _build(L, d, T, key, options, overrides)
-            ids = torch.randint(3, model.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(1))
-            plain, _ = step_bytes(model, ids)
-            model.activation_checkpointing_enable()
-            ckpt, returned = step_bytes(model, ids)
+            with mock.patch.object(blocks, "STACK_SOURCES", how != "apart"):  # read when a graph is captured
+                model = _build(L, d, T, key, options, overrides)
+                ids = torch.randint(3, model.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(1))
+                plain, _ = step_bytes(model, ids)
+                model.activation_checkpointing_enable()
+                ckpt, returned = step_bytes(model, ids)
             if key is None:
                 base = dict(plain=plain, ckpt=ckpt)
-            rows.append([name, L, label, f"{plain / 2**20:.2f}", f"{plain / base['plain']:.2f}",
-                         f"{ckpt / 2**20:.2f}", f"{ckpt / base['ckpt']:.2f}", f"{returned / 2**20:.2f}"])
+            rows.append([name, L, label, *([how] if len(sources) > 1 else []), f"{plain / 2**20:.2f}",
+                         f"{plain / base['plain']:.2f}", f"{ckpt / 2**20:.2f}", f"{ckpt / base['ckpt']:.2f}",
+                         f"{returned / 2**20:.2f}"])
             print(*rows[-1], flush=True)
     return rows
 
@@ -239,10 +249,18 @@ def _step(model: torch.nn.Module, ids: torch.Tensor) -> float:
     return time.perf_counter() - t
 
 
-def compile_rows(layers: int, hidden: int, seq: int, batch: int, repeats: int = 5) -> list[list]:
+def compile_rows(layers: int, hidden: int, seq: int, batch: int, repeats: int = 5, schemes: list[str] | None = None,
+                 apart: bool = False) -> list[list]:
+    """Whole model and per block, every variant (``schemes``: only these, and the original); ``apart``: also per
+    block with the blocks' earlier depth sources as separate inputs (``blocks.STACK_SOURCES = False``), in the same
+    run."""
+    from unittest import mock
+
     import torch._dynamo
 
     import torch._inductor.config
+
+    from depthrewrite import blocks
 
     torch._dynamo.config.recompile_limit = max(64, torch._dynamo.config.recompile_limit)  # one variant per program
     torch._inductor.config.force_disable_caches = True  # cold compiles: no FX graph or kernel cache from earlier runs
@@ -250,12 +268,17 @@ def compile_rows(layers: int, hidden: int, seq: int, batch: int, repeats: int = 
     rows = []
     base: dict[str, float] = {}
     for label, key, options in _variants():
-        for how in ("whole", "per block"):
+        if schemes and key is not None and key not in schemes and label not in schemes:
+            continue
+        hows = ["whole", "per block"] + (["per block, sources apart"] if apart and key is not None else [])
+        for how in hows:
             torch._dynamo.reset()
-            model = _build(layers, hidden, seq, key, options)
-            ids = torch.randint(3, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
-            if key is not None:
-                _step(model, ids)  # capture the training graph outside the timing
+            with mock.patch.object(blocks, "STACK_SOURCES", not how.endswith("apart")):  # read at capture
+                model = _build(layers, hidden, seq, key, options)
+                ids = torch.randint(3, model.config.vocab_size, (batch, seq),
+                                    generator=torch.Generator().manual_seed(1))
+                if key is not None:
+                    _step(model, ids)  # capture the training graph outside the timing
             backend = "inductor" if key is None else "depthrewrite"
             if how == "whole":
                 run = torch.compile(model, backend=backend)
@@ -267,17 +290,18 @@ def compile_rows(layers: int, hidden: int, seq: int, batch: int, repeats: int = 
             best = min(_step(run, ids) for _ in range(repeats))
             if key is None:
                 base[how] = best
-            rows.append([label, how, f"{first:.1f}", f"{1e3 * best:.1f}", f"{best / base[how]:.2f}"])
+            rows.append([label, how, f"{first:.1f}", f"{1e3 * best:.1f}", f"{best / base[how.split(',')[0]]:.2f}"])
             print(*rows[-1], flush=True)
     return rows
 
 
 def recompile_rows(layers: tuple[int, ...], hidden: int, seq: int, batch: int, backend: str = "eager") -> list[list]:
     """Per-block compile (each block's ``.compile()``) at Dynamo's default ``recompile_limit``: the original, Full and
-    Block AttnRes with their blocks' earlier depth sources as separate inputs (``blocks.STACK_SOURCES = False``: each
-    block reads one more, so each is a program of its own) and as one stacked tensor (the default: one program for
-    blocks that differ only in that count), and mHC (blocks of one kind already): distinct programs, graphs compiled,
-    whether the limit was hit, and the first training step (compile included) against the original's."""
+    Block AttnRes and MoDA with their blocks' earlier depth sources (MoDA: slots) as separate inputs
+    (``blocks.STACK_SOURCES = False``: each block reads more than the one before, so each is a program of its own) and
+    as one stacked tensor (the default: one program for blocks that differ only in that count), and mHC (blocks of
+    one kind already): distinct programs, graphs compiled, whether the limit was hit, and the first training step
+    (compile included) against the original's."""
     import logging
     from unittest import mock
 
@@ -288,7 +312,8 @@ def recompile_rows(layers: tuple[int, ...], hidden: int, seq: int, batch: int, b
 
     variants = [("original", None, "-"), ("Full AttnRes", "attnres", "apart"), ("Full AttnRes", "attnres", "stacked"),
                 ("Block AttnRes (4 blocks)", "block-attnres", "apart"),
-                ("Block AttnRes (4 blocks)", "block-attnres", "stacked"), ("mHC (n=4)", "mhc", "-")]
+                ("Block AttnRes (4 blocks)", "block-attnres", "stacked"), ("mHC (n=4)", "mhc", "-"),
+                ("MoDA (paper, λ≡1)", "moda", "apart"), ("MoDA (paper, λ≡1)", "moda", "stacked")]
     rows = []
     for n in layers:
         base = None
@@ -329,8 +354,12 @@ def main() -> None:
     p.add_argument("what", choices=("memory", "compile", "recompile"))
     p.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=None,
                    help="memory: the model configs (default: zoo issue)")
-    p.add_argument("--schemes", nargs="+", default=None, help="memory: only these variants (keys or labels)")
+    p.add_argument("--schemes", nargs="+", default=None,
+                   help="memory, compile: only these variants (keys or labels) and the original")
     p.add_argument("--breakdown", action="store_true", help="memory: what the saved tensors are, per model")
+    p.add_argument("--sources", nargs="+", choices=("stacked", "apart"), default=["stacked"],
+                   help="memory: the blocks' earlier depth sources in one buffer (default) and/or apart; compile: "
+                        "'apart' adds per-block rows with them apart")
     p.add_argument("--layers", type=int, nargs="+", default=None)
     p.add_argument("--hidden", type=int, default=None)
     p.add_argument("--seq", type=int, default=None)
@@ -347,9 +376,10 @@ def main() -> None:
         if a.breakdown:
             print(memory_breakdown(layers, a.hidden, a.seq, a.configs, a.schemes))
             return
-        rows = memory_rows(layers, a.hidden, a.seq, a.configs, a.schemes)
+        rows = memory_rows(layers, a.hidden, a.seq, a.configs, a.schemes, tuple(a.sources))
         print(head)
-        print(tabulate(rows, headers=["config", "layers", "model", "MiB saved", "ratio", "MiB saved, ckpt",
+        print(tabulate(rows, headers=["config", "layers", "model"] + (["sources"] if len(a.sources) > 1 else []) + [
+                                      "MiB saved", "ratio", "MiB saved, ckpt",
                                       "ratio, ckpt", "MiB returned, ckpt"], tablefmt="github"))
     elif a.what == "recompile":
         hidden, seq = a.hidden or 64, a.seq or 64
@@ -359,7 +389,8 @@ def main() -> None:
                                       "recompile limit hit", "first step s", "ratio to original"], tablefmt="github"))
     else:
         hidden, seq = a.hidden or 256, a.seq or 256
-        rows = compile_rows((a.layers or [4])[0], hidden, seq, a.batch)
+        rows = compile_rows((a.layers or [4])[0], hidden, seq, a.batch, schemes=a.schemes,
+                            apart="apart" in a.sources)
         print(head + f", hidden {hidden}, sequence {seq}, batch {a.batch}, {(a.layers or [4])[0]} layers")
         print(tabulate(rows, headers=["model", "compile", "first step s", "step ms", "ratio to original"],
                        tablefmt="github"))

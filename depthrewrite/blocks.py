@@ -851,22 +851,26 @@ def new_source_storage(like: torch.Tensor, rows: int, width: int = 1) -> torch.T
     return like.new_empty((rows, *like.shape) if width == 1 else (rows, width, *like.shape))
 
 
-def _write_rows(prev: torch.Tensor | None, storage: torch.Tensor, new: tuple) -> tuple[torch.Tensor, int, tuple]:
-    """Write ``new`` as the rows after ``prev``'s into ``storage``: ``(stack, start, part shape)``; the stack is a
-    tensor of its own over the buffer's first rows, not a view of it: rows written later do not change its version,
-    so an op that saved it for backward still finds it valid (its rows never change)."""
+def _write_rows(prev: torch.Tensor | None, storage: torch.Tensor, new: tuple,
+                own: bool = True) -> tuple[torch.Tensor, int, tuple]:
+    """Write ``new`` as the rows after ``prev``'s into ``storage``: ``(stack, start, part shape)``. With ``own`` the
+    stack is a tensor of its own over the buffer's first rows, not a view of it: rows written later do not change
+    its version, so an op that saved it for backward still finds it valid (its rows never change); without (nothing
+    is saved at a no-grad call), a view."""
     start = 0 if prev is None else prev.shape[0]
     width = storage.shape[1] if new and storage.dim() == new[0].dim() + 2 else 1  # parts per row
-    part, added = tuple(storage.shape[1 + (width > 1):]), len(new) // width
+    part, added = storage.shape[1 + (width > 1):], len(new) // width
     with torch.no_grad():
-        flat = storage[start : start + added].view(-1, *part)  # a row's parts in order (MoDA: key, value)
-        for j, x in enumerate(new):
+        flat = storage if width == 1 else storage.view(-1, *part)  # a row's parts in order (MoDA: key, value)
+        for j, x in enumerate(new, start=start * width):
             if x.shape != part:  # copy_ would broadcast
                 raise DepthRewriteError(
-                    f"depthrewrite: a stacked depth source has shape {tuple(x.shape)} where its row holds {part} (a "
-                    "bug in the block split: please report it; depthrewrite.blocks.STACK_SOURCES = False before "
-                    "converting passes the sources apart)")
+                    f"depthrewrite: a stacked depth source has shape {tuple(x.shape)} where its row holds "
+                    f"{tuple(part)} (a bug in the block split: please report it; depthrewrite.blocks.STACK_SOURCES = "
+                    "False before converting passes the sources apart)")
             flat[j].copy_(x)
+    if not own:
+        return storage[: start + added], start, part
     out = torch.empty(0, dtype=storage.dtype, device=storage.device)
     out.set_(storage.untyped_storage(), storage.storage_offset(), (start + added, *storage.shape[1:]), storage.stride())
     return out, start, part
@@ -894,8 +898,8 @@ def source_stack(prev: Any, storage: torch.Tensor, *new: torch.Tensor) -> Any:
     if type(storage) is not torch.Tensor:
         rows = torch.stack(new).reshape(-1, *storage.shape[1:]) if new else storage[:0]
         return rows if prev is None else torch.cat([prev, rows])
-    if not torch.is_grad_enabled():  # a decoding step: no autograd node to record
-        return _write_rows(prev, storage, new)[0]
+    if not torch.is_grad_enabled():  # a decoding step: no autograd node to record, nothing saved
+        return _write_rows(prev, storage, new, own=False)[0]
     return _SourceStack.apply(prev, storage, *new)
 
 
