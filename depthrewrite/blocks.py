@@ -460,7 +460,8 @@ def split_blocks(gm: fx.GraphModule, paths: tuple[str, ...], checkpoint: Callabl
         outs = [n for n in members[b] if any(u not in mine for u in n.users)]
         rows = stacks.rows[b] if stacks is not None else 0
         stacked = stacks.slots[:rows] if rows else []
-        rest = [x for x in ins if x not in {c for s in stacked for c in _parts(s)}]
+        in_stack = set(_flat_parts(stacked))
+        rest = [x for x in ins if x not in in_stack]
         prog_gm = _program(gm, path, members[b], rest, outs, stacked)
         name = f"_dr_block_{b}"
         prog = BlockProgram(path, prog_gm, tuple(x.name for x in ins), tuple(o.name for o in outs), checkpoint)
@@ -730,6 +731,11 @@ def _parts(x: Any) -> tuple:
     return x if isinstance(x, tuple) else (x,)
 
 
+def _flat_parts(rows: list) -> list:
+    """The nodes of the stack's ``rows`` in order, row by row (the order ``source_stack`` writes and lists them)."""
+    return [c for x in rows for c in _parts(x)]
+
+
 def _stack_rows(n: fx.Node, rows: dict[Any, int]) -> int:
     """How many leading sources of the depth op ``n`` are rows 0, 1, ... of the stack (``rows``: source -> row)."""
     sources = _stackable_sources(n)
@@ -834,8 +840,8 @@ class _SourceStacks:
         if self.storage is None:
             first = _parts(self.slots[0])
             self.storage = out.call_function(new_source_storage, (env[first[0]], max(self.cap, k), len(first)))
-        self.last = out.call_function(source_stack, (self.last, self.storage, *(
-            env[c] for x in self.slots[self.filled:k] for c in _parts(x))))
+        self.last = out.call_function(source_stack, (self.last, self.storage,
+                                                     *(env[c] for c in _flat_parts(self.slots[self.filled:k]))))
         self.filled = k
         return self.last
 
@@ -910,7 +916,7 @@ class _Listed:
     def __init__(self, gm, path, members, ins, outs, stacked, rest, code) -> None:
         self.module = _program(gm, path, members, ins, outs)  # now: the flat graph changes after the split
         self._fn = code.setdefault(self.module.code, type(self.module).forward)
-        where = {c: j for j, c in enumerate(c for x in stacked for c in _parts(x))}  # the list form: parts in order
+        where = {c: j for j, c in enumerate(_flat_parts(stacked))}  # the list form: parts in order
         rank = {x: i for i, x in enumerate(rest)}
         self.order = tuple(("row", where[x]) if x in where else ("rest", rank[x]) for x in ins)
 

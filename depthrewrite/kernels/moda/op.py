@@ -386,7 +386,7 @@ def moda_stack_slots(stack: torch.Tensor, extra: list[torch.Tensor]) -> torch.Te
     ``[*stack, *extra]`` (tensor operations only: no Python loop over a size that may be dynamic)."""
     rows = stack.permute(1, 3, 0, 2, 4)
     if extra:
-        rows = torch.cat([rows, torch.stack([e.transpose(1, 2) for e in extra], dim=2)], dim=2)
+        rows = torch.cat([rows, moda_slots_ref(extra)], dim=2)
     return rows.contiguous()
 
 
