@@ -141,6 +141,34 @@ def test_decomposed_op_matches_the_registered_op_forward_and_backward(case):
     assert not any(a.depth_ops for a in rec.aot)  # no opaque depth op left in AOT's forward and backward graphs
 
 
+STACKED = {"depth_attn_stack": 0, "msar_mix_stack": 0, "moda_attn_slots_stack": 4}  # case -> the stack's position
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("case", list(STACKED))
+def test_a_stacked_op_compiles_once_for_every_row_count(case, backend):
+    """A block program reads its earlier sources as one stack whose row count differs from block to block: compiled,
+    the count is a dynamic size, so every block after the first two shares one graph. Nothing in the traced op —
+    the decomposition (its ``n + i`` row indices were one) nor the routing probe (listing the rows was one) — may
+    fix it to one value (a guard that compiled one program per block, 2-3x the compile time)."""
+    from torch._dynamo.utils import counters
+
+    op, inputs = CASES[case]
+    at = STACKED[case]
+    compiled = torch.compile(lambda *a: op(*a), backend="depthrewrite", options={"inner": "aot_eager"})
+    counters.clear()
+    with kernel_backend(backend):
+        for n in (2, 3, 4, 5):
+            args = list(inputs)
+            for i in range(at, at + (2 if case.startswith("moda") else 1)):  # MoDA: its key and value stacks
+                args[i] = _g(n, *inputs[i].shape[1:])
+            got, g_got = _run(compiled, _leaves(args))
+            want, g_want = _run(op, _leaves(args))
+            for a, b in zip([*got, *g_got], [*want, *g_want]):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # n = 2 static, then n dynamic
+
+
 def test_ops_stay_opaque_where_a_triton_kernel_runs_or_when_switched_off():
     op, inputs = CASES["depth_attn"]
     want, g_want = _run(op, _leaves(inputs))

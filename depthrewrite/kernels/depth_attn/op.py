@@ -287,7 +287,9 @@ def _stack_backward_ref(grad, stack, extra, query, gain, eps, scale, per_source)
         return cu[:, i, None] * u - cv[:, i, None] * v[:, i] + p[:, i, None] * (go[:, None] if isinstance(i, slice) else go)
 
     gstack = dv(slice(0, n)).transpose(0, 1).contiguous().reshape(stack.shape).to(stack.dtype)
-    ge = [dv(n + i).reshape(shape).to(e.dtype) for i, e in enumerate(extra)]
+    # the extra rows counted from the end: a plain int index, not the symbolic n + i (which would specialise the
+    # stack's row count and compile one program per block)
+    ge = [dv(i - len(extra)).reshape(shape).to(e.dtype) for i, e in enumerate(extra)]
     return [gstack, (gain.to(acc) * du.reshape(D)).to(query.dtype), (query.to(acc) * du.reshape(D)).to(gain.dtype), *ge]
 
 

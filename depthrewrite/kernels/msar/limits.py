@@ -40,10 +40,13 @@ def stats_tiles(device: torch.device, sigmoid: bool) -> tuple[int, int]:
     return BWD_TILES["block_t"], BWD_TILES["block_d"]
 
 
-def covers(sources: list[torch.Tensor], query: torch.Tensor, conv: list[torch.Tensor]) -> str | None:
+def covers(sources: list[torch.Tensor], query: torch.Tensor, conv: list[torch.Tensor],
+           count: int | None = None) -> str | None:
     """``None`` when the fused kernels take this ``msar_mix`` (or ``msar_mix_backward``) call, else the reason it
-    runs the reference (cheap shape/dtype checks)."""
-    K, m = len(sources), query.shape[0]
+    runs the reference (cheap shape/dtype checks). ``count``: how many sources there are when ``sources`` lists only
+    some of them, one of each shape (a stacked call: one row of the stack and the extra sources; the stack's row
+    count may be a dynamic size, which a list of its rows would fix)."""
+    K, m = len(sources) if count is None else count, query.shape[0]
     if not 1 <= K <= MAX_SOURCES:
         return f"K={K} sources not in 1..MAX_SOURCES={MAX_SOURCES}"
     if not 1 <= m <= MAX_STREAMS:

@@ -248,12 +248,23 @@ def _stack_scale(stack: torch.Tensor, extra: list, scale: float, per_source: boo
     return scale * (stack.shape[0] + len(extra)) if per_source else scale
 
 
+def _stack_fused(stack, extra, query, gain, conv, phi, bias, alpha, grad=None,
+                 op: str = "depthrewrite::msar_mix_stack") -> bool:
+    """:func:`_fused` of a stacked call, routed before the stack is split into its rows: the decomposition table
+    probes this routing on the traced call (:func:`~depthrewrite.kernels.dispatch.would_fuse`), and listing the rows
+    there would fix the stack's dynamic row count, compiling one program per block again."""
+    rows = [stack[0]] if stack.shape[0] else []
+    return route(op, (grad, stack, *extra, query, gain, *conv, phi, bias, alpha),
+                 lambda: covers([*rows, *extra], query, conv, count=stack.shape[0] + len(extra)))
+
+
 @torch.library.custom_op("depthrewrite::msar_mix_stack", mutates_args=(), schema=_STACK_SCHEMA)
 def msar_mix_stack(stack, extra, query, gain, conv, phi, bias, alpha, eps, scale, per_source, conv_values,
                    sigmoid_mixer, eps_mix=1e-6):
-    sources = [*stack.unbind(0), *extra]
     c = _stack_scale(stack, extra, scale, per_source)
-    if _fused(sources, query, gain, conv, phi, bias, alpha, op="depthrewrite::msar_mix_stack"):
+    fused = _stack_fused(stack, extra, query, gain, conv, phi, bias, alpha)
+    sources = [*stack.unbind(0), *extra]
+    if fused:
         from .fused import msar_fwd
 
         return msar_fwd(sources, query, gain, conv, phi, bias, alpha, eps, c, conv_values, sigmoid_mixer,
@@ -275,9 +286,17 @@ def msar_mix_stack_backward(grad: torch.Tensor, stack: torch.Tensor, extra: list
                             per_source: bool, conv_values: bool, sigmoid_mixer: bool,
                             eps_mix: float = 1e-6) -> list[torch.Tensor]:
     """``[d_stack, d_query, d_gain, *d_conv, (d_phi, d_bias, d_alpha), *d_extra]`` of ``msar_mix_stack``."""
+    fused = _stack_fused(stack, extra, query, gain, conv, phi, bias, alpha, grad,
+                         op="depthrewrite::msar_mix_stack_backward")
     n = stack.shape[0]
-    grads = msar_mix_backward(grad, [*stack.unbind(0), *extra], query, gain, conv, phi, bias, alpha, eps,
-                              _stack_scale(stack, extra, scale, per_source), conv_values, sigmoid_mixer, eps_mix)
+    args = (grad, [*stack.unbind(0), *extra], query, gain, conv, phi, bias, alpha, eps,
+            _stack_scale(stack, extra, scale, per_source), conv_values, sigmoid_mixer)
+    if fused:
+        from .fused import msar_bwd
+
+        grads = msar_bwd(*args, eps_mix=eps_mix)
+    else:
+        grads = _backward_ref(*args, eps_mix=eps_mix)
     k = n + len(extra)
     return [torch.stack(grads[:n]) if n else torch.zeros_like(stack), *grads[k:], *grads[n:k]]
 
@@ -334,7 +353,8 @@ def _stack_backward_ref(grad, stack, extra, query, gain, conv, phi, bias, alpha,
     X = torch.cat([stack, torch.stack(extra)]) if extra else stack
     gX, *rest = _backward_ref(grad, X, query, gain, conv, phi, bias, alpha, eps,
                               _stack_scale(stack, extra, scale, per_source), conv_values, sigmoid_mixer, eps_mix)
-    return [gX[:n].clone() if extra else gX, *rest, *(gX[n + i].clone() for i in range(len(extra)))]
+    # the extra rows counted from the end (a plain int index; n + i would fix the dynamic row count n)
+    return [gX[:n].clone() if extra else gX, *rest, *(gX[i - len(extra)].clone() for i in range(len(extra)))]
 
 
 register_kernel_info(
@@ -354,7 +374,8 @@ register_kernel_info(
     KernelInfo(
         op="depthrewrite::msar_mix_stack",
         forward="msar_fwd_kernel on the stack's rows and the extra sources (as msar_mix)",
-        backward="depthrewrite::msar_mix_stack_backward -> msar_mix_backward's kernels; the rows' gradients stacked",
+        backward="depthrewrite::msar_mix_stack_backward: msar_mix_backward's kernels on the rows; their gradients "
+        "stacked",
         fuses="as msar_mix: a block program reading its earlier sources as rows of one buffer, so blocks that differ "
         "only in their count share one compiled program",
         falls_back="as msar_mix",
