@@ -4,6 +4,7 @@
     python -m bench.training memory  --breakdown [--configs issue]       # what each saved tensor is, largest first
     python -m bench.training memory  --sources apart stacked              # blocks' earlier sources apart vs stacked
     python -m bench.training compile [--layers 4] [--hidden 256] [--seq 256] [--batch 2] [--sources stacked apart]
+                                     [--modes whole "per block"] [--opaque] [--schemes KEY|LABEL ...]
     python -m bench.training recompile [--layers 16 64] [--hidden 64] [--seq 64]   # per-block compile, default limit
 
 ``memory``: bytes autograd saves for backward in one training step (``loss = model(ids, labels=ids).loss``),
@@ -250,15 +251,18 @@ def _step(model: torch.nn.Module, ids: torch.Tensor) -> float:
 
 
 def compile_rows(layers: int, hidden: int, seq: int, batch: int, repeats: int = 5, schemes: list[str] | None = None,
-                 apart: bool = False) -> list[list]:
-    """Whole model and per block, every variant (``schemes``: only these, and the original); ``apart``: also per
-    block with the blocks' earlier depth sources as separate inputs (``blocks.STACK_SOURCES = False``), in the same
-    run."""
+                 apart: bool = False, opaque: bool = False, modes: tuple[str, ...] = ("whole", "per block")) -> list[list]:
+    """Whole model and/or per block (``modes``), every variant (``schemes``: only these, and the original); ``apart``:
+    also per block with the blocks' earlier depth sources as separate inputs (``blocks.STACK_SOURCES = False``);
+    ``opaque``: also per block with the depth ops kept opaque (backend option ``decompose=False``: inductor calls
+    the op instead of generating code for its reference); all in the same run. ``graphs``: the graphs Dynamo
+    compiled in the first step (each one AOT-traced and code-generated forward and backward)."""
     from unittest import mock
 
     import torch._dynamo
 
     import torch._inductor.config
+    from torch._dynamo.utils import counters
 
     from depthrewrite import blocks
 
@@ -270,9 +274,12 @@ def compile_rows(layers: int, hidden: int, seq: int, batch: int, repeats: int = 
     for label, key, options in _variants():
         if schemes and key is not None and key not in schemes and label not in schemes:
             continue
-        hows = ["whole", "per block"] + (["per block, sources apart"] if apart and key is not None else [])
+        hows = [m for m in ("whole", "per block") if m in modes]
+        hows += [f"per block, {x}" for x, on in (("sources apart", apart), ("depth ops opaque", opaque))
+                 if on and key is not None]
         for how in hows:
             torch._dynamo.reset()
+            counters.clear()
             with mock.patch.object(blocks, "STACK_SOURCES", not how.endswith("apart")):  # read at capture
                 model = _build(layers, hidden, seq, key, options)
                 ids = torch.randint(3, model.config.vocab_size, (batch, seq),
@@ -280,17 +287,20 @@ def compile_rows(layers: int, hidden: int, seq: int, batch: int, repeats: int = 
                 if key is not None:
                     _step(model, ids)  # capture the training graph outside the timing
             backend = "inductor" if key is None else "depthrewrite"
+            kw = {"options": {"decompose": False}} if how.endswith("opaque") else {}
             if how == "whole":
                 run = torch.compile(model, backend=backend)
             else:
                 for blk in model.model.layers:
-                    blk.compile(backend=backend)
+                    blk.compile(backend=backend, **kw)
                 run = model
             first = _step(run, ids)
+            graphs = counters["stats"]["unique_graphs"]
             best = min(_step(run, ids) for _ in range(repeats))
             if key is None:
                 base[how] = best
-            rows.append([label, how, f"{first:.1f}", f"{1e3 * best:.1f}", f"{best / base[how.split(',')[0]]:.2f}"])
+            rows.append([label, how, graphs, f"{first:.1f}", f"{1e3 * best:.1f}",
+                         f"{best / base[how.split(',')[0]]:.2f}"])
             print(*rows[-1], flush=True)
     return rows
 
@@ -360,6 +370,10 @@ def main() -> None:
     p.add_argument("--sources", nargs="+", choices=("stacked", "apart"), default=["stacked"],
                    help="memory: the blocks' earlier depth sources in one buffer (default) and/or apart; compile: "
                         "'apart' adds per-block rows with them apart")
+    p.add_argument("--modes", nargs="+", choices=("whole", "per block"), default=["whole", "per block"],
+                   help="compile: torch.compile of the whole model and/or .compile() on each block")
+    p.add_argument("--opaque", action="store_true",
+                   help="compile: add per-block rows with the depth ops opaque (backend option decompose=False)")
     p.add_argument("--layers", type=int, nargs="+", default=None)
     p.add_argument("--hidden", type=int, default=None)
     p.add_argument("--seq", type=int, default=None)
@@ -390,9 +404,9 @@ def main() -> None:
     else:
         hidden, seq = a.hidden or 256, a.seq or 256
         rows = compile_rows((a.layers or [4])[0], hidden, seq, a.batch, schemes=a.schemes,
-                            apart="apart" in a.sources)
+                            apart="apart" in a.sources, opaque=a.opaque, modes=tuple(a.modes))
         print(head + f", hidden {hidden}, sequence {seq}, batch {a.batch}, {(a.layers or [4])[0]} layers")
-        print(tabulate(rows, headers=["model", "compile", "first step s", "step ms", "ratio to original"],
+        print(tabulate(rows, headers=["model", "compile", "graphs", "first step s", "step ms", "ratio to original"],
                        tablefmt="github"))
 
 
