@@ -1009,9 +1009,8 @@ def _rewrite_moda(gm: fx.GraphModule, chain: Chain, config: MoDAConfig) -> PassR
                         inherit_meta(c, src, NodeRole("kv_proj", k, config.name), val_from=n)
                         env[n] = c
                     kf = env[kp.end]
-            for node in made:
-                inherit_meta(node, src, NodeRole("kv_proj", k, config.name))
-                node.meta.pop("val", None)
+            for node in made:  # no value metadata: the normed input's ([B, T, D]) would misstate a slot's shape
+                inherit_meta(node, src, NodeRole("kv_proj", k, config.name), copy_val=False)
             slots_k.append(kf)
             slots_v.append(vf)
             labels.append(f"ffn{k}")

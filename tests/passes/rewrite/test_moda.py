@@ -353,6 +353,23 @@ def test_ffn_keys_option():
         dr.MoDAConfig(ffn_keys="rope")
 
 
+@pytest.mark.parametrize("name", ["hf:llama", "hf:qwen3"])
+def test_ffn_slot_nodes_carry_no_borrowed_value_metadata(name):
+    """The nodes that make the FFN slots (kv_proj's slices, unflatten, transposes) have no traced value of their own;
+    they once kept the normed input's ``tensor_meta`` ([B, T, D] on a [B, Hk, T, d] slot) after ``val`` was dropped.
+    Where a kv_proj node carries value metadata, it is its own: ``tensor_meta`` and ``val`` agree."""
+    from depthrewrite.passes.meta import role_of
+
+    g = dr.convert(build_zoo_model(name), "moda").graph_module().graph
+    nodes = [n for n in g.nodes if (r := role_of(n)) is not None and r.role == "kv_proj"]
+    assert nodes
+    for n in nodes:
+        tm, v = n.meta.get("tensor_meta"), n.meta.get("val", n.meta.get("example_value"))
+        assert (tm is None) == (v is None), n.name
+        if tm is not None:
+            assert tuple(tm.shape) == tuple(v.shape), n.name
+
+
 def test_kv_proj_bias_follows_the_qkv_projections():
     assert dr.convert(build_zoo_model("hf:qwen2"), "moda").depthrewrite.kv_proj_1.bias.shape == (2 * 2 * 16,)
     assert not hasattr(dr.convert(build_zoo_model("hf:llama"), "moda").depthrewrite.kv_proj_1, "bias")
