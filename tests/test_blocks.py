@@ -247,6 +247,32 @@ def test_compile_per_block_gives_each_program_its_own_compile_cache():
             assert not counters["recompiles"], (scheme, dict(counters["recompiles"]))
 
 
+def test_compile_per_block_with_decomposed_depth_ops_compiles_each_program_once():
+    """As above, through the compile backend: AOT autograd traces the depth ops' decompositions (the code inductor
+    would get; ``inner="aot_eager"`` skips the code generation). The stack's row count stays a dynamic size there too:
+    one graph per program (a decomposition that fixed it compiled every block again, 2-3x the compile time)."""
+    from torch._dynamo.utils import counters
+
+    for scheme, options, programs in (("attnres", {}, 2), ("msar", {"blocks": 4}, 2), ("moda", {}, 3)):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        conv = dr.convert(hf_model("llama", layers=4, hidden=32), scheme, **options)
+        _randomise(conv)
+        conv.train()
+        want = conv(IDS, labels=IDS).loss
+        want_g = _grads(conv, want)
+        for blk in conv.model.layers:
+            blk.compile(backend="depthrewrite", options={"inner": "aot_eager"})
+        got = conv(IDS, labels=IDS).loss
+        torch.testing.assert_close(got, want)
+        for a, b in zip(_grads(conv, got), want_g):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        assert counters["stats"]["unique_graphs"] == programs, (scheme, dict(counters["stats"]))
+        assert not counters["recompiles"], (scheme, dict(counters["recompiles"]))
+        assert any(r.decomposed for r in dr.backend._RECORDS), scheme  # the references were traced
+
+
 # ---- FSDP2 per block and DDP, two processes on gloo ---------------------------------------------------------------
 
 
