@@ -256,6 +256,7 @@ def test_compile_per_block_with_decomposed_depth_ops_compiles_each_program_once(
     for scheme, options, programs in (("attnres", {}, 2), ("msar", {"blocks": 4}, 2), ("moda", {}, 3)):
         torch._dynamo.reset()
         counters.clear()
+        dr.backend.clear_records()
         torch.manual_seed(0)
         conv = dr.convert(hf_model("llama", layers=4, hidden=32), scheme, **options)
         _randomise(conv)

@@ -174,7 +174,14 @@ def msar_mix_backward(
         not None (zeros where the input does not influence the output, e.g. φ with the mean mixer).
     """
     args = (grad, sources, query, gain, conv, phi, bias, alpha, eps, scale, conv_values, sigmoid_mixer)
-    if _fused(sources, query, gain, conv, phi, bias, alpha, grad, op="depthrewrite::msar_mix_backward"):
+    fused = _fused(sources, query, gain, conv, phi, bias, alpha, grad, op="depthrewrite::msar_mix_backward")
+    return _gradients(fused, args, eps_mix)
+
+
+def _gradients(fused: bool, args: tuple, eps_mix: float) -> list[torch.Tensor]:
+    """``msar_mix_backward``'s gradients of ``args`` (its arguments up to ``eps_mix``): the fused kernels or the
+    written-out reference, as routed."""
+    if fused:
         from .fused import msar_bwd
 
         return msar_bwd(*args, eps_mix=eps_mix)
@@ -253,9 +260,10 @@ def _stack_fused(stack, extra, query, gain, conv, phi, bias, alpha, grad=None,
     """:func:`_fused` of a stacked call, routed before the stack is split into its rows: the decomposition table
     probes this routing on the traced call (:func:`~depthrewrite.kernels.dispatch.would_fuse`), and listing the rows
     there would fix the stack's dynamic row count, compiling one program per block again."""
-    rows = [stack[0]] if stack.shape[0] else []
-    return route(op, (grad, stack, *extra, query, gain, *conv, phi, bias, alpha),
-                 lambda: covers([*rows, *extra], query, conv, count=stack.shape[0] + len(extra)))
+    def gate() -> str | None:  # asked only where the kernel backend picks Triton: one row stands for the stack
+        return covers([stack[0], *extra] if stack.shape[0] else extra, query, conv, count=stack.shape[0] + len(extra))
+
+    return route(op, (grad, stack, *extra, query, gain, *conv, phi, bias, alpha), gate)
 
 
 @torch.library.custom_op("depthrewrite::msar_mix_stack", mutates_args=(), schema=_STACK_SCHEMA)
@@ -291,12 +299,7 @@ def msar_mix_stack_backward(grad: torch.Tensor, stack: torch.Tensor, extra: list
     n = stack.shape[0]
     args = (grad, [*stack.unbind(0), *extra], query, gain, conv, phi, bias, alpha, eps,
             _stack_scale(stack, extra, scale, per_source), conv_values, sigmoid_mixer)
-    if fused:
-        from .fused import msar_bwd
-
-        grads = msar_bwd(*args, eps_mix=eps_mix)
-    else:
-        grads = _backward_ref(*args, eps_mix=eps_mix)
+    grads = _gradients(fused, args, eps_mix)
     k = n + len(extra)
     return [torch.stack(grads[:n]) if n else torch.zeros_like(stack), *grads[k:], *grads[n:k]]
 
