@@ -159,3 +159,55 @@ def test_a_graph_without_depth_ops_has_no_direct_forward():
     x = g.placeholder("x")
     g.output(g.call_function(torch.ops.aten.relu.default, (x,)))
     assert direct.direct_forward(fx.GraphModule(torch.nn.Module(), g)) is None
+
+
+@pytest.mark.parametrize("K,lead,scale", [(1, (1, 1), 1.0), (5, (1, 1), 5.0), (3, (2, 3), 1.0), (7, (4,), 7.0)])
+def test_depth_attn_on_rows_equals_the_reference(K, lead, scale):
+    """The small no-grad path (``depth_attn_rows``: the keys' RMSNorm with its gain as one op, one vector-matrix
+    product per token) computes the reference's mix, to rounding; through the registered ops too."""
+    from depthrewrite.kernels.depth_attn.reference import depth_attn_ref, depth_attn_rows
+
+    g = torch.Generator().manual_seed(K)
+    D = 32
+    sources = [torch.randn(*lead, D, generator=g) for _ in range(K)]
+    query, gain = torch.randn(D, generator=g), torch.rand(D, generator=g) + 0.5
+    ref = depth_attn_ref(sources, query, gain, 1e-6, scale)
+    rows = depth_attn_rows(torch.stack(sources), query, gain, 1e-6, scale, sources[0].shape)
+    assert rows.shape == ref.shape and rows._base is None
+    torch.testing.assert_close(rows, ref, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        ops = torch.ops.depthrewrite
+        torch.testing.assert_close(ops.depth_attn(sources, query, gain, 1e-6, scale), ref, rtol=1e-5, atol=1e-6)
+        stacked = ops.depth_attn_stack(torch.stack(sources)[: K - 1], sources[-1:], query, gain, 1e-6, scale, False)
+        torch.testing.assert_close(stacked, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_depth_attn_takes_the_rows_path_only_for_a_small_no_grad_call(monkeypatch):
+    from depthrewrite.kernels.depth_attn import op as da_op
+
+    calls = []
+    real = da_op.depth_attn_rows
+    monkeypatch.setattr(da_op, "depth_attn_rows", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator().manual_seed(0)
+    sources = [torch.randn(1, 1, 16, generator=g) for _ in range(3)]
+    query, gain = torch.randn(16, generator=g).requires_grad_(), torch.ones(16).requires_grad_()
+    args = (query, gain, 1e-6, 3.0)
+    torch.ops.depthrewrite.depth_attn([s.clone().requires_grad_() for s in sources], *args).sum().backward()
+    assert not calls  # a training step (the op's forward runs with gradients off, on sources requiring them)
+    with torch.no_grad():
+        torch.ops.depthrewrite.depth_attn([s.clone().requires_grad_() for s in sources], *args)
+        assert not calls
+        torch.ops.depthrewrite.depth_attn([torch.randn(4, 64, 16) for _ in range(20)], *args)  # 20480 elements
+        assert not calls
+        torch.ops.depthrewrite.depth_attn(sources, *args)  # a decoding step (parameters still require grad)
+        assert calls == [1]
+        torch.ops.depthrewrite.depth_attn([s.double() for s in sources], query.double(), gain.double(), 1e-6, 3.0)
+        assert calls == [1]  # fp32 only
+
+
+def test_depth_attn_on_rows_returns_the_sources_dtype_under_autocast():
+    """As the reference: under a bfloat16 autocast its products are bfloat16, the mix it returns is the sources'."""
+    sources = [torch.randn(1, 1, 16) for _ in range(3)]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = torch.ops.depthrewrite.depth_attn(sources, torch.randn(16), torch.ones(16), 1e-6, 3.0)
+    assert out.dtype == torch.float32

@@ -17,7 +17,7 @@ import torch
 from .._triton_utils import acc_dtype as _acc_dtype
 from ..dispatch import KernelInfo, register_kernel_info, route
 from .limits import MAX_ROW, MAX_SOURCES, covers, covers_merge
-from .reference import depth_attn_merge_ref, depth_attn_partial_ref, depth_attn_ref
+from .reference import depth_attn_merge_ref, depth_attn_partial_ref, depth_attn_ref, depth_attn_rows, small_call
 
 __all__ = ["depth_attn", "depth_attn_stack", "depth_attn_partial", "depth_attn_merge", "MAX_SOURCES", "MAX_ROW", "covers",
            "covers_merge"]
@@ -125,6 +125,8 @@ def _depth_attn(sources, query, gain, eps, scale):
         from . import fused
 
         return fused.depth_attn_fwd(sources, query, gain, eps, scale)
+    if small_call(sources, query, gain):
+        return depth_attn_rows(torch.stack(sources), query, gain, eps, scale, sources[0].shape)
     return depth_attn_ref(sources, query, gain, eps, scale)
 
 
@@ -193,6 +195,9 @@ def depth_attn_stack(stack: torch.Tensor, extra: list[torch.Tensor], query: torc
 
         return fused.depth_attn_fwd([*stack.unbind(0), *extra], query, gain, eps,
                                     _stack_scale(stack, extra, scale, per_source))
+    if small_call([stack, *extra], query, gain):  # a decoding step: the stack's rows as they are
+        rows = torch.cat([stack, *(e.unsqueeze(0) for e in extra)]) if extra else stack
+        return depth_attn_rows(rows, query, gain, eps, _stack_scale(stack, extra, scale, per_source), stack.shape[1:])
     # depth_attn's own reference on the rows (the same bits as before the stack); the compile backend traces
     # depth_attn_stack_ref instead (no Python loop over a dynamic size)
     return depth_attn_ref([*stack.unbind(0), *extra], query, gain, eps, _stack_scale(stack, extra, scale, per_source))

@@ -11,7 +11,9 @@ fp32; the result is cast back to the sources' dtype once.
 
 How it is computed: the K sources are stacked once into ``[M, K, D]`` (M: the flattened leading dims, K next to the
 row), so the key norms are one vector norm, the scores one matrix-vector product and the weighted sum one batched
-``[1, K] @ [K, D]`` product per token (no ``[K, ..., D]`` temporaries).
+``[1, K] @ [K, D]`` product per token (no ``[K, ..., D]`` temporaries). A small call with gradients off (a decoding
+step: one token, a few sources) runs :func:`depth_attn_rows` instead, the same formula in half the tensor operations,
+each of which costs more there than its arithmetic.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F  # noqa: N812
 
 __all__ = ["depth_attn_ref", "depth_attn_partial_ref", "depth_attn_merge_ref"]
 
@@ -60,6 +63,43 @@ def depth_attn_ref(
     # FSDP2 warn that an in-place op on it would skip its all-gather)
     h = (a.unsqueeze(-2) @ v).reshape(sources[0].shape) * scale
     return h.to(sources[0].dtype)
+
+
+def depth_attn_rows(rows: torch.Tensor, query: torch.Tensor, gain: torch.Tensor, eps: float, scale: float,
+                    shape: torch.Size) -> torch.Tensor:
+    """:func:`depth_attn_ref` of the sources stacked along the first axis, ``rows`` ``[K, ..., D]`` (fp32 or fp64),
+    returned as ``shape``: the same formula in fewer, larger tensor operations (the K sources already one tensor, no
+    ``[M, K, D]`` copy), for calls of a few tokens where each operation costs more than its arithmetic (a decoding
+    step: see :func:`small_call`). Equal to the reference to rounding (the norms and sums run in another order)."""
+    K, D = rows.shape[0], rows.shape[-1]
+    v = rows.reshape(K, -1, D)  # [K, M, D]
+    # the keys RMS-normed with their gain in one op: s = (γ ⊙ w) · v · r
+    a = torch.softmax(F.rms_norm(v, (D,), gain, eps) @ query, dim=0)  # [K, M]
+    if v.shape[1] == 1:  # one token: one vector-matrix product
+        h = (a.reshape(K) @ v.reshape(K, D)).reshape(shape)
+    else:
+        h = (a.t().unsqueeze(1) @ v.transpose(0, 1)).reshape(shape)  # [M, 1, K] @ [M, K, D]
+    return (h * scale).to(rows.dtype)  # the sources' dtype (under autocast the products are not); not a view
+
+
+#: up to this many source elements (K · tokens · D) an eager call on plain CPU tensors that need no gradient runs
+#: :func:`depth_attn_rows` (a decoding step: one token, a few sources)
+SMALL_ROWS = 1 << 14
+
+
+def small_call(sources: list[torch.Tensor], query: torch.Tensor, gain: torch.Tensor) -> bool:
+    """Whether a depth-attention call on ``sources`` is a small no-grad eager one for :func:`depth_attn_rows`: fp32
+    CPU tensors, at most :data:`SMALL_ROWS` source elements in all, gradients off and no source requiring one (a
+    registered op's forward in a training step also runs with gradients off, on sources that require them: it keeps
+    the reference, which its backward recomputes; a step whose sources are all frozen runs this path forward, equal
+    to the reference to rounding), not traced."""
+    t = sources[0]
+    return (
+        t.device.type == "cpu" and t.dtype == query.dtype == gain.dtype == torch.float32
+        and sum(x.numel() for x in sources) <= SMALL_ROWS
+        and not torch.is_grad_enabled() and not any(x.requires_grad for x in sources)
+        and not torch.compiler.is_compiling()
+    )
 
 
 # ---- two-phase computation (attnres spec §7) --------------------------------------------------------------------------
