@@ -39,7 +39,7 @@ import torch.nn as nn
 
 from .converted import resolve_target
 from .errors import DepthRewriteError
-from .kernels.direct import plain_eager
+from .kernels.direct import direct_call, plain_eager
 from .passes.lower.module_calls import autocast_blocks, is_dtensor, known_before_tracing, take_hooks_out
 
 __all__ = [
@@ -784,7 +784,7 @@ def runner_depth_op(op: Callable, stack: Any, extra: list, *args: Any) -> torch.
     traces the whole model that stack is a list of the sources (:func:`source_stack`): the op on the sources apart,
     as the blocks then run theirs (the compile backend's passes batch those)."""
     if not isinstance(stack, list):
-        return op(stack, extra, *args)
+        return (direct_call(op) if plain_eager() else op)(stack, extra, *args)  # a decoding step: the op's body
     ops = torch.ops.depthrewrite
     sources = [*stack, *extra]
     if op is ops.depth_attn_stack.default:

@@ -44,13 +44,12 @@ class ConvertedGraphModule(fx.GraphModule):
     def __getattr__(self, name: str) -> Any:
         # A block runner (depthrewrite.blocks.build_runner) keeps no submodules or parameters of its own: what its
         # code reads (self.model.layers[3], self.lm_head.weight, self.depthrewrite) is the live model's, at call time.
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            live = self.__dict__.get("_dr_live")
-            if live is None:
-                raise
+        # Read there directly, not after nn.Module's lookup has raised (an exception per read, each decoding step).
+        d = self.__dict__
+        live = d.get("_dr_live")
+        if live is not None and name not in d["_modules"] and name not in d["_parameters"] and name not in d["_buffers"]:
             return getattr(live, name)
+        return super().__getattr__(name)
 
     @property
     def programs(self) -> Mapping[str, Any]:

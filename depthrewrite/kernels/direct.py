@@ -24,7 +24,7 @@ import torch
 import torch.autograd.forward_ad as forward_ad
 import torch.fx as fx
 
-__all__ = ["direct_forward", "plain_eager"]
+__all__ = ["direct_call", "direct_forward", "plain_eager"]
 
 NAMESPACE = "depthrewrite"
 ENABLED = True  # False: every call goes through the dispatcher (bench/generation.py --ab direct measures both)
@@ -99,6 +99,12 @@ def _direct(op: torch._ops.OpOverload) -> Callable[..., Any] | None:
 
     call.__name__ = call.__qualname__ = f"{op._schema.name.split('::')[-1]}_direct"
     return call
+
+
+def direct_call(op: torch._ops.OpOverload) -> Callable[..., Any]:
+    """What to call for ``op`` in a plain eager call (:func:`plain_eager`): its body when its tensors are plain, else
+    the op (a function with the op's signature; the op itself when it has no single body)."""
+    return _direct(op) or op
 
 
 def direct_forward(gm: fx.GraphModule) -> Callable[..., Any] | None:
