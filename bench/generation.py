@@ -13,6 +13,7 @@ what recomputing the prefix at every step costs.
 from __future__ import annotations
 
 import argparse
+import itertools
 import platform
 import time
 from datetime import date
@@ -70,11 +71,44 @@ def _set_sources_apart(on: bool) -> None:
     blocks.STACK_SOURCES = not on
 
 
+def _lookup_by_exception(self, name: str):
+    """A block runner's attribute read as before 2026-12-07 (night): nn.Module's lookup first, the live model's after
+    it raised (an exception per read of the model's modules or depth parameters)."""
+    try:
+        return torch.nn.Module.__getattr__(self, name)
+    except AttributeError:
+        live = self.__dict__.get("_dr_live")
+        if live is None:
+            raise
+        return getattr(live, name)
+
+
+def _set_before_rows(on: bool) -> None:
+    """Two cuts of 2026-12-07 (night) off (on=True) or on: the no-grad depth-attention mix on rows (every call the
+    reference, as before) and the block runner's reads of the live model straight from it."""
+    from depthrewrite.converted import ConvertedGraphModule
+    from depthrewrite.kernels.depth_attn import reference as da_reference
+
+    da_reference.SMALL_ROWS = 0 if on else _ROWS
+    ConvertedGraphModule.__getattr__ = _lookup_by_exception if on else _GETATTR
+
+
+def _today() -> tuple:
+    from depthrewrite.converted import ConvertedGraphModule
+    from depthrewrite.kernels.depth_attn import reference as da_reference
+
+    return da_reference.SMALL_ROWS, ConvertedGraphModule.__getattr__
+
+
+_ROWS, _GETATTR = _today()
+
+
 # --ab WHAT: (row label, toggle(True) turns the older behaviour on, toggle(False) restores today's)
 AB = {
     "check": ("export's check", _set_check),  # export's input check on every call (as before 2026-12-05)
     "fast-paths": ("before 12-07", _set_before_fast_paths),  # depth ops via the dispatcher, MSAR's streams one by one
     "sources": ("sources apart", _set_sources_apart),  # each block's earlier depth sources as separate inputs
+    "rows": ("before rows", _set_before_rows),  # depth_attn's reference at every call, the runner's reads via raise
 }
 #: A/Bs whose setting is read when a graph is captured: the older setting gets a converted model of its own
 NEEDS_OWN_MODEL = {"sources"}
@@ -98,6 +132,59 @@ def _per_token_ab(model, prefix: int, tokens: int, cache: bool, repeats: int, to
     finally:
         toggle(False)
     return best[0], best[1]
+
+
+_ORDERS = tuple(itertools.permutations(range(3)))
+
+
+def step_ab(base, model, prefix: int, steps: int, toggle, older=None) -> tuple[float, float, float]:
+    """``(vanilla, today's, the older setting's)`` seconds per decoding step, each the median of ``steps`` single
+    forward calls with the model's cache (one token after ``prefix`` tokens, the cache growing by one per call), the
+    three interleaved call by call, round by round in all six orders (each model first, middle and last equally often:
+    a call right after its own previous one finds its data in cache and runs faster, which an order reversed every
+    round turned into a ~0.2 ms bias): a shared VM's drift hits all three alike, which best-of-N of whole
+    ``generate()`` runs does not survive. Gradients off, greedy-free (the same token each step)."""
+    import statistics
+
+    from transformers import DynamicCache
+
+    models = (base, model, model if older is None else older)
+    ids = prefix_ids(base, prefix)
+    caches, times = [], ([], [], [])
+    try:
+        with torch.no_grad():
+            for i, m in enumerate(models):
+                toggle(i == 2)
+                caches.append(m(ids, cache=DynamicCache(config=m.config), use_cache=True).past_key_values)
+                m(ids[:, -1:], cache=caches[i], use_cache=True)  # the decoding graph, captured under its setting
+            for r in range(steps):
+                for i in _ORDERS[r % len(_ORDERS)]:
+                    toggle(i == 2)
+                    t = time.perf_counter()
+                    models[i](ids[:, -1:], cache=caches[i], use_cache=True)
+                    times[i].append(time.perf_counter() - t)
+    finally:
+        toggle(False)
+    return tuple(statistics.median(t) for t in times)
+
+
+def step_rows(layers: int, hidden: int, prefix: int, steps: int, ab: str, schemes: list[str] | None) -> list[list]:
+    """Per converted model: its decoding step today and with the older setting ``ab``, against vanilla's, measured
+    by :func:`step_ab`."""
+    torch.manual_seed(0)
+    base = hf_model("llama", layers=layers, hidden=hidden, max_position_embeddings=prefix + steps + 8).eval()
+    what, toggle = AB[ab]
+    out = []
+    for name, rec in dr.schemes().items():
+        for v in rec.variants:
+            if schemes and name not in schemes and v.label not in schemes:
+                continue
+            model = dr.convert(base, name, inplace=False, **dict(v.options))
+            older = dr.convert(base, name, inplace=False, **dict(v.options)) if ab in NEEDS_OWN_MODEL else None
+            van, today, before = step_ab(base, model, prefix, steps, toggle, older)
+            out.append([v.label, f"{1e3 * van:.3f}", f"{1e3 * before:.3f}", f"{1e3 * today:.3f}",
+                        f"{before / van:.2f} → {today / van:.2f}"])
+    return out
 
 
 def rows(layers: int, hidden: int, prefixes: tuple[int, int], tokens: int, repeats: int,
@@ -142,10 +229,27 @@ def main(argv: list[str] | None = None) -> int:
                         "'check' runs export's input check on every call (as before 2026-12-05), 'fast-paths' calls "
                         "the depth ops through the dispatcher and MSAR's streams one at a time at a no-grad call (as "
                         "before 2026-12-07), 'sources' passes each block its earlier depth sources as separate "
-                        "inputs, not stacked (as before 2026-12-07; a second converted model)")
+                        "inputs, not stacked (as before 2026-12-07; a second converted model), 'rows' runs "
+                        "depth_attn's reference at every no-grad call and the runner's reads of the model through "
+                        "nn.Module's failed lookup (as before 2026-12-07, night)")
+    p.add_argument("--per-step", type=int, default=0, metavar="N",
+                   help="with --ab: time N single decoding steps per setting, interleaved call by call with vanilla's, "
+                        "medians (after the first prefix), instead of generate() runs")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     s, l_ = a.prefixes
+    if a.per_step:
+        if not a.ab:
+            p.error("--per-step needs --ab")
+        from tabulate import tabulate
+
+        print(f"Decoding step with a KV cache, tiny Llama ({a.layers} layers, hidden {a.hidden}), batch 1, prefix {s}, "
+              f"medians of {a.per_step} steps interleaved with vanilla's; {platform.processor() or platform.machine()}, "
+              f"{a.threads} thread(s), torch {torch.__version__}, {date.today()}")
+        label = AB[a.ab][0]
+        print(tabulate(step_rows(a.layers, a.hidden, s, a.per_step, a.ab, a.schemes),
+                       headers=["model", "vanilla ms", f"{label} ms", "today ms", "× vanilla"], tablefmt="github"))
+        return 0
     table = rows(a.layers, a.hidden, (s, l_), a.tokens, a.repeats, a.ab, a.schemes)
     from tabulate import tabulate
 

@@ -75,3 +75,17 @@ def test_module_calls_bench_runs_side_by_side_on_cpu():
     # numbers, not their size: a per-token figure is a difference of two timings (t(n + 1 tokens) - t(1 token)), which
     # at 2 tokens and 1 repeat can come out at or below 0 on a busy machine; speed is measured in bench/, not asserted
     assert all(math.isfinite(float(x)) for r in table[1:3] for x in r[2:])
+
+
+def test_generation_step_ab_restores_todays_setting():
+    """``bench.generation --ab rows --per-step``: every model times its steps under each setting, and today's setting
+    is in force afterwards."""
+    from bench import generation
+    from depthrewrite.converted import ConvertedGraphModule
+    from depthrewrite.kernels.depth_attn import reference
+
+    before = reference.SMALL_ROWS, ConvertedGraphModule.__getattr__
+    rows = generation.step_rows(layers=1, hidden=32, prefix=4, steps=6, ab="rows", schemes=["attnres"])
+    assert [r[0] for r in rows] == ["Full AttnRes", "Block AttnRes (4 blocks)"]
+    assert all(float(x) > 0 for r in rows for x in r[1:4])
+    assert (reference.SMALL_ROWS, ConvertedGraphModule.__getattr__) == before
