@@ -85,7 +85,7 @@ def test_generation_step_ab_restores_todays_setting():
     from depthrewrite.kernels.depth_attn import reference
 
     before = reference.SMALL_ROWS, ConvertedGraphModule.__getattr__
-    rows = generation.step_rows(layers=1, hidden=32, prefix=4, steps=6, ab="rows", schemes=["attnres"])
+    rows = generation.step_rows(layers=2, hidden=32, prefix=4, steps=6, ab="rows", schemes=["attnres"])
     assert [r[0] for r in rows] == ["Full AttnRes", "Block AttnRes (4 blocks)"]
     assert all(float(x) > 0 for r in rows for x in r[1:4])
     assert (reference.SMALL_ROWS, ConvertedGraphModule.__getattr__) == before
