@@ -173,31 +173,29 @@ def step_rows(layers: int, hidden: int, prefix: int, steps: int, ab: str, scheme
     by :func:`step_ab`."""
     torch.manual_seed(0)
     base = hf_model("llama", layers=layers, hidden=hidden, max_position_embeddings=prefix + steps + 8).eval()
-    what, toggle = AB[ab]
+    toggle = AB[ab][1]
     out = []
-    for name, rec in dr.schemes().items():
-        for v in rec.variants:
-            if schemes and name not in schemes and v.label not in schemes:
-                continue
-            model = dr.convert(base, name, inplace=False, **dict(v.options))
-            older = dr.convert(base, name, inplace=False, **dict(v.options)) if ab in NEEDS_OWN_MODEL else None
-            van, today, before = step_ab(base, model, prefix, steps, toggle, older)
-            out.append([v.label, f"{1e3 * van:.3f}", f"{1e3 * before:.3f}", f"{1e3 * today:.3f}",
-                        f"{before / van:.2f} → {today / van:.2f}"])
+    for label, key, options in _variants(schemes):
+        model = dr.convert(base, key, inplace=False, **options)
+        older = dr.convert(base, key, inplace=False, **options) if ab in NEEDS_OWN_MODEL else None
+        van, today, before = step_ab(base, model, prefix, steps, toggle, older)
+        out.append([label, f"{1e3 * van:.3f}", f"{1e3 * before:.3f}", f"{1e3 * today:.3f}",
+                    f"{before / van:.2f} → {today / van:.2f}"])
     return out
+
+
+def _variants(schemes: list[str] | None) -> list[tuple[str, str, dict]]:
+    """``(label, scheme, options)`` of every registry variant, or of those whose scheme or label ``schemes`` names."""
+    return [(v.label, name, dict(v.options)) for name, rec in dr.schemes().items() for v in rec.variants
+            if not schemes or name in schemes or v.label in schemes]
 
 
 def rows(layers: int, hidden: int, prefixes: tuple[int, int], tokens: int, repeats: int,
          ab: str | None = None, schemes: list[str] | None = None) -> list[list]:
     torch.manual_seed(0)
     base = hf_model("llama", layers=layers, hidden=hidden, max_position_embeddings=max(prefixes) + tokens + 8).eval()
-    variants = [("vanilla", None, {})]
-    for name, rec in dr.schemes().items():
-        for v in rec.variants:
-            if not schemes or name in schemes or v.label in schemes:
-                variants.append((v.label, name, dict(v.options)))
     out = []
-    for label, key, options in variants:
+    for label, key, options in [("vanilla", None, {}), *_variants(schemes)]:
         model = base if key is None else dr.convert(base, key, inplace=False, **options)
         rec = None if key is None else dr.scheme(model.report().config)
         cache = rec is None or rec.no_cached_decoding is None
@@ -238,11 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     s, l_ = a.prefixes
+    from tabulate import tabulate
+
     if a.per_step:
         if not a.ab:
             p.error("--per-step needs --ab")
-        from tabulate import tabulate
-
         print(f"Decoding step with a KV cache, tiny Llama ({a.layers} layers, hidden {a.hidden}), batch 1, prefix {s}, "
               f"medians of {a.per_step} steps interleaved with vanilla's; {platform.processor() or platform.machine()}, "
               f"{a.threads} thread(s), torch {torch.__version__}, {date.today()}")
@@ -251,7 +249,6 @@ def main(argv: list[str] | None = None) -> int:
                        headers=["model", "vanilla ms", f"{label} ms", "today ms", "× vanilla"], tablefmt="github"))
         return 0
     table = rows(a.layers, a.hidden, (s, l_), a.tokens, a.repeats, a.ab, a.schemes)
-    from tabulate import tabulate
 
     print(f"Generation, tiny Llama ({a.layers} layers, hidden {a.hidden}), batch 1, greedy, {a.tokens} tokens; "
           f"{platform.processor() or platform.machine()}, {a.threads} thread(s), torch {torch.__version__}, "
